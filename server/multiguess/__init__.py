@@ -1,0 +1,1 @@
+"""multiguess: lossless multi-candidate (tree) speculative decoding."""
