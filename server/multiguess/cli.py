@@ -1,0 +1,33 @@
+"""The `multiguess` command line: a thin dispatcher over `multiguess.commands.<name>` modules.
+
+Each command lives in its own module exposing ``register(subparsers)``, which adds a subparser
+and sets ``func`` (``args -> exit code``). Commands import their heavy dependencies (torch,
+transformers, uvicorn) lazily, so ``multiguess --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: tuple[str, ...] = ()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="multiguess", description="Lossless multi-candidate speculative decoding."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"multiguess.commands.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Model loading: local folders or hub ids, the embedded default pair."""
