@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS: tuple[str, ...] = ()
+COMMANDS: tuple[str, ...] = ("embedded",)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,81 @@
+"""The embedded default pair: cache location, atomic conversion, idempotency, the CLI command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from multiguess import cli
+from multiguess.models import embedded
+
+
+def test_cache_root_follows_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("MULTIGUESS_CACHE", str(tmp_path / "c"))
+    assert embedded.cache_root() == tmp_path / "c"
+    monkeypatch.delenv("MULTIGUESS_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert embedded.cache_root() == tmp_path / ".cache" / "multiguess"
+
+
+def test_target_gguf_is_found_without_importing_its_package() -> None:
+    import sys
+
+    path = embedded.locate_target_gguf()
+    assert path.name == embedded.TARGET_GGUF
+    assert path.stat().st_size > 50_000_000
+    assert embedded.TARGET_PACKAGE not in sys.modules
+
+
+def test_failed_conversion_leaves_no_folder(tmp_path: Path) -> None:
+    bogus = tmp_path / "broken.gguf"
+    bogus.write_bytes(b"not a gguf file")
+    destination = tmp_path / "cache" / "model"
+    with pytest.raises(Exception):  # noqa: B017 - whatever the parser raises, nothing may be left
+        embedded.convert_gguf(bogus, destination)
+    assert not destination.exists()
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def fake_model_dir(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (folder / name).write_text(name)
+
+
+def test_existing_cache_is_reused_untouched(tmp_path: Path) -> None:
+    fake_model_dir(tmp_path / embedded.TARGET_DIRNAME)
+    models = embedded.prepare_embedded(tmp_path)
+    assert models.target == tmp_path / embedded.TARGET_DIRNAME
+    assert (models.target / "config.json").read_text() == "config.json"
+    if embedded.shipped_draft() is None:
+        assert (models.draft, models.draft_quantization) == (models.target, "int8")
+    else:
+        assert (models.draft, models.draft_quantization) == (embedded.SHIPPED_DRAFT, None)
+    assert models.dtype == "bfloat16"
+
+
+def test_incomplete_folder_is_not_a_draft(tmp_path: Path) -> None:
+    assert embedded.shipped_draft(tmp_path) is None
+    fake_model_dir(tmp_path / "d")
+    assert embedded.shipped_draft(tmp_path / "d") == tmp_path / "d"
+
+
+@pytest.mark.slow
+def test_real_conversion_then_cli_reports_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    assert cli.main(["embedded", "--cache", str(tmp_path)]) == 0
+    reported = json.loads(capsys.readouterr().out)
+    target = Path(reported["target"])
+    assert target == tmp_path / embedded.TARGET_DIRNAME
+    assert embedded.is_complete_model_dir(target)
+    config = AutoConfig.from_pretrained(target)
+    assert (config.model_type, config.vocab_size, config.num_hidden_layers) == ("llama", 49152, 30)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert "<|im_start|>user\nhi<|im_end|>" in chat
+    weights = (target / "model.safetensors").stat().st_mtime_ns
+    assert cli.main(["embedded", "--cache", str(tmp_path)]) == 0
+    assert (target / "model.safetensors").stat().st_mtime_ns == weights
+    assert json.loads(capsys.readouterr().out) == reported
