@@ -1,0 +1,1 @@
+"""The speculative decoding engine: token trees, drafters, acceptance, KV caches, the step loop."""

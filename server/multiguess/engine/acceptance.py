@@ -1,0 +1,86 @@
+"""Acceptance rules: which drafted path the target agrees with, plus its own bonus token.
+
+Both rules walk the tree from the root. Greedy follows the child equal to the target's argmax.
+Sampling follows multi-draft speculative sampling (see ``accept_sampled``), which keeps the
+output distribution exactly the target's whatever the draft proposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from multiguess.engine.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    path: list[int]  # accepted node indices, root first
+    tokens: list[int]  # tokens to emit: the accepted drafted tokens, then the bonus token
+
+    @property
+    def accepted_drafts(self) -> int:
+        return len(self.path) - 1
+
+
+def accept_greedy(tree: TokenTree, target_argmax: list[int]) -> Acceptance:
+    """Longest path whose every token equals the target's argmax at its parent, plus a bonus."""
+    children = tree.children()
+    node, path = 0, [0]
+    while True:
+        want = target_argmax[node]
+        nxt = next((c for c in children[node] if tree.tokens[c] == want), None)
+        if nxt is None:
+            return Acceptance(path, [tree.tokens[i] for i in path[1:]] + [want])
+        node = nxt
+        path.append(node)
+
+
+def accept_sampled(
+    tree: TokenTree,
+    target_probs: torch.Tensor,
+    draft_probs: dict[int, torch.Tensor],
+    generator: torch.Generator | None,
+    with_replacement: bool,
+) -> Acceptance:
+    """Multi-draft speculative sampling on a tree (SpecInfer / MCSD style); exact in distribution.
+
+    ``target_probs[i]`` is the processed target distribution after node i. ``draft_probs[i]`` is
+    the distribution node i's children were drawn from; a node missing there has deterministic
+    children (top-k, n-gram), for which q is a point mass on each child in turn. At each node the children are
+    tried in order: child token x is accepted with probability min(1, p(x) / q(x)); on rejection
+    p becomes norm(max(p - q, 0)). Without replacement, q is renormalised after removing the
+    rejected token, because the next child was drawn from what was left. If all children are
+    rejected, the bonus token is drawn from the residual p.
+    """
+    children = tree.children()
+    node, path = 0, [0]
+    while True:
+        p = target_probs[node].double()
+        sampled_q = draft_probs.get(node)
+        q = sampled_q.double().clone() if sampled_q is not None else None
+        chosen = None
+        for child in children[node]:
+            x = tree.tokens[child]
+            if sampled_q is None:  # a deterministic child: q is a point mass on x
+                q = torch.zeros_like(p)
+                q[x] = 1.0
+            assert q is not None
+            if q[x] > 0 and torch.rand((), generator=generator, dtype=torch.float64) * q[x] < p[x]:
+                chosen = child
+                break
+            residual = torch.clamp(p - q, min=0.0)
+            if residual.sum() <= 0:  # p == q up to rounding: rejection had probability ~0
+                break
+            p = residual / residual.sum()
+            if sampled_q is not None and not with_replacement:
+                q[x] = 0.0
+                if q.sum() <= 0:
+                    break
+                q = q / q.sum()
+        if chosen is None:
+            bonus = int(torch.multinomial(p, 1, generator=generator).item())
+            return Acceptance(path, [tree.tokens[i] for i in path[1:]] + [bonus])
+        node = chosen
+        path.append(node)

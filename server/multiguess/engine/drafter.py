@@ -1,0 +1,244 @@
+"""Drafters propose token trees; the engine verifies them with the target.
+
+The interface is three calls: ``propose`` a tree per sequence, ``commit`` what the target
+accepted (so a stateful drafter can keep its cache in step), ``release`` a finished sequence.
+A drafter that raises never fails a request: the engine decodes that step with the target
+alone and calls ``release`` so the drafter starts that sequence afresh.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from multiguess.engine.acceptance import Acceptance
+from multiguess.engine.runner import NativeRunner
+from multiguess.engine.sampling import processed_probs
+from multiguess.engine.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class TreeBudget:
+    """``num_candidates`` children per expanded node and beam width per level; ``depth`` levels;
+    ``max_nodes`` drafted nodes at most (the root not counted)."""
+
+    num_candidates: int = 3
+    depth: int = 4
+    max_nodes: int = 16
+
+    def __post_init__(self) -> None:
+        if self.num_candidates < 1:
+            raise ValueError(f"num_candidates must be at least 1, got {self.num_candidates}")
+        if self.depth < 0:
+            raise ValueError(f"depth must be >= 0, got {self.depth}")
+        if self.max_nodes < 1:
+            raise ValueError(f"max_nodes must be at least 1, got {self.max_nodes}")
+
+
+@dataclass
+class DraftRequest:
+    slot: int
+    token_ids: list[int]  # the whole sequence; its last token is the tree's root
+    budget: TreeBudget
+    # Processes draft logits into the distribution children are *sampled* from; None means the
+    # deterministic top-k children (greedy requests).
+    sample: SampleSpec | None = None
+
+
+@dataclass
+class SampleSpec:
+    temperature: float
+    top_p: float
+    top_k: int
+    generator: torch.Generator | None
+
+
+@dataclass
+class Proposal:
+    tree: TokenTree
+    # For sampled children: node index -> the distribution its children were drawn from.
+    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class Drafter(Protocol):
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]: ...
+
+    def commit(self, slot: int, proposal: Proposal, acceptance: Acceptance) -> None: ...
+
+    def release(self, slot: int) -> None: ...
+
+
+@dataclass
+class _Candidate:
+    """A drafted node before the final selection (``index`` is its order of creation)."""
+
+    token: int
+    parent: int  # candidate index, -1 for children of the root
+    score: float  # cumulative draft log-probability
+    sibling_rank: int  # order among its siblings (draw order when sampled)
+
+
+def select_nodes(candidates: list[_Candidate], max_nodes: int) -> list[int]:
+    """Best-first choice of at most ``max_nodes`` candidates by cumulative log-probability.
+
+    A candidate is eligible only once its parent and its previous sibling are chosen: the
+    tree stays connected, and sampled siblings stay a prefix of their draw order, which exact
+    sampling without replacement requires. Returned in creation order (parents first).
+    """
+    first_child: dict[int, int] = {}
+    next_sibling: dict[int, int] = {}
+    last_of: dict[int, int] = {}
+    for i, cand in sorted(enumerate(candidates), key=lambda ic: (ic[1].parent, ic[1].sibling_rank)):
+        if cand.parent in last_of:
+            next_sibling[last_of[cand.parent]] = i
+        else:
+            first_child[cand.parent] = i
+        last_of[cand.parent] = i
+    heap = [(-candidates[first_child[-1]].score, first_child[-1])] if -1 in first_child else []
+    chosen: list[int] = []
+    while heap and len(chosen) < max_nodes:
+        _, i = heapq.heappop(heap)
+        chosen.append(i)
+        for nxt in (first_child.get(i), next_sibling.get(i)):
+            if nxt is not None:
+                heapq.heappush(heap, (-candidates[nxt].score, nxt))
+    return sorted(chosen)
+
+
+class ModelDrafter:
+    """Grows a tree with a small causal LM: one batched draft forward per tree level.
+
+    Per level, every beam node gets its ``num_candidates`` best (or sampled) children; the
+    ``num_candidates`` children with the highest cumulative log-probability form the next
+    beam. At the end the best ``max_nodes`` nodes form the tree. The draft keeps its own KV
+    cache: the sequence's tokens it has not seen yet are fed as a chain first (usually the
+    root and a token or two accepted last step), beam nodes are written after them and only
+    the accepted ones are kept.
+    """
+
+    def __init__(self, runner: NativeRunner) -> None:
+        self.runner = runner
+        self.cached: dict[int, int] = {}  # slot -> how many of the sequence's tokens are cached
+        self._fed: dict[int, tuple[int, dict[int, int]]] = {}  # slot -> (prefix, node -> offset)
+
+    def release(self, slot: int) -> None:
+        self.cached.pop(slot, None)
+        self._fed.pop(slot, None)
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        slots = [r.slot for r in requests]
+        starts = [self.cached.get(r.slot, 0) for r in requests]
+        chunks = [TokenTree.chain(r.token_ids[s:]) for r, s in zip(requests, starts, strict=True)]
+        logits = self.runner.forward_trees(slots, starts, chunks, last_only=True)
+        prefixes = [len(r.token_ids) for r in requests]
+        for r, n in zip(requests, prefixes, strict=True):
+            self.cached[r.slot] = n
+
+        cands: list[list[_Candidate]] = [[] for _ in requests]
+        fed: list[dict[int, int]] = [{} for _ in requests]  # candidate -> region offset
+        probs: list[dict[int, torch.Tensor]] = [{} for _ in requests]
+        beams: list[list[int]] = [[-1] for _ in requests]  # -1 stands for the root
+        rows = [logits[b : b + 1] for b in range(len(requests))]
+        for level in range(max(r.budget.depth for r in requests)):
+            for b, req in enumerate(requests):
+                if level >= req.budget.depth:
+                    beams[b] = []
+                    continue
+                new = self._expand(req, beams[b], rows[b], cands[b], probs[b])
+                new.sort(key=lambda i: -cands[b][i].score)
+                beams[b] = new[: req.budget.num_candidates]
+            if level + 1 == max(r.budget.depth for r in requests) or not any(beams):
+                break
+            rows = self._feed(requests, prefixes, beams, cands, fed)
+
+        proposals = []
+        for b, req in enumerate(requests):
+            keep = select_nodes(cands[b], req.budget.max_nodes)
+            remap = {-1: 0} | {c: i + 1 for i, c in enumerate(keep)}
+            tree = TokenTree(
+                (req.token_ids[-1], *(cands[b][c].token for c in keep)),
+                (-1, *(remap[cands[b][c].parent] for c in keep)),
+            )
+            node_probs = {remap[c]: p for c, p in probs[b].items() if c in remap}
+            self._fed[req.slot] = (prefixes[b], {remap[c]: off for c, off in fed[b].items() if c in remap})
+            proposals.append(Proposal(tree, node_probs))
+        return proposals
+
+    def _expand(
+        self,
+        req: DraftRequest,
+        beam: list[int],
+        rows: torch.Tensor,
+        cands: list[_Candidate],
+        probs: dict[int, torch.Tensor],
+    ) -> list[int]:
+        """Add the children of each beam node (rows hold their logits) and return their indices."""
+        new = []
+        k = req.budget.num_candidates
+        for parent, row in zip(beam, rows, strict=True):
+            base = 0.0 if parent == -1 else cands[parent].score
+            if req.sample is None:
+                logp = torch.log_softmax(row, dim=-1)
+                top = torch.topk(logp, min(k, logp.shape[-1]))
+                picks, scores = top.indices.tolist(), top.values.tolist()
+            else:
+                q = processed_probs(row, req.sample.temperature, req.sample.top_p, req.sample.top_k)
+                probs[parent] = q
+                support = int((q > 0).sum())
+                picks = torch.multinomial(q, min(k, support), generator=req.sample.generator).tolist()
+                scores = torch.log(q[picks]).tolist()
+            for rank, (tok, lp) in enumerate(zip(picks, scores, strict=True)):
+                cands.append(_Candidate(tok, parent, base + lp, rank))
+                new.append(len(cands) - 1)
+        return new
+
+    def _feed(
+        self,
+        requests: list[DraftRequest],
+        prefixes: list[int],
+        beams: list[list[int]],
+        cands: list[list[_Candidate]],
+        fed: list[dict[int, int]],
+    ) -> list[torch.Tensor]:
+        """One draft forward over every sequence's beam; returns each beam's logits rows."""
+        width = max(1, max(len(beam) for beam in beams))
+        region = max(len(f) for f in fed) + width
+        batch = len(requests)
+        tokens = torch.zeros(batch, width, dtype=torch.long)
+        positions = torch.zeros(batch, width, dtype=torch.long)
+        write_at = torch.zeros(batch, width, dtype=torch.long)
+        visible = torch.zeros(batch, width, region, dtype=torch.bool)
+        for b, beam in enumerate(beams):
+            used = len(fed[b])
+            for j in range(width):
+                visible[b, j, used + j] = True  # every row sees itself (padding rows too)
+                write_at[b, j] = prefixes[b] + used + j
+                positions[b, j] = prefixes[b]
+            for j, c in enumerate(beam):
+                fed[b][c] = used + j
+                tokens[b, j] = cands[b][c].token
+                depth, node = 0, c
+                while node != -1:
+                    if node in fed[b]:
+                        visible[b, j, fed[b][node]] = True
+                    node = cands[b][node].parent
+                    depth += 1
+                positions[b, j] = prefixes[b] + depth - 1
+        logits = self.runner.forward(
+            [r.slot for r in requests], prefixes, tokens, positions, write_at, visible
+        )
+        return [logits[b, : len(beam)] for b, beam in enumerate(beams)]
+
+    def commit(self, slot: int, proposal: Proposal, acceptance: Acceptance) -> None:
+        """Keep the draft KV of accepted nodes that were fed to the draft (a prefix of the path)."""
+        prefix, offsets = self._fed.pop(slot, (self.cached.get(slot, 0), {}))
+        kept = []
+        for node in acceptance.path[1:]:
+            if node not in offsets:
+                break
+            kept.append(offsets[node])
+        self.runner.cache.compact(slot, prefix, kept)
+        self.cached[slot] = prefix + len(kept)

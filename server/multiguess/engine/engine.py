@@ -1,0 +1,241 @@
+"""The step loop: admit requests, draft trees, verify them in one target forward, accept.
+
+Every running sequence advances by at least one token per step; speculation only adds the
+drafted tokens the target agrees with. Plain decoding is the same loop with root-only trees,
+so it is also the fallback when the drafter fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from multiguess.engine.acceptance import Acceptance, accept_greedy, accept_sampled
+from multiguess.engine.drafter import Drafter, DraftRequest, ModelDrafter, Proposal, SampleSpec, TreeBudget
+from multiguess.engine.runner import NativeRunner
+from multiguess.engine.sampling import processed_probs
+from multiguess.engine.sequence import Sequence, SpecStats
+from multiguess.engine.tree import TokenTree
+from multiguess.errors import InvalidRequestError
+from multiguess.models.loading import LoadedModel
+from multiguess.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_candidates: int = 3
+    depth: int = 4
+    max_nodes: int = 16
+    max_batch: int = 8
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        TreeBudget(self.num_candidates, self.depth, self.max_nodes)  # validates
+        if self.max_batch < 1 or self.max_model_len < 2:
+            raise ValueError("max_batch must be >= 1 and max_model_len >= 2")
+
+    @property
+    def budget(self) -> TreeBudget:
+        return TreeBudget(self.num_candidates, self.depth, self.max_nodes)
+
+    @property
+    def tree_slack(self) -> int:
+        """Cache room past a sequence's end for a tree (and a drafter's level-by-level region)."""
+        return max(self.max_nodes, self.num_candidates * self.depth) + 2
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    sequence: Sequence
+
+
+class Engine:
+    def __init__(
+        self,
+        target: LoadedModel,
+        draft: LoadedModel | None = None,
+        config: EngineConfig | None = None,
+        drafter: Drafter | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.tokenizer = target.tokenizer
+        capacity = self.config.max_model_len + self.config.tree_slack
+        self.target = NativeRunner(target, self.config.max_batch, capacity)
+        if drafter is None and draft is not None:
+            drafter = ModelDrafter(NativeRunner(draft, self.config.max_batch, capacity))
+        self.drafter = drafter
+        self.eos_ids = frozenset(eos_token_ids(target))
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_slots = list(range(self.config.max_batch))
+        self.totals = SpecStats()
+        self.last_draft_error: str | None = None
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue one sample (``params.n`` is handled by callers, one request per sample)."""
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty")
+        limit = self.config.max_model_len
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context length of {limit} tokens"
+            )
+        vocab = self.target.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator().manual_seed(
+                params.seed if params.seed is not None else random.getrandbits(63)
+            )
+        seq = Sequence(request_id, list(prompt_ids), params, generator)
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
+        for seq in [s for s in self.running if s.request_id == request_id]:
+            self._retire(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        self._admit()
+        if not self.running:
+            return []
+        batch = list(self.running)
+        proposals = self._propose(batch)
+        logits = self.target.forward_trees(
+            [s.slot for s in batch], [s.cache_len for s in batch], [p.tree for p in proposals]
+        )
+        outputs = []
+        for b, (seq, proposal) in enumerate(zip(batch, proposals, strict=True)):
+            acceptance = self._accept(seq, proposal, logits[b, : len(proposal.tree)])
+            self.target.cache.compact(seq.slot, seq.cache_len, acceptance.path)
+            seq.cache_len += len(acceptance.path)
+            if self.drafter is not None and len(proposal.tree) > 1:
+                self.drafter.commit(seq.slot, proposal, acceptance)
+            self._record(seq, proposal, acceptance)
+            before = len(seq.output_ids)
+            seq.append(acceptance.tokens, self.eos_ids, self.tokenizer)
+            outputs.append(
+                StepOutput(
+                    seq.request_id,
+                    seq.output_ids[before:],
+                    seq.take_text_delta(),
+                    seq.finished,
+                    seq.finish_reason,
+                    seq,
+                )
+            )
+            if seq.finished:
+                self._retire(seq)
+        return outputs
+
+    def _admit(self) -> None:
+        admitted = []
+        while self.waiting and self.free_slots:
+            seq = self.waiting.popleft()
+            seq.slot = self.free_slots.pop(0)
+            admitted.append(seq)
+        prefill = [s for s in admitted if len(s.prompt_ids) > 1]
+        if prefill:
+            self.target.forward_trees(
+                [s.slot for s in prefill],
+                [0] * len(prefill),
+                [TokenTree.chain(s.prompt_ids[:-1]) for s in prefill],
+                last_only=True,
+            )
+        for seq in admitted:
+            seq.cache_len = len(seq.prompt_ids) - 1
+        self.running.extend(admitted)
+
+    def _budget(self, seq: Sequence) -> TreeBudget:
+        """The engine's tree budget, as overridden by the request and clipped to what is left."""
+        cfg, params = self.config, seq.params
+        depth = cfg.depth if params.depth is None else params.depth
+        room = min(seq.remaining, self.config.max_model_len - len(seq.token_ids)) - 1
+        return TreeBudget(
+            params.num_candidates or cfg.num_candidates, max(0, min(depth, room)), cfg.max_nodes
+        )
+
+    def _propose(self, batch: list[Sequence]) -> list[Proposal]:
+        proposals = [Proposal(TokenTree.chain([s.token_ids[-1]])) for s in batch]
+        if self.drafter is None:
+            return proposals
+        requests = []
+        for i, seq in enumerate(batch):
+            budget = self._budget(seq)
+            if budget.depth > 0:
+                requests.append((i, DraftRequest(seq.slot, seq.token_ids, budget, sample_spec(seq))))
+        if not requests:
+            return proposals
+        try:
+            drafted = self.drafter.propose([r for _, r in requests])
+        except Exception as exc:  # a failing drafter must never fail a request
+            log.warning("drafter failed, decoding this step without it: %s", exc)
+            self.last_draft_error = f"{type(exc).__name__}: {exc}"
+            for i, req in requests:
+                self.drafter.release(req.slot)
+                batch[i].stats.fallback_steps += 1
+                self.totals.fallback_steps += 1
+            return proposals
+        for (i, _), proposal in zip(requests, drafted, strict=True):
+            proposals[i] = proposal
+        return proposals
+
+    def _accept(self, seq: Sequence, proposal: Proposal, logits: torch.Tensor) -> Acceptance:
+        params = seq.params
+        if params.greedy:
+            return accept_greedy(proposal.tree, logits.argmax(dim=-1).tolist())
+        probs = processed_probs(logits, params.temperature, params.top_p, params.top_k)
+        return accept_sampled(
+            proposal.tree, probs, proposal.draft_probs, seq.generator, with_replacement=False
+        )
+
+    def _record(self, seq: Sequence, proposal: Proposal, acceptance: Acceptance) -> None:
+        for stats in (seq.stats, self.totals):
+            stats.verify_steps += 1
+            stats.draft_tokens += len(proposal.tree) - 1
+            stats.accepted_tokens += acceptance.accepted_drafts
+
+    def _retire(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        if self.drafter is not None:
+            self.drafter.release(seq.slot)
+        self.free_slots.append(seq.slot)
+        self.free_slots.sort()
+
+
+def sample_spec(seq: Sequence) -> SampleSpec | None:
+    """Sampled requests draw their children from the draft; greedy ones take its top-k."""
+    p = seq.params
+    return None if p.greedy else SampleSpec(p.temperature, p.top_p, p.top_k, seq.generator)
+
+
+def eos_token_ids(model: LoadedModel) -> set[int]:
+    ids = set()
+    for source in (
+        model.tokenizer.eos_token_id,
+        getattr(model.model.generation_config, "eos_token_id", None),
+    ):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return ids

@@ -1,0 +1,93 @@
+"""One running sample: its tokens, cache bookkeeping, stop conditions and statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from multiguess.params import SamplingParams
+
+
+@dataclass
+class SpecStats:
+    """What speculation did for a request. Mean accepted length = 1 + accepted / verify steps."""
+
+    verify_steps: int = 0  # target forwards while decoding (each emits at least one token)
+    draft_tokens: int = 0  # drafted nodes the target verified
+    accepted_tokens: int = 0  # drafted tokens the target accepted
+    fallback_steps: int = 0  # steps decoded without the drafter because it failed
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1.0 + self.accepted_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "verify_steps": self.verify_steps,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "fallback_steps": self.fallback_steps,
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+        }
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    slot: int = -1
+    cache_len: int = 0  # target KV entries: every token but the last (the next tree's root)
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    sent_text_len: int = 0
+    finish_reason: str | None = None
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
+
+    def append(self, tokens: list[int], eos_ids: frozenset[int], tokenizer: PreTrainedTokenizerBase) -> None:
+        """Add accepted tokens, stopping at max_tokens, an end-of-sequence token or a stop string."""
+        stops = eos_ids if not self.params.ignore_eos else frozenset()
+        stops = stops | frozenset(self.params.stop_token_ids)
+        for token in tokens[: self.remaining]:
+            self.output_ids.append(token)
+            if token in stops:
+                self.finish_reason = "stop"
+                break
+        if not self.finished and self.remaining <= 0:
+            self.finish_reason = "length"
+        self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        if self.params.stop:
+            self._apply_stop_strings()
+
+    def _apply_stop_strings(self) -> None:
+        hits = [i for i in (self.text.find(s, max(0, self.sent_text_len - len(s))) for s in self.params.stop)]
+        hits = [i for i in hits if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.finish_reason = "stop"
+
+    def take_text_delta(self) -> str:
+        """New text safe to stream: holds back an unfinished character or a possible stop prefix."""
+        visible = self.text
+        if not self.finished:
+            visible = visible.rstrip("\ufffd")
+            hold = max((len(s) - 1 for s in self.params.stop), default=0)
+            visible = visible[: max(self.sent_text_len, len(visible) - hold)]
+        delta = visible[self.sent_text_len :]
+        self.sent_text_len = len(visible)
+        return delta

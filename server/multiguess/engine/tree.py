@@ -1,0 +1,83 @@
+"""Token trees: what a drafter proposes and the target verifies in one forward.
+
+Node 0 is the root: the last emitted token, which the target has not seen yet. Every other
+node is a drafted token whose parent comes earlier in the list (parents[i] < i), so a tree
+can be flattened for the target as-is: tokens, depths (position = cache length + depth) and
+an ancestor mask in which each node sees its ancestors and itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+    depths: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents) or not self.tokens:
+            raise ValueError("a tree needs one parent per token and at least the root")
+        if self.parents[0] != -1:
+            raise ValueError("node 0 must be the root (parent -1)")
+        depths = [0]
+        for i, p in enumerate(self.parents[1:], start=1):
+            if not 0 <= p < i:
+                raise ValueError(f"node {i} has parent {p}; parents must precede their children")
+            depths.append(depths[p] + 1)
+        object.__setattr__(self, "depths", tuple(depths))
+
+    @classmethod
+    def chain(cls, tokens: list[int] | tuple[int, ...]) -> TokenTree:
+        """A linear tree: ordinary (chain) speculation, or a prefill chunk."""
+        return cls(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+    def children(self) -> list[list[int]]:
+        kids: list[list[int]] = [[] for _ in self.tokens]
+        for i, p in enumerate(self.parents[1:], start=1):
+            kids[p].append(i)
+        return kids
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root down to ``node``."""
+        path = [node]
+        while self.parents[path[-1]] != -1:
+            path.append(self.parents[path[-1]])
+        return path[::-1]
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[n, n] bool: entry (i, j) is True when node j is node i or one of its ancestors."""
+        n = len(self.tokens)
+        mask = torch.eye(n, dtype=torch.bool)
+        for i in range(1, n):
+            mask[i] |= mask[self.parents[i]]
+        return mask
+
+
+def pack_trees(trees: list[TokenTree], device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+    """Pad a batch of trees to one width for a single forward.
+
+    Returns ``(tokens [B, T], depths [B, T], ancestor mask [B, T, T])``. Padding nodes are
+    their own only ancestor (so attention rows never go empty) and are ignored by callers.
+    """
+    width = max(len(t) for t in trees)
+    tokens = torch.zeros(len(trees), width, dtype=torch.long)
+    depths = torch.zeros(len(trees), width, dtype=torch.long)
+    mask = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)
+    for b, tree in enumerate(trees):
+        n = len(tree)
+        tokens[b, :n] = torch.tensor(tree.tokens)
+        depths[b, :n] = torch.tensor(tree.depths)
+        mask[b, :n, :n] = tree.ancestor_mask()
+    return tokens.to(device), depths.to(device), mask.to(device)

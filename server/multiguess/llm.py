@@ -1,0 +1,102 @@
+"""The offline Python API: ``LLM(...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import replace
+
+from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.models.loading import LoadedModel, check_draft_compatible, load_model
+from multiguess.outputs import CompletionOutput, RequestOutput
+from multiguess.params import SamplingParams
+
+Prompt = str | list[int]
+
+
+def load_pair(
+    target: str | None,
+    draft: str | None,
+    dtype: str,
+    device: str,
+    draft_device: str | None,
+    draft_quantization: str | None,
+) -> tuple[LoadedModel, LoadedModel | None]:
+    """Load target and draft; ``target=None`` means the embedded default pair."""
+    if target is None:
+        from multiguess.models.embedded import prepare_embedded
+
+        embedded = prepare_embedded()
+        target, draft = str(embedded.target), str(embedded.draft)
+        draft_quantization = draft_quantization or embedded.draft_quantization
+        dtype = embedded.dtype if dtype == "auto" else dtype
+    target_model = load_model(target, dtype=dtype, device=device)
+    if draft is None:
+        return target_model, None
+    draft_model = load_model(
+        draft, dtype=dtype, device=draft_device or device, quantization=draft_quantization or "none"
+    )
+    check_draft_compatible(target_model.tokenizer, draft_model.tokenizer)
+    return target_model, draft_model
+
+
+class LLM:
+    """A target, an optional draft, and the engine that serves them.
+
+    ``LLM()`` uses the embedded default pair. ``draft=None`` (with an explicit target) is plain
+    decoding through the same engine.
+    """
+
+    def __init__(
+        self,
+        target: str | None = None,
+        draft: str | None = None,
+        num_candidates: int = 3,
+        depth: int = 4,
+        max_nodes: int = 16,
+        dtype: str = "auto",
+        device: str = "cpu",
+        draft_device: str | None = None,
+        draft_quantization: str | None = None,
+        max_batch: int = 8,
+        max_model_len: int = 2048,
+    ) -> None:
+        config = EngineConfig(num_candidates, depth, max_nodes, max_batch, max_model_len)
+        target_model, draft_model = load_pair(target, draft, dtype, device, draft_device, draft_quantization)
+        self.tokenizer = target_model.tokenizer
+        self.engine = Engine(target_model, draft_model, config)
+        self._ids = itertools.count()
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def generate(
+        self, prompts: Prompt | Seq[Prompt], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); all of them run as one batch."""
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        results = []
+        samples = {}
+        try:
+            for prompt in prompts:
+                ids = self.encode(prompt)
+                rid = str(next(self._ids))
+                result = RequestOutput(rid, ids, [])
+                for i in range(params.n):
+                    seed = None if params.seed is None else params.seed + i
+                    seq = self.engine.add_request(f"{rid}-{i}", ids, replace(params, seed=seed, n=1))
+                    samples[seq.request_id] = (result, i, seq)
+                results.append(result)
+        except Exception:
+            for request_id in samples:  # a bad prompt fails the call, not the engine
+                self.engine.abort(request_id)
+            raise
+        while self.engine.has_unfinished():
+            self.engine.step()
+        for result, index, seq in samples.values():
+            result.outputs.append(
+                CompletionOutput(index, seq.text, seq.output_ids, seq.finish_reason, seq.stats.as_dict())
+            )
+        return results

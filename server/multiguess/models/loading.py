@@ -1,0 +1,109 @@
+"""Load targets and drafts with transformers, and check that a draft can serve a target."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from multiguess.errors import IncompatibleDraftError, ModelLoadError, UnsupportedModelError
+
+log = logging.getLogger(__name__)
+
+# Decoder-only families whose layers share the Llama layout (pre-norm, rotary q/k/v/o, gated
+# MLP) that the native runner drives: Qwen2 adds q/k/v biases, Qwen3 adds q/k norms.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+QUANTIZATIONS = ("none", "int8")
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has bf16 matrix instructions (AVX512-BF16 or AMX), where bf16 wins."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """``auto``: bf16 on GPUs that support it and on CPUs with bf16 instructions, else fp16/fp32."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {name!r}")
+        return DTYPES[name]
+    if device.startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    device: torch.device
+    dtype: torch.dtype  # activation dtype the runner feeds the model
+
+
+def check_architecture(config: object, name: str) -> None:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{name}: architecture {model_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+def load_model(
+    name: str,
+    dtype: str = "auto",
+    device: str = "cpu",
+    quantization: str = "none",
+    device_map: str | dict | None = None,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer from a local folder or a hub id.
+
+    ``quantization="int8"`` applies dynamic int8 quantization to every Linear layer (CPU only);
+    activations then stay in fp32, which dynamic quantization requires.
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}; got {quantization!r}")
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load model {name!r}: {exc}") from exc
+    check_architecture(config, name)
+    torch_dtype = torch.float32 if quantization == "int8" else resolve_dtype(dtype, device)
+    if quantization == "int8" and not device.startswith("cpu"):
+        raise ValueError("int8 dynamic quantization runs on the CPU only; use quantization='none'")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, device_map=device_map)
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load model {name!r}: {exc}") from exc
+    if device_map is None:
+        model.to(device)
+    model.eval()
+    if quantization == "int8":
+        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    log.info("loaded %s (%s, %s, quantization=%s)", name, config.model_type, torch_dtype, quantization)
+    return LoadedModel(model, tokenizer, name, torch.device(device), torch_dtype)
+
+
+def check_draft_compatible(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:
+    """Refuse a draft whose token ids mean something else than the target's."""
+    if target.get_vocab() != draft.get_vocab():
+        raise IncompatibleDraftError(
+            "the draft's tokenizer has a different vocabulary from the target's; "
+            "a draft must share the target's tokenizer"
+        )
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        if getattr(target, attr) != getattr(draft, attr):
+            raise IncompatibleDraftError(
+                f"the draft's {attr} ({getattr(draft, attr)}) differs from the target's "
+                f"({getattr(target, attr)}); a draft must share the target's special tokens"
+            )

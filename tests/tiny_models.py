@@ -1,0 +1,75 @@
+"""Tiny random-weight models and a word-level tokenizer, built in the test run (no hub).
+
+They exercise exactly the code paths of real checkpoints: transformers writes and reads the
+folders, and the engine loads them like any other model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
+WORDS = [f"w{i}" for i in range(60)]
+
+
+def build_tokenizer(words: list[str] = WORDS) -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + words)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}w0{% endif %}"
+    )
+    return tokenizer
+
+
+def model_config(family: str, vocab_size: int, **overrides: object) -> LlamaConfig | Qwen2Config:
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "qwen2":
+        return Qwen2Config(**common)
+    raise ValueError(family)
+
+
+def save_model(folder: Path, config: object, seed: int, tokenizer: PreTrainedTokenizerFast) -> Path:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        # Sharper logits than the default init, so greedy choices are rarely near-ties.
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def save_noisy_copy(source: Path, folder: Path, noise: float, seed: int) -> Path:
+    """A draft that agrees with the target partly: the target's weights plus Gaussian noise."""
+    model = AutoModelForCausalLM.from_pretrained(source)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * noise * param.std())
+    model.save_pretrained(folder)
+    PreTrainedTokenizerFast.from_pretrained(source).save_pretrained(folder)
+    return folder
