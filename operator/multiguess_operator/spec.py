@@ -1,0 +1,219 @@
+"""The SpeculativeDeployment spec as typed, defaulted values, and the rules the CRD schema states in CEL.
+
+The API server applies the CRD's defaults and CEL rules; the operator re-applies both because it must
+not trust that it runs behind one (and the emulator used in tests has neither). Every CEL rule in the
+CRD has a twin here so that a spec that slips through is reported as ``Ready=False``, not crashed on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+# A Service is named <name>-draft, and Service names are DNS-1035 labels of at most 63 characters.
+MAX_NAME_LENGTH = 63 - len("-draft")
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+class SpecError(ValueError):
+    """The spec cannot be turned into children; ``reason`` is the condition's machine-readable reason."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    product: str
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class ResourceSpec:
+    limits: Mapping[str, Any] = field(default_factory=dict)
+    requests: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    model: str
+    gpu: GpuSpec
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    resources: ResourceSpec = field(default_factory=ResourceSpec)
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    model: str
+    placement: Literal["colocated", "separate"] = "colocated"
+    gpu: GpuSpec | None = None
+    quantization: Literal["none", "int8"] = "none"
+    replicas: int = 1
+
+
+@dataclass(frozen=True)
+class SpeculationSpec:
+    num_candidates: int = 3
+    depth: int = 4
+    max_nodes: int = 16
+    drafter: Literal["model", "ngram", "none"] = "model"
+
+
+@dataclass(frozen=True)
+class ServingSpec:
+    image: str | None = None
+    port: int = 8000
+    max_queue: int = 64
+    request_timeout_seconds: float = 60.0
+    env: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    enabled: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 4
+    metric: Literal["queueLatencyP95", "queueLatencyMean", "requestsWaiting"] = "queueLatencyP95"
+    target_queue_latency_seconds: float = 0.5
+    target_waiting_requests: float = 4.0
+    interval_seconds: int = 15
+    scale_down_stabilization_seconds: int = 300
+    max_scale_up_factor: float = 2.0
+
+
+@dataclass(frozen=True)
+class ModelCacheSpec:
+    pvc: str | None = None
+    empty_dir: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    target: TargetSpec
+    draft: DraftSpec | None = None
+    speculation: SpeculationSpec = field(default_factory=SpeculationSpec)
+    serving: ServingSpec = field(default_factory=ServingSpec)
+    replicas: int = 1
+    autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] = field(default_factory=dict)
+    model_cache: ModelCacheSpec | None = None
+    hf_token_secret: str | None = None
+
+    @property
+    def separate_draft(self) -> DraftSpec | None:
+        """The draft when it runs in its own pods, else None."""
+        if self.draft is not None and self.draft.placement == "separate":
+            return self.draft
+        return None
+
+
+def camel(name: str) -> str:
+    """``max_nodes`` → ``maxNodes``: the CRD spells fields in camelCase."""
+    head, *rest = name.split("_")
+    return head + "".join(part.capitalize() for part in rest)
+
+
+def parse_spec(raw: Mapping[str, Any]) -> DeploymentSpec:
+    """Turn a raw ``.spec`` into typed values with defaults; raise SpecError on anything invalid."""
+    spec = _build(DeploymentSpec, raw, "spec")
+    check_rules(spec)
+    return spec
+
+
+def check_name(name: str) -> None:
+    """Children are named after the resource, so its name must fit a Service name."""
+    if len(name) > MAX_NAME_LENGTH or not _DNS1035.match(name):
+        raise SpecError(
+            "InvalidName",
+            f"metadata.name {name!r} must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters "
+            "(lower case letters, digits and '-', starting with a letter): Services are named after it",
+        )
+
+
+def check_rules(spec: DeploymentSpec) -> None:
+    """The CRD's x-kubernetes-validations rules, one by one, in the same words."""
+    drafter = spec.speculation.drafter
+    if spec.draft is not None and drafter != "model":
+        raise SpecError("InvalidSpec", "draft is only used with speculation.drafter: model")
+    if drafter == "model" and spec.draft is None:
+        raise SpecError("InvalidSpec", "speculation.drafter: model needs a draft model")
+    if spec.draft is not None and spec.draft.placement != "separate":
+        if spec.draft.gpu is not None:
+            raise SpecError("InvalidSpec", "draft.gpu is only allowed with placement: separate")
+        if spec.draft.replicas != 1:
+            raise SpecError("InvalidSpec", "draft.replicas is only allowed with placement: separate")
+    if spec.speculation.max_nodes < spec.speculation.depth:
+        raise SpecError("InvalidSpec", "speculation.maxNodes must be at least speculation.depth")
+    if spec.autoscaling.min_replicas > spec.autoscaling.max_replicas:
+        raise SpecError("InvalidSpec", "autoscaling.minReplicas must not exceed autoscaling.maxReplicas")
+    cache = spec.model_cache
+    if cache is not None and (cache.pvc is None) == (cache.empty_dir is None):
+        raise SpecError("InvalidSpec", "modelCache needs exactly one of pvc or emptyDir")
+
+
+def _build(cls: type, raw: Any, path: str) -> Any:
+    """Build dataclass ``cls`` from a camelCase mapping, checking every value's type."""
+    if not isinstance(raw, Mapping):
+        raise SpecError("InvalidSpec", f"{path}: expected an object, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {camel(f.name): f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise SpecError("InvalidSpec", f"{path}: unknown field(s) {', '.join(unknown)}")
+    values: dict[str, Any] = {}
+    for key, f in fields.items():
+        if key in raw:
+            values[f.name] = _convert(hints[f.name], raw[key], f"{path}.{key}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise SpecError("InvalidSpec", f"{path}.{key} is required")
+    return cls(**values)
+
+
+def _convert(hint: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return None if value is None else _convert(inner[0], value, path)
+    if origin is Literal:
+        if value not in args:
+            raise SpecError("InvalidSpec", f"{path}: {value!r} is not one of {', '.join(map(str, args))}")
+        return value
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, path)  # type: ignore[arg-type]
+    if origin is tuple:
+        if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
+            raise SpecError("InvalidSpec", f"{path}: expected a list of objects")
+        return tuple(value)
+    if origin is Mapping:
+        if not isinstance(value, Mapping):
+            raise SpecError("InvalidSpec", f"{path}: expected an object, got {type(value).__name__}")
+        if args[1] is str and not all(isinstance(v, str) for v in value.values()):
+            raise SpecError("InvalidSpec", f"{path}: every value must be a string")
+        return dict(value)
+    return _scalar(hint, value, path)
+
+
+def _scalar(hint: type, value: Any, path: str) -> Any:
+    # bool is an int in Python but not in JSON; a float is only accepted where numbers are.
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, int | float) and not isinstance(value, bool),
+        str: isinstance(value, str) and value != "",
+    }[hint]
+    if not ok:
+        expected = {bool: "a boolean", int: "an integer", float: "a number", str: "a non-empty string"}[hint]
+        raise SpecError("InvalidSpec", f"{path}: expected {expected}, got {value!r}")
+    if (hint is int and value < 0) or (hint is float and value <= 0):
+        raise SpecError("InvalidSpec", f"{path}: must be positive, got {value!r}")
+    return float(value) if hint is float else value
