@@ -79,14 +79,17 @@ class _Candidate:
     parent: int  # candidate index, -1 for children of the root
     score: float  # cumulative draft log-probability
     sibling_rank: int  # order among its siblings (draw order when sampled)
+    spine: bool = False  # on the chain of first children: what chain speculation would draft
 
 
 def select_nodes(candidates: list[_Candidate], max_nodes: int) -> list[int]:
     """Best-first choice of at most ``max_nodes`` candidates by cumulative log-probability.
 
-    A candidate is eligible only once its parent and its previous sibling are chosen: the
-    tree stays connected, and sampled siblings stay a prefix of their draw order, which exact
-    sampling without replacement requires. Returned in creation order (parents first).
+    The spine (the chain of first children) comes first, so a tree never verifies less than
+    chain speculation would. Any other candidate is eligible once its parent and its previous
+    sibling are chosen: the tree stays connected, and sampled siblings stay a prefix of their
+    draw order, which exact sampling without replacement requires. Returned in creation order
+    (parents before children).
     """
     first_child: dict[int, int] = {}
     next_sibling: dict[int, int] = {}
@@ -97,14 +100,25 @@ def select_nodes(candidates: list[_Candidate], max_nodes: int) -> list[int]:
         else:
             first_child[cand.parent] = i
         last_of[cand.parent] = i
-    heap = [(-candidates[first_child[-1]].score, first_child[-1])] if -1 in first_child else []
-    chosen: list[int] = []
+    chosen = [i for i, c in enumerate(candidates) if c.spine][:max_nodes]
+    taken = set(chosen)
+    heap: list[tuple[float, int]] = []
+
+    def offer(i: int | None) -> None:
+        if i is not None and i not in taken:
+            heapq.heappush(heap, (-candidates[i].score, i))
+
+    for i in [-1, *chosen]:
+        offer(first_child.get(i))
+        offer(next_sibling.get(i))
     while heap and len(chosen) < max_nodes:
         _, i = heapq.heappop(heap)
+        if i in taken:
+            continue
         chosen.append(i)
-        for nxt in (first_child.get(i), next_sibling.get(i)):
-            if nxt is not None:
-                heapq.heappush(heap, (-candidates[nxt].score, nxt))
+        taken.add(i)
+        offer(first_child.get(i))
+        offer(next_sibling.get(i))
     return sorted(chosen)
 
 
@@ -112,11 +126,11 @@ class ModelDrafter:
     """Grows a tree with a small causal LM: one batched draft forward per tree level.
 
     Per level, every beam node gets its ``num_candidates`` best (or sampled) children; the
-    ``num_candidates`` children with the highest cumulative log-probability form the next
-    beam. At the end the best ``max_nodes`` nodes form the tree. The draft keeps its own KV
-    cache: the sequence's tokens it has not seen yet are fed as a chain first (usually the
-    root and a token or two accepted last step), beam nodes are written after them and only
-    the accepted ones are kept.
+    spine child and the children with the highest cumulative log-probability, ``num_candidates``
+    in all, form the next beam. At the end the best ``max_nodes`` nodes form the tree. The
+    draft keeps its own KV cache: the sequence's tokens it has not seen yet are fed as a chain
+    first (usually the root and a token or two accepted last step), beam nodes are written
+    after them and only the accepted ones are kept.
     """
 
     def __init__(self, runner: NativeRunner) -> None:
@@ -148,7 +162,7 @@ class ModelDrafter:
                     beams[b] = []
                     continue
                 new = self._expand(req, beams[b], rows[b], cands[b], probs[b])
-                new.sort(key=lambda i: -cands[b][i].score)
+                new.sort(key=lambda i: (not cands[b][i].spine, -cands[b][i].score))
                 beams[b] = new[: req.budget.num_candidates]
             if level + 1 == max(r.budget.depth for r in requests) or not any(beams):
                 break
@@ -180,6 +194,7 @@ class ModelDrafter:
         k = req.budget.num_candidates
         for parent, row in zip(beam, rows, strict=True):
             base = 0.0 if parent == -1 else cands[parent].score
+            on_spine = parent == -1 or cands[parent].spine
             if req.sample is None:
                 logp = torch.log_softmax(row, dim=-1)
                 top = torch.topk(logp, min(k, logp.shape[-1]))
@@ -191,7 +206,7 @@ class ModelDrafter:
                 picks = torch.multinomial(q, min(k, support), generator=req.sample.generator).tolist()
                 scores = torch.log(q[picks]).tolist()
             for rank, (tok, lp) in enumerate(zip(picks, scores, strict=True)):
-                cands.append(_Candidate(tok, parent, base + lp, rank))
+                cands.append(_Candidate(tok, parent, base + lp, rank, on_spine and rank == 0))
                 new.append(len(cands) - 1)
         return new
 
