@@ -1,0 +1,283 @@
+"""The generation endpoints: /v1/completions, /v1/chat/completions and /generate.
+
+Each handler turns its body into samples (``translate``), admits them (``Scheduler.submit``),
+and either collects the events into one response or streams them as server-sent events.
+Whatever happens (done, timeout, client gone), the job is released, which aborts its work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from multiguess.api import sse
+from multiguess.api.errors import APIError, error_body, from_exception
+from multiguess.api.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    GenerateRequest,
+    GenerateResponse,
+    SamplingFields,
+)
+from multiguess.api.translate import (
+    Outcome,
+    chat_prompt,
+    check_sample_count,
+    completion_prompts,
+    make_samples,
+    sampling_params,
+)
+from multiguess.scheduler import EngineFailure, Event, Job, RequestTimeout, Sample, Scheduler
+
+router = APIRouter()
+STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {}}, "description": "JSON, or server-sent events when streaming"}
+}
+ChunkFn = Callable[[Event], dict[str, Any] | None]
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+def scheduler_of(request: Request) -> Scheduler:
+    scheduler: Scheduler = request.app.state.scheduler
+    scheduler.check_ready()
+    return scheduler
+
+
+def check_model(request: Request, model: str | None) -> str:
+    served: str = request.app.state.settings.model_name
+    if model is not None and model != served:
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {served!r}",
+            param="model",
+            code="model_not_found",
+        )
+    return served
+
+
+def build_samples(
+    scheduler: Scheduler, body: SamplingFields, prompts: list[list[int]], max_tokens: int | None, n: int
+) -> list[Sample]:
+    """``max_tokens=None`` means whatever context the longest prompt leaves."""
+    config = scheduler.engine.config  # type: ignore[union-attr]
+    check_sample_count(len(prompts), n, scheduler.max_samples)
+    if max_tokens is None:
+        max_tokens = max(1, config.max_model_len - max(len(p) for p in prompts))
+    return make_samples(prompts, sampling_params(body, max_tokens, n, config))
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body has been read, so only that can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect(request: Request, job: Job, n: int) -> Outcome:
+    """All of a job's events, unless the client disconnects first (then ``ClientGone``)."""
+
+    async def consume() -> Outcome:
+        outcome = Outcome(job.samples, n)
+        while not job.done:
+            outcome.add(await job.next_event())
+        return outcome
+
+    consumer = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not consumer.done():
+            consumer.cancel()
+    if consumer.done() and not consumer.cancelled():
+        return consumer.result()
+    raise ClientGone
+
+
+async def run_collected(request: Request, scheduler: Scheduler, samples: list[Sample], n: int) -> Outcome:
+    job = await scheduler.submit(samples)
+    try:
+        return await collect(request, job, n)
+    finally:
+        scheduler.release(job)
+
+
+def stream(
+    scheduler: Scheduler,
+    job: Job,
+    n: int,
+    opening: list[dict[str, Any]],
+    chunk: ChunkFn,
+    usage_chunk: Callable[[Outcome], dict[str, Any]] | None,
+) -> StreamingResponse:
+    """Events as SSE frames; a deadline or engine failure becomes an error frame, then the end."""
+
+    async def frames() -> AsyncIterator[str]:
+        outcome = Outcome(job.samples, n)
+        try:
+            for payload in opening:
+                yield sse.frame(payload)
+            while not job.done:
+                event = await job.next_event()
+                outcome.add(event)
+                payload = chunk(event)
+                if payload is not None:
+                    yield sse.frame(payload)
+            if usage_chunk is not None:
+                yield sse.frame(usage_chunk(outcome))
+            yield sse.DONE
+        except (RequestTimeout, EngineFailure) as exc:
+            err = from_exception(exc)
+            yield sse.frame(error_body(err.status, err.message, err.param, err.code))
+        finally:
+            scheduler.release(job)
+
+    # The background task also runs when the client disconnects before the first frame.
+    return StreamingResponse(
+        frames(), media_type="text/event-stream", background=BackgroundTask(scheduler.release, job)
+    )
+
+
+def gone() -> Response:
+    return Response(status_code=499)
+
+
+def header(kind: str, model: str) -> dict[str, Any]:
+    return {"id": f"{kind}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses=STREAM_RESPONSES)
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    model = check_model(request, body.model)
+    scheduler = scheduler_of(request)
+    prompts = completion_prompts(body, scheduler.engine.tokenizer)  # type: ignore[union-attr]
+    samples = build_samples(scheduler, body, prompts, body.max_tokens, body.n)
+    head = header("cmpl", model)
+    if body.stream:
+        job = await scheduler.submit(samples)
+
+        def chunk(event: Event) -> dict[str, Any] | None:
+            if not event.text and not event.finished:
+                return None
+            choice = {
+                "index": event.index,
+                "text": event.text,
+                "logprobs": None,
+                "finish_reason": event.finish_reason,
+            }
+            return {**head, "object": "text_completion", "choices": [choice]}
+
+        return stream(scheduler, job, body.n, [], chunk, usage_chunk(head, "text_completion", body))
+    try:
+        outcome = await run_collected(request, scheduler, samples, body.n)
+    except ClientGone:
+        return gone()
+    choices = [
+        CompletionChoice(index=i, text=text, finish_reason=reason)
+        for i, (text, reason) in enumerate(zip(outcome.texts, outcome.finish_reasons, strict=True))
+    ]
+    return CompletionResponse(**head, choices=choices, usage=outcome.usage(), multiguess=outcome.summary())
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=STREAM_RESPONSES)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    model = check_model(request, body.model)
+    scheduler = scheduler_of(request)
+    prompt = chat_prompt(body, scheduler.engine.tokenizer)  # type: ignore[union-attr]
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    samples = build_samples(scheduler, body, [prompt], max_tokens, body.n)
+    head = header("chatcmpl", model)
+    if body.stream:
+        job = await scheduler.submit(samples)
+        kind = "chat.completion.chunk"
+        opening = [
+            {
+                **head,
+                "object": kind,
+                "choices": [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            }
+            for i in range(len(samples))
+        ]
+
+        def chunk(event: Event) -> dict[str, Any] | None:
+            if not event.text and not event.finished:
+                return None
+            delta = {"content": event.text} if event.text else {}
+            choice = {
+                "index": event.index,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": event.finish_reason,
+            }
+            return {**head, "object": kind, "choices": [choice]}
+
+        return stream(scheduler, job, body.n, opening, chunk, usage_chunk(head, kind, body))
+    try:
+        outcome = await run_collected(request, scheduler, samples, body.n)
+    except ClientGone:
+        return gone()
+    choices = [
+        ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=reason)
+        for i, (text, reason) in enumerate(zip(outcome.texts, outcome.finish_reasons, strict=True))
+    ]
+    return ChatCompletionResponse(
+        **head, choices=choices, usage=outcome.usage(), multiguess=outcome.summary()
+    )
+
+
+def usage_chunk(
+    head: dict[str, Any], kind: str, body: CompletionRequest | ChatCompletionRequest
+) -> Callable[[Outcome], dict[str, Any]] | None:
+    """The last chunk (``stream_options.include_usage``): no choices, usage and multiguess stats."""
+    if not (body.stream_options and body.stream_options.include_usage):
+        return None
+
+    def build(outcome: Outcome) -> dict[str, Any]:
+        return {
+            **head,
+            "object": kind,
+            "choices": [],
+            "usage": outcome.usage().model_dump(),
+            "multiguess": outcome.summary().model_dump(),
+        }
+
+    return build
+
+
+@router.post("/generate", response_model=GenerateResponse)
+async def generate(body: GenerateRequest, request: Request) -> Any:
+    scheduler = scheduler_of(request)
+    prompt = scheduler.engine.tokenizer.encode(body.prompt)  # type: ignore[union-attr]
+    samples = build_samples(scheduler, body, [prompt], body.max_tokens, 1)
+    try:
+        outcome = await run_collected(request, scheduler, samples, 1)
+    except ClientGone:
+        return gone()
+    return GenerateResponse(
+        result=outcome.texts[0],
+        finish_reason=outcome.finish_reasons[0],
+        usage=outcome.usage(),
+        multiguess=outcome.summary(),
+    )

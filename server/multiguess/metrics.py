@@ -1,0 +1,93 @@
+"""Prometheus metrics of one server, in its own registry (several servers can share a process).
+
+The names are a contract (DESIGN.md): the operator's autoscaler scrapes the queue histogram.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+
+from multiguess.engine.sequence import SpecStats
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5)
+REJECT_REASONS = ("queue_full", "not_ready")
+SPEC_FIELDS = ("verify_steps", "draft_tokens", "accepted_tokens", "fallback_steps")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        reg = self.registry
+        self.queue = Histogram(
+            "multiguess_request_queue_seconds",
+            "Time from admission until the engine starts the request.",
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.ttft = Histogram(
+            "multiguess_time_to_first_token_seconds",
+            "Time from admission to the first generated token.",
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            "multiguess_inter_token_latency_seconds",
+            "Time per generated token after the first (a step's gap shared by its tokens).",
+            buckets=TOKEN_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "multiguess_e2e_request_seconds",
+            "Time from admission to the last token of finished requests.",
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.running = Gauge("multiguess_requests_running", "Samples in the engine's batch.", registry=reg)
+        self.waiting = Gauge(
+            "multiguess_requests_waiting", "Samples admitted but not yet in the batch.", registry=reg
+        )
+        self.prompt_tokens = Counter("multiguess_prompt_tokens", "Prompt tokens admitted.", registry=reg)
+        self.generation_tokens = Counter("multiguess_generation_tokens", "Tokens generated.", registry=reg)
+        self.spec = {
+            name: Counter(f"multiguess_spec_{name}", help_text, registry=reg)
+            for name, help_text in (
+                ("verify_steps", "Target verification forwards."),
+                ("draft_tokens", "Drafted tokens the target verified."),
+                ("accepted_tokens", "Drafted tokens the target accepted."),
+                ("fallback_steps", "Sample-steps decoded without the drafter because it failed or paused."),
+            )
+        }
+        self.rejected = Counter(
+            "multiguess_requests_rejected",
+            "Requests refused before generation, by reason.",
+            ["reason"],
+            registry=reg,
+        )
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason=reason)  # present (at 0) before the first rejection
+
+    def add_spec(self, before: SpecStats, after: SpecStats) -> None:
+        """Move the speculation counters by what the engine's totals moved since ``before``."""
+        for name in SPEC_FIELDS:
+            delta = getattr(after, name) - getattr(before, name)
+            if delta > 0:
+                self.spec[name].inc(delta)
+
+    def observe_gap(self, seconds: float, tokens: int) -> None:
+        """One step's gap, spread evenly over the tokens it produced."""
+        for _ in range(tokens):
+            self.itl.observe(seconds / tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,112 @@
+"""Real servers for the API tests: uvicorn on 127.0.0.1 (a free port) serving tiny models."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from multiguess.api import ServerSettings, create_app
+from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.engine.guard import GuardedDrafter
+from multiguess.llm import load_pair
+from multiguess.scheduler import Scheduler
+
+MODEL = "tiny"
+
+
+@dataclass
+class LiveServer:
+    url: str
+    app: FastAPI
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.app.state.scheduler
+
+    @property
+    def engine(self) -> Engine:
+        assert self.scheduler.engine is not None
+        return self.scheduler.engine
+
+    def client(self, **kwargs: object) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=30, **kwargs)  # type: ignore[arg-type]
+
+
+def tiny_loader(
+    target: Path, draft: Path | None, config: EngineConfig, wrap: Callable[[object], object] | None = None
+) -> Callable[[], Engine]:
+    """Builds the engine as ``serve`` does: the drafter (optionally wrapped first) in a guard."""
+
+    def load() -> Engine:
+        target_model, draft_model = load_pair(
+            str(target), str(draft) if draft else None, "float32", "cpu", None, None
+        )
+        engine = Engine(target_model, draft_model, config)
+        if engine.drafter is not None:
+            inner = wrap(engine.drafter) if wrap else engine.drafter
+            engine.drafter = GuardedDrafter(inner, step_timeout=2.0, cooldown=0.5)  # type: ignore[arg-type]
+        return engine
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def start_server() -> Iterator[Callable[..., LiveServer]]:
+    """Starts servers on demand; all are stopped at the end of the session."""
+    running: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def start(load: Callable[[], Engine], **settings: object) -> LiveServer:
+        app = create_app(load, ServerSettings(model_name=MODEL, **settings))  # type: ignore[arg-type]
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        running.append((server, thread))
+        live = LiveServer(f"http://127.0.0.1:{sock.getsockname()[1]}", app)
+        wait_ready(live.url)
+        return live
+
+    yield start
+    for server, _ in running:
+        server.should_exit = True
+    for _, thread in running:
+        thread.join(10)
+
+
+def wait_ready(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health/ready", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} did not become ready within {timeout} s")
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> EngineConfig:
+    return EngineConfig(num_candidates=3, depth=4, max_nodes=16, max_batch=8, max_model_len=256)
+
+
+@pytest.fixture(scope="session")
+def server(
+    start_server: Callable[..., LiveServer],
+    tiny_llama: Path,
+    tiny_llama_draft: Path,
+    tiny_config: EngineConfig,
+) -> LiveServer:
+    """The shared server: speculation on, room for 16 requests at once."""
+    return start_server(
+        tiny_loader(tiny_llama, tiny_llama_draft, tiny_config), max_queue=16, request_timeout=60
+    )
