@@ -7,6 +7,7 @@ Three things matter when reading these tests:
 * The emulator stores objects as plain JSON and merges patches; it does not stamp metadata. The small
   subclass below adds what kopf and the operator read: namespace, uid, resourceVersion, generation,
   creationTimestamp. There is no garbage collector and no Deployment controller: tests play those.
+* A failed JSON-patch ``test`` operation is answered with 422, as kube-apiserver does (kopf relies on it).
 * The official client reads KUBECONFIG at import time, so its default location is patched as well.
 """
 
@@ -20,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import jsonpatch
 import kmock
 import kubernetes.config.kube_config
 import pytest
@@ -73,7 +75,11 @@ class Cluster(kmock.KubernetesEmulator):
                     current = self.objects[request.resource, request.namespace, request.name]
                     if dict(current).get("spec") != data["spec"]:
                         meta["generation"] = int(current["metadata"].get("generation", 1)) + 1
-        return await super()._handle(request)
+        try:
+            return await super()._handle(request)
+        except jsonpatch.JsonPatchTestFailed as e:
+            # kube-apiserver answers a failed JSON-patch "test" (kopf's optimistic lock) with 422.
+            raise kmock.KubernetesError(status=422, reason="Invalid", message=str(e)) from e
 
     # -- helpers for tests: real HTTP requests, so that watchers see the changes --
 
