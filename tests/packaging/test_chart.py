@@ -1,0 +1,274 @@
+"""The Helm chart, rendered by real helm: lint, render several value sets, validate every object."""
+
+from __future__ import annotations
+
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from tests.packaging.helm import CHART, NAMESPACE, RELEASE, HelmError, by_kind, render, run_helm, value_args
+from tests.packaging.manifests import CRD_PATH, load_crd, validate_manifest
+from tests.packaging.tools import ROOT
+
+E2E_VALUES = ROOT / "tests" / "e2e" / "values.yaml"
+DIGEST = "sha256:" + "ab" * 32
+
+# name -> (values files, --set values). Each set switches on a different part of the chart.
+VALUE_SETS: dict[str, tuple[tuple[Path, ...], tuple[str, ...]]] = {
+    "default": ((), ()),
+    "monitoring": (
+        (),
+        (
+            "monitoring.serviceMonitor.enabled=true",
+            "monitoring.serviceMonitor.labels.release=prometheus",
+            "monitoring.podMonitor.enabled=true",
+            "monitoring.podMonitor.interval=30s",
+        ),
+    ),
+    "example": ((), ("example.enabled=true", "example.name=demo")),
+    "e2e-cpu": ((E2E_VALUES,), ()),
+    "custom": (
+        (),
+        (
+            f"image.digest={DIGEST}",
+            "servingImage.repository=registry.example.com/mg/server",
+            "servingImage.tag=1.2.3-cu128",
+            "operator.namespaces={team-a,team-b}",
+            "operator.logFormat=json",
+            "operator.livenessPort=9090",
+            "operator.nodeSelector.pool=system",
+            "operator.extraEnv[0].name=EXTRA",
+            "operator.extraEnv[0].value=enabled",
+            "serviceAccount.create=false",
+            "serviceAccount.name=existing-sa",
+            "rbac.create=false",
+            "networkPolicy.enabled=false",
+            "imagePullSecrets[0].name=regcred",
+        ),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def rendered(helm: Path) -> dict[str, list[dict[str, Any]]]:
+    """Every value set rendered once (helm is the slow part)."""
+    return {name: render(helm, files, sets) for name, (files, sets) in VALUE_SETS.items()}
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {item["name"]: item.get("value", "") for item in container.get("env", [])}
+
+
+def _operator(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (deployment,) = by_kind(objects, "Deployment")
+    return deployment
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_lint_strict(helm: Path, name: str) -> None:
+    files, sets = VALUE_SETS[name]
+    out = run_helm(helm, "lint", "--strict", str(CHART), *value_args(files, sets))
+    assert "1 chart(s) linted, 0 chart(s) failed" in out
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_every_rendered_object_validates(rendered: dict[str, list[dict[str, Any]]], name: str) -> None:
+    objects = rendered[name]
+    assert objects, "nothing rendered"
+    crd = load_crd()
+    how = {f"{o['kind']}/{o['metadata']['name']}": validate_manifest(o, crd) for o in objects}
+    skipped = {key: why for key, why in how.items() if why.startswith("skipped")}
+    assert set(skipped) <= {
+        f"{kind}/{RELEASE}-multiguess-serving" for kind in ("ServiceMonitor", "PodMonitor")
+    }
+    assert all(o["metadata"].get("namespace", NAMESPACE) == NAMESPACE for o in objects)
+
+
+def test_default_objects(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    objects = rendered["default"]
+    kinds = sorted(o["kind"] for o in objects)
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
+        "NetworkPolicy",
+        "ServiceAccount",
+    ]
+    deployment = _operator(objects)
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == "ghcr.io/multiguess/multiguess-operator:0.1.0"
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert container["ports"][0]["containerPort"] == 8080
+    assert _env(container) == {
+        "MULTIGUESS_OPERATOR_IMAGE": "ghcr.io/multiguess/multiguess-server:0.1.0",
+        "MULTIGUESS_OPERATOR_NAMESPACES": "",
+        "MULTIGUESS_OPERATOR_LOG_FORMAT": "plain",
+        "MULTIGUESS_OPERATOR_LIVENESS_PORT": "8080",
+    }
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["serviceAccountName"] == f"{RELEASE}-multiguess"
+    (binding,) = by_kind(objects, "ClusterRoleBinding")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": f"{RELEASE}-multiguess", "namespace": NAMESPACE}
+    ]
+    assert binding["roleRef"]["name"] == by_kind(objects, "ClusterRole")[0]["metadata"]["name"]
+    selector = spec["selector"]["matchLabels"]
+    assert selector.items() <= spec["template"]["metadata"]["labels"].items()
+    (policy,) = by_kind(objects, "NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"] == selector
+
+
+def test_custom_values_reach_the_objects(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    objects = rendered["custom"]
+    assert sorted(o["kind"] for o in objects) == ["Deployment"]
+    pod = _operator(objects)["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == f"ghcr.io/multiguess/multiguess-operator@{DIGEST}"
+    env = _env(container)
+    assert env["MULTIGUESS_OPERATOR_IMAGE"] == "registry.example.com/mg/server:1.2.3-cu128"
+    assert env["MULTIGUESS_OPERATOR_NAMESPACES"] == "team-a,team-b"
+    assert env["MULTIGUESS_OPERATOR_LOG_FORMAT"] == "json"
+    assert env["MULTIGUESS_OPERATOR_LIVENESS_PORT"] == "9090"
+    assert env["EXTRA"] == "enabled"
+    assert container["ports"][0]["containerPort"] == 9090
+    assert pod["serviceAccountName"] == "existing-sa"
+    assert pod["nodeSelector"] == {"pool": "system"}
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+
+
+def test_monitors_select_the_serving_pods(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """The monitors must match the labels and port name the operator gives its target children."""
+    resources = pytest.importorskip("multiguess_operator.resources", reason="operator not importable")
+    spec = pytest.importorskip("multiguess_operator.spec", reason="operator not importable")
+    example = yaml.safe_load((ROOT / "examples" / "speculative.yaml").read_text())
+    children = resources.desired_children(
+        example["metadata"]["name"], "ns", spec.parse_spec(example["spec"]), "img"
+    )
+    target = next(
+        c for c in children if c["kind"] == "Deployment" and c["metadata"]["name"].endswith("-target")
+    )
+    service = next(c for c in children if c["kind"] == "Service" and c["metadata"]["name"] == "qwen-7b")
+    pod_labels = target["spec"]["template"]["metadata"]["labels"]
+    port_names = {p["name"] for p in target["spec"]["template"]["spec"]["containers"][0]["ports"]}
+
+    (service_monitor,) = by_kind(rendered["monitoring"], "ServiceMonitor")
+    (pod_monitor,) = by_kind(rendered["monitoring"], "PodMonitor")
+    assert service_monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert service_monitor["spec"]["namespaceSelector"] == {"any": True}
+    assert service_monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert {e["port"] for e in service_monitor["spec"]["endpoints"]} <= {
+        p["name"] for p in service["spec"]["ports"]
+    }
+    assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert {e["port"] for e in pod_monitor["spec"]["podMetricsEndpoints"]} <= port_names
+    assert pod_monitor["spec"]["podMetricsEndpoints"][0]["interval"] == "30s"
+
+
+def test_example_resource(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    (example,) = by_kind(rendered["example"], "SpeculativeDeployment")
+    assert example["metadata"] == {
+        "name": "demo",
+        "namespace": NAMESPACE,
+        "labels": {"app.kubernetes.io/part-of": "multiguess", "helm.sh/chart": "multiguess-0.1.0"},
+    }
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert example["spec"] == values["example"]["spec"]
+
+
+def test_e2e_values_point_the_operator_at_the_loaded_images(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    objects = rendered["e2e-cpu"]
+    (container,) = _operator(objects)["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "multiguess-operator:e2e"
+    assert container["imagePullPolicy"] == "IfNotPresent"
+    assert _env(container)["MULTIGUESS_OPERATOR_IMAGE"] == "multiguess-server:e2e"
+    (example,) = by_kind(objects, "SpeculativeDeployment")
+    assert example["metadata"]["name"] == "e2e"
+
+
+def test_crds_rendered_with_include_crds_are_the_source_of_truth(helm: Path) -> None:
+    (crd,) = by_kind(render(helm, include_crds=True), "CustomResourceDefinition")
+    assert crd == load_crd()
+
+
+def test_chart_crd_is_identical_to_the_source_of_truth() -> None:
+    """Helm installs charts/multiguess/crds/; it must be byte-for-byte crds/ (copy it when it changes)."""
+    copy = CHART / "crds" / CRD_PATH.name
+    assert copy.read_bytes() == CRD_PATH.read_bytes(), f"run: cp {CRD_PATH} {copy}"
+    assert sorted(p.name for p in (CHART / "crds").iterdir()) == [CRD_PATH.name]
+
+
+def _rule_set(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    """Rules as (apiGroup, resource, verb) triples, so grouping and order do not matter."""
+    return {
+        (group, resource, verb)
+        for rule in rules
+        for group in rule.get("apiGroups", [])
+        for resource in rule.get("resources", [])
+        for verb in rule.get("verbs", [])
+    }
+
+
+def test_cluster_role_matches_the_operator_rbac(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    rbac = pytest.importorskip("multiguess_operator.rbac", reason="multiguess_operator.rbac not written yet")
+    (role,) = by_kind(rendered["default"], "ClusterRole")
+    assert _rule_set(role["rules"]) == _rule_set(rbac.cluster_role_rules())
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (("operator.logFormat=xml",), "logFormat"),
+        (("unknownKey=1",), "unknownKey"),
+        (("image.digest=latest",), "digest"),
+        (("operator.livenessPort=0",), "livenessPort"),
+        (("operator.namespaces={Bad_NS}",), "namespaces"),
+        (("operator.extraEnv[0].name=N", "operator.extraEnv[0].value=1"), "extraEnv/0/value"),
+        (("serviceAccount.create=false",), "serviceAccount.name is required"),
+        (("example.enabled=true", "example.name=Not_A_DNS_Name"), "example/name"),
+    ],
+)
+def test_bad_values_are_rejected_with_a_clear_error(helm: Path, sets: tuple[str, ...], message: str) -> None:
+    with pytest.raises(HelmError, match=message):
+        render(helm, set_values=sets)
+
+
+def test_notes_tell_the_user_what_to_do_next(helm: Path) -> None:
+    out = run_helm(helm, "install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE)
+    notes = out.split("NOTES:", 1)[1]
+    assert f"rollout status deployment/{RELEASE}-multiguess" in notes
+    assert "kubectl apply -f examples/speculative.yaml" in notes
+    assert "crds/speculativedeployment.yaml" in notes
+    assert "/generate" in notes
+
+
+def test_package_carries_crd_schema_and_notes(helm: Path, tmp_path: Path) -> None:
+    run_helm(helm, "package", str(CHART), "--destination", str(tmp_path))
+    (archive,) = tmp_path.glob("multiguess-*.tgz")
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    for path in (
+        "crds/speculativedeployment.yaml",
+        "values.schema.json",
+        "templates/NOTES.txt",
+        "Chart.yaml",
+    ):
+        assert f"multiguess/{path}" in names
+
+
+def test_values_schema_is_a_valid_json_schema() -> None:
+    schema = yaml.safe_load((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    jsonschema.Draft7Validator(schema).validate(values)
+    assert set(schema["properties"]) - {"global"} == set(values)
