@@ -21,17 +21,22 @@ def load_pair(
     device: str,
     draft_device: str | None,
     draft_quantization: str | None,
+    speculate: bool = True,
 ) -> tuple[LoadedModel, LoadedModel | None]:
-    """Load target and draft; ``target=None`` means the embedded default pair."""
+    """Load target and draft; ``target=None`` means the embedded default pair.
+
+    ``speculate=False`` loads no draft at all (plain decoding of the target).
+    """
     if target is None:
         from multiguess.models.embedded import prepare_embedded
 
         embedded = prepare_embedded()
         target, draft = str(embedded.target), str(embedded.draft)
-        draft_quantization = draft_quantization or embedded.draft_quantization
+        if draft_quantization is None:
+            draft_quantization = embedded.draft_quantization
         dtype = embedded.dtype if dtype == "auto" else dtype
     target_model = load_model(target, dtype=dtype, device=device)
-    if draft is None:
+    if draft is None or not speculate:
         return target_model, None
     draft_model = load_model(
         draft, dtype=dtype, device=draft_device or device, quantization=draft_quantization or "none"
@@ -43,8 +48,8 @@ def load_pair(
 class LLM:
     """A target, an optional draft, and the engine that serves them.
 
-    ``LLM()`` uses the embedded default pair. ``draft=None`` (with an explicit target) is plain
-    decoding through the same engine.
+    ``LLM()`` uses the embedded default pair. ``draft=None`` (with an explicit target) or
+    ``speculate=False`` is plain decoding through the same engine.
     """
 
     def __init__(
@@ -60,9 +65,12 @@ class LLM:
         draft_quantization: str | None = None,
         max_batch: int = 8,
         max_model_len: int = 2048,
+        speculate: bool = True,
     ) -> None:
         config = EngineConfig(num_candidates, depth, max_nodes, max_batch, max_model_len)
-        target_model, draft_model = load_pair(target, draft, dtype, device, draft_device, draft_quantization)
+        target_model, draft_model = load_pair(
+            target, draft, dtype, device, draft_device, draft_quantization, speculate
+        )
         self.tokenizer = target_model.tokenizer
         self.engine = Engine(target_model, draft_model, config)
         self._ids = itertools.count()

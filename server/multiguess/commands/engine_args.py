@@ -1,0 +1,65 @@
+"""Engine and model flags shared by the commands that build an engine (generate, serve, bench).
+
+Every flag can also come from the environment as ``MULTIGUESS_<FLAG>`` (``--num-candidates`` is
+``MULTIGUESS_NUM_CANDIDATES``), which is how the operator configures pods; a flag given on the
+command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from multiguess.models.loading import DTYPES, QUANTIZATIONS
+
+
+def env_default(flag: str, default: Any, kind: type = str) -> Any:
+    value = os.environ.get("MULTIGUESS_" + flag.lstrip("-").replace("-", "_").upper())
+    return default if value is None else kind(value)
+
+
+def add_flag(parser: argparse.ArgumentParser, flag: str, default: Any, kind: type = str, **kw: Any) -> None:
+    env = "MULTIGUESS_" + flag.lstrip("-").replace("-", "_").upper()
+    help_text = kw.pop("help", "")
+    parser.add_argument(
+        flag, default=env_default(flag, default, kind), type=kind, help=f"{help_text} [env {env}]", **kw
+    )
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    add_flag(parser, "--target", None, help="target model folder or hub id (default: embedded pair)")
+    add_flag(parser, "--draft", None, help="draft model folder or hub id (default: embedded draft)")
+    add_flag(parser, "--draft-quantization", None, choices=QUANTIZATIONS, help="int8: dynamic int8 draft")
+    add_flag(parser, "--drafter", "model", choices=("model", "none"), help="how to draft; none = plain")
+    add_flag(parser, "--dtype", "auto", choices=("auto", *DTYPES), help="weights/activations dtype")
+    add_flag(parser, "--device", "cpu", help="target device (cpu, cuda, cuda:1)")
+    add_flag(parser, "--draft-device", None, help="draft device (default: the target's)")
+    add_flag(parser, "--num-candidates", 3, int, help="children per expanded node (1 = chain)")
+    add_flag(parser, "--depth", 4, int, help="levels drafted per step")
+    add_flag(parser, "--max-nodes", 16, int, help="drafted nodes per tree at most")
+    add_flag(parser, "--max-batch", 8, int, help="sequences decoded together at most")
+    add_flag(parser, "--max-model-len", 2048, int, help="context length (prompt + output)")
+
+
+def build_llm(args: argparse.Namespace) -> Any:
+    """An ``LLM`` from parsed engine flags. ``--drafter none`` serves the target alone."""
+    from multiguess.llm import LLM
+
+    draft = None if args.drafter == "none" else args.draft
+    if args.target is not None and args.drafter != "none" and draft is None:
+        raise SystemExit("--target needs --draft (or --drafter none for plain decoding)")
+    return LLM(
+        target=args.target,
+        draft=draft,
+        num_candidates=args.num_candidates,
+        depth=args.depth,
+        max_nodes=args.max_nodes,
+        dtype=args.dtype,
+        device=args.device,
+        draft_device=args.draft_device,
+        draft_quantization=args.draft_quantization,
+        max_batch=args.max_batch,
+        max_model_len=args.max_model_len,
+        speculate=args.drafter != "none",
+    )
