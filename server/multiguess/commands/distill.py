@@ -1,0 +1,128 @@
+"""`multiguess distill`: train a small draft for a target from the target's own outputs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+STAGES = ("data", "train", "export")
+
+
+def stage_list(value: str) -> tuple[str, ...]:
+    stages = tuple(s.strip() for s in value.split(",") if s.strip())
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown or not stages:
+        raise argparse.ArgumentTypeError(f"stages must be a comma-separated subset of {','.join(STAGES)}")
+    return stages
+
+
+def positive_int(value: str) -> int:
+    number = int(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return number
+
+
+def positive_float(value: str) -> float:
+    number = float(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return number
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from multiguess.distill.dataset import DataPlan
+    from multiguess.distill.pipeline import DistillPlan
+    from multiguess.distill.pipeline import run as run_pipeline
+    from multiguess.distill.student import DraftShape
+    from multiguess.distill.train import TrainConfig
+    from multiguess.models.embedded import prepare_target
+
+    torch.set_num_threads(args.threads)
+    target = args.target or prepare_target()
+    if not (target / "config.json").is_file():
+        print(f"multiguess distill: {target} is not a model folder (no config.json)", file=sys.stderr)
+        return 2
+    if args.width % args.heads:
+        print(
+            f"multiguess distill: --width {args.width} must be a multiple of --heads {args.heads}",
+            file=sys.stderr,
+        )
+        return 2
+    plan = DistillPlan(
+        target=target,
+        work=args.work,
+        out=args.out,
+        data=DataPlan(batch=args.gen_batch, max_new_tokens=args.max_new_tokens, heldout_prompts=args.heldout),
+        shape=DraftShape(
+            hidden_size=args.width,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads,
+            intermediate_size=args.intermediate,
+        ),
+        training=TrainConfig(steps=args.steps, tokens_per_step=args.tokens_per_step, lr=args.lr),
+        data_minutes=args.data_minutes,
+        train_minutes=args.train_minutes,
+        reply_weight=args.reply_weight,
+        text_roots=tuple(args.text_root) if args.text_root else None,
+    )
+    command = (
+        "multiguess " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["distill"] else "multiguess distill"
+    )
+    provenance = run_pipeline(plan, args.stages, command)
+    if provenance is not None:
+        print(json.dumps(provenance["metrics"], indent=2))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "distill",
+        help="train a small draft model from a target's own outputs (self-distillation)",
+        description="Stages: data (the target's greedy replies to a diverse prompt set and its top-k "
+        "distributions over local text, in resumable shards), train (teacher-forced distillation with "
+        "resumable checkpoints), export (bf16 safetensors + tokenizer + eval.json + provenance). "
+        "Rerunning the same command resumes.",
+    )
+    parser.add_argument("--target", type=Path, default=None, help="target model folder (default: embedded)")
+    parser.add_argument("--work", type=Path, default=Path("runs/distill"), help="shards and checkpoints")
+    parser.add_argument("--out", type=Path, default=Path("runs/distill/draft"), help="exported draft folder")
+    parser.add_argument(
+        "--stages", type=stage_list, default=STAGES, help="comma-separated: data,train,export"
+    )
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
+    parser.add_argument(
+        "--data-minutes", type=positive_float, default=30.0, help="time budget of the data stage"
+    )
+    parser.add_argument(
+        "--text-root",
+        type=Path,
+        action="append",
+        help="folder of .md/.rst/.txt/.py text (repeatable; default: docs, licences, Python sources)",
+    )
+    parser.add_argument("--gen-batch", type=positive_int, default=48, help="prompts per generation batch")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=192, help="reply length cap")
+    parser.add_argument("--heldout", type=positive_int, default=96, help="held-out prompts for evaluation")
+    parser.add_argument("--layers", type=positive_int, default=3)
+    parser.add_argument("--width", type=positive_int, default=256)
+    parser.add_argument("--heads", type=positive_int, default=4)
+    parser.add_argument("--kv-heads", type=positive_int, default=2)
+    parser.add_argument("--intermediate", type=positive_int, default=768)
+    parser.add_argument(
+        "--steps", type=positive_int, default=2000, help="training steps (the LR schedule's length)"
+    )
+    parser.add_argument(
+        "--train-minutes", type=positive_float, default=None, help="stop training earlier than --steps"
+    )
+    parser.add_argument("--tokens-per-step", type=positive_int, default=2048, help="labelled tokens per step")
+    parser.add_argument("--lr", type=positive_float, default=2e-3)
+    parser.add_argument(
+        "--reply-weight", type=positive_int, default=2, help="how often replies repeat per epoch"
+    )
+    parser.set_defaults(func=run)
