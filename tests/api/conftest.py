@@ -19,6 +19,8 @@ from multiguess.engine.guard import GuardedDrafter
 from multiguess.llm import load_pair
 from multiguess.scheduler import Scheduler
 
+from tests.api.faults import Faults, FaultyDrafter
+
 MODEL = "tiny"
 
 
@@ -41,9 +43,14 @@ class LiveServer:
 
 
 def tiny_loader(
-    target: Path, draft: Path | None, config: EngineConfig, wrap: Callable[[object], object] | None = None
+    target: Path,
+    draft: Path | None,
+    config: EngineConfig,
+    faults: Faults | None = None,
+    step_timeout: float = 2.0,
 ) -> Callable[[], Engine]:
-    """Builds the engine as ``serve`` does: the drafter (optionally wrapped first) in a guard."""
+    """Builds the engine as ``serve`` does (drafter in a guard); ``faults`` injects failures
+    between the two."""
 
     def load() -> Engine:
         target_model, draft_model = load_pair(
@@ -51,8 +58,8 @@ def tiny_loader(
         )
         engine = Engine(target_model, draft_model, config)
         if engine.drafter is not None:
-            inner = wrap(engine.drafter) if wrap else engine.drafter
-            engine.drafter = GuardedDrafter(inner, step_timeout=2.0, cooldown=0.5)  # type: ignore[arg-type]
+            inner = FaultyDrafter(engine.drafter, faults) if faults else engine.drafter
+            engine.drafter = GuardedDrafter(inner, step_timeout=step_timeout, cooldown=0.5)
         return engine
 
     return load
