@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import kopf
+import urllib3.exceptions
 
+from multiguess_operator.autoscaler.loop import Autoscaler, step
 from multiguess_operator.kube import SPECDEPLOYS, Kube
 from multiguess_operator.names import GROUP, INSTANCE_LABEL, MANAGED_BY_LABEL, MANAGER, PLURAL, VERSION
 from multiguess_operator.reconcile import Outcome, delete_children, reconcile, status_changed
 from multiguess_operator.settings import Settings
+from multiguess_operator.spec import SpecError, parse_spec
 
 CHILD_RESOURCES = (("apps/v1", "deployments"), ("v1", "services"), ("policy/v1", "poddisruptionbudgets"))
 OWNED = {MANAGED_BY_LABEL: MANAGER}
@@ -65,6 +69,43 @@ for _api_version, _plural in CHILD_RESOURCES:
 def cleanup(name: str, namespace: str, logger: kopf.Logger, **_: Any) -> None:
     for message in delete_children(Kube(), name, namespace):
         logger.info(message)
+
+
+def _autoscaling_enabled(spec: kopf.Spec, **_: Any) -> bool:
+    return bool((spec.get("autoscaling") or {}).get("enabled"))
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, when=_autoscaling_enabled, cancellation_timeout=10.0)
+async def autoscale(
+    stopped: kopf.DaemonStopped, body: kopf.Body, name: str, namespace: str, logger: kopf.Logger, **_: Any
+) -> None:
+    """Per resource, every ``intervalSeconds`` (read afresh each round, so spec edits apply at once).
+
+    A daemon rather than a kopf timer: a timer's interval is fixed when the handler is registered.
+    """
+    scaler = Autoscaler.restore(body.get("status"))
+    kube = Kube()
+    while not stopped:
+        try:
+            spec = parse_spec(body.get("spec") or {})
+        except SpecError:
+            await stopped.wait(15)  # reported by the reconciler; wait for a fix
+            continue
+        try:
+            result = await step(kube, scaler, name, namespace, spec, time.time())
+        except (TimeoutError, OSError, RuntimeError, urllib3.exceptions.HTTPError) as e:  # API trouble: retry
+            logger.warning(f"autoscaler step failed: {e}")
+        else:
+            if result.unreachable:
+                logger.warning(f"could not scrape: {', '.join(sorted(result.unreachable))}")
+            if result.decision.replicas != result.current:
+                direction = "ScaledUp" if result.decision.replicas > result.current else "ScaledDown"
+                message = (
+                    f"{result.current} -> {result.decision.replicas} replicas ({result.decision.reason}; "
+                    f"{spec.autoscaling.metric} {result.signal.value}, ratio {result.signal.ratio})"
+                )
+                kopf.info(dict(body), reason=direction, message=message)
+        await stopped.wait(spec.autoscaling.interval_seconds)
 
 
 def run_pass(kube: Kube, body: Mapping[str, Any], config: Settings, logger: kopf.Logger) -> Outcome:

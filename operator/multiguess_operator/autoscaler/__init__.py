@@ -1,0 +1,1 @@
+"""Queue-latency autoscaling: scrape pods (scraper), reduce to a signal (metrics), decide (policy)."""

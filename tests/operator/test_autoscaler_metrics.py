@@ -1,0 +1,156 @@
+"""Queue-latency signal: parsing real exporter output, interval deltas, resets, bucket interpolation;
+scraping real HTTP exporters on 127.0.0.x including an unreachable pod and a restarted one."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import math
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from multiguess_operator.autoscaler.loop import Autoscaler, compute_signal
+from multiguess_operator.autoscaler.metrics import MetricsError, Snapshot, mean, merge, parse, quantile
+from multiguess_operator.autoscaler.scraper import PodTarget, ready_targets, scrape
+from multiguess_operator.spec import AutoscalingSpec
+
+from tests.operator.exporters import exporter, free_port
+
+INF = math.inf
+
+
+def snap(buckets: dict[float, float], total: float = 0.0, waiting: float = 0.0) -> Snapshot:
+    items = tuple(sorted(buckets.items()))
+    return Snapshot(items, items[-1][1], total, waiting)
+
+
+@pytest.mark.parametrize(
+    ("buckets", "q", "expected"),
+    [
+        ({0.1: 0, 0.5: 100, 1.0: 100, INF: 100}, 0.95, 0.1 + 0.4 * 0.95),  # interpolated inside (0.1, 0.5]
+        ({0.1: 50, 0.5: 100, INF: 100}, 0.5, 0.1),  # exactly at a bound
+        ({0.1: 0, 1.0: 0, INF: 10}, 0.95, 1.0),  # in +Inf: the highest finite bound
+        ({0.25: 10, INF: 10}, 0.95, 0.25 * 0.95),  # first bucket interpolates from 0
+        ({0.1: 0, INF: 0}, 0.95, 0.0),  # nothing observed
+    ],
+)
+def test_quantile_interpolates_like_histogram_quantile(
+    buckets: dict[float, float], q: float, expected: float
+) -> None:
+    assert quantile(q, snap(buckets)) == pytest.approx(expected)
+
+
+def test_delta_and_reset() -> None:
+    before = snap({0.5: 10, INF: 12}, total=3.0)
+    after = snap({0.5: 15, INF: 20}, total=7.0)
+    delta = after.minus(before)
+    assert delta.buckets == ((0.5, 5), (INF, 8)) and delta.count == 8 and delta.total == pytest.approx(4.0)
+    restarted = snap({0.5: 2, INF: 3}, total=1.0)
+    assert restarted.minus(after) == restarted  # counts went down: the pod restarted
+    assert after.minus(None) == after
+
+
+def test_merge_sums_pods_and_refuses_mismatched_buckets() -> None:
+    merged = merge([snap({0.5: 1, INF: 2}, 1.0, 3), snap({0.5: 3, INF: 4}, 2.0, 1)])
+    assert merged is not None and merged.buckets == ((0.5, 4), (INF, 6)) and merged.waiting == 4
+    assert merge([]) is None
+    with pytest.raises(MetricsError):
+        merge([snap({0.5: 1, INF: 2}), snap({1.0: 1, INF: 2})])
+
+
+def test_parse_rejects_pages_without_the_histogram() -> None:
+    with pytest.raises(MetricsError):
+        parse("# HELP other_total x\n# TYPE other_total counter\nother_total 1\n")
+
+
+def pod(name: str, ip: str | None, ready: bool = True, terminating: bool = False) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "uid": f"uid-{name}"}
+    if terminating:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    status: dict[str, Any] = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    if ip:
+        status["podIP"] = ip
+    return {"metadata": meta, "status": status}
+
+
+def test_only_ready_pods_with_an_ip_are_scraped() -> None:
+    pods = [
+        pod("a", "10.0.0.1"),
+        pod("b", "10.0.0.2", ready=False),
+        pod("c", None),
+        pod("d", "10.0.0.4", terminating=True),
+    ]
+    assert ready_targets(pods, 8000) == [PodTarget("a", "uid-a", "http://10.0.0.1:8000/metrics")]
+
+
+SPEC = AutoscalingSpec(enabled=True, target_queue_latency_seconds=0.5, target_waiting_requests=4)
+
+
+async def test_scrape_real_exporters_with_an_unreachable_pod_and_a_restart() -> None:
+    port = free_port()
+    targets = [PodTarget(f"pod-{i}", f"uid-{i}", f"http://127.0.0.{i}:{port}/metrics") for i in (2, 3, 4)]
+    scaler = Autoscaler()
+    with exporter("127.0.0.2", port) as first, exporter("127.0.0.3", port) as second:
+        for value in [0.01] * 50:
+            first.queue.observe(value)
+        snapshots, errors = await scrape(targets, timeout=2)
+        assert set(snapshots) == {"uid-2", "uid-3"}
+        assert set(errors) == {"pod-4"}  # nothing listens on 127.0.0.4
+        assert scaler.observe(snapshots) == []  # first sight of a pod is only a baseline
+
+        for value in [0.1] * 90 + [2.0] * 10:  # the interval's traffic, on the first pod
+            first.queue.observe(value)
+        second.waiting.set(6)
+        snapshots, _ = await scrape(targets, timeout=2)
+        deltas = scaler.observe(snapshots)
+        merged = merge(deltas)
+        assert merged is not None and merged.count == 100  # the 50 earlier observations are not counted
+        assert mean(merged) == pytest.approx(0.29)
+        p95 = quantile(0.95, merged)
+        assert 1.0 < p95 <= 2.5  # the top 10 % sit in the (1, 2.5] bucket
+        signal = compute_signal(deltas, list(snapshots.values()), SPEC)
+        assert signal.p95 == pytest.approx(p95)
+        assert signal.ratio == pytest.approx(p95 / 0.5)
+        assert signal.waiting_per_pod == 3.0
+
+    with exporter("127.0.0.2", port) as restarted:  # pod 2 restarted: its counters start again
+        for value in [0.2] * 4:
+            restarted.queue.observe(value)
+        snapshots, errors = await scrape(targets, timeout=2)
+        assert set(errors) == {"pod-3", "pod-4"}
+        deltas = scaler.observe(snapshots)
+        assert [d.count for d in deltas] == [4]
+
+
+async def test_a_server_without_metrics_is_an_error(tmp_path: Path) -> None:
+    port = free_port()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.5", port), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        snapshots, errors = await scrape([PodTarget("p", "u", f"http://127.0.0.5:{port}/metrics")], timeout=2)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not snapshots and "HTTP 404" in errors["p"]
+
+
+@pytest.mark.parametrize(
+    ("metric", "ratio"),
+    [("queueLatencyP95", 0.875 / 0.5), ("queueLatencyMean", 0.3 / 0.5), ("requestsWaiting", 2 / 4)],
+)
+def test_signal_per_metric(metric: str, ratio: float) -> None:
+    delta = Snapshot(((0.5, 80), (1.0, 100), (INF, 100)), 100, 30.0, 2)
+    spec = AutoscalingSpec(
+        enabled=True, metric=metric, target_queue_latency_seconds=0.5, target_waiting_requests=4
+    )  # type: ignore[arg-type]
+    assert compute_signal([delta], [delta], spec).ratio == pytest.approx(ratio, rel=0.02)
+
+
+def test_signal_without_pods_is_none_and_a_stalled_queue_still_counts() -> None:
+    assert compute_signal([], [], SPEC).ratio is None
+    stalled = Snapshot(((0.5, 0), (INF, 0)), 0, 0.0, 20)  # nothing left the queue, 20 waiting
+    assert compute_signal([stalled], [stalled], SPEC).ratio == pytest.approx(5.0)
