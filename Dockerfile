@@ -56,15 +56,15 @@ ENTRYPOINT ["python", "-m", "multiguess_operator"]
 FROM base AS server
 COPY --from=build-server /opt/venv /opt/venv
 COPY --from=build-server /opt/multiguess/models /opt/multiguess/models
-# Embedded pair: baked, read-only. Downloaded hub models: the cache volume, which the operator
-# mounts from a PVC or an emptyDir (spec.modelCache).
+# Embedded pair: baked, read-only. Hub models download into the cache volume at /models, where
+# the operator mounts spec.modelCache (a PVC or an emptyDir).
 ENV MULTIGUESS_CACHE=/opt/multiguess/models \
-    HF_HOME=/var/cache/multiguess/hf \
+    HF_HOME=/models/hf \
     MULTIGUESS_HOST=0.0.0.0 \
     MULTIGUESS_PORT=8000
-RUN mkdir -p /var/cache/multiguess \
-    && chown 10001:10001 /var/cache/multiguess
-VOLUME ["/var/cache/multiguess"]
+RUN mkdir -p /models \
+    && chown 10001:10001 /models
+VOLUME ["/models"]
 USER 10001:10001
 WORKDIR /home/multiguess
 # 8000: `multiguess serve` (API); 8001: `multiguess serve-draft` (set MULTIGUESS_PORT=8001).

@@ -110,11 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("base_url")
     parser.add_argument("--load-seconds", type=float, default=0.0)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument(
+        "--ready-timeout", type=float, default=300.0, help="seconds to wait for /health/ready"
+    )
     args = parser.parse_args(argv)
     base_url = args.base_url.rstrip("/")
     with httpx.Client(base_url=base_url, timeout=300) as client:
         try:
-            wait_ready(client)
+            wait_ready(client, args.ready_timeout)
             if args.load_seconds > 0:
                 served = run_load(base_url, args.load_seconds, args.concurrency)
                 expect(served > 0, "no request succeeded under load")
