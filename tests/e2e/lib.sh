@@ -97,7 +97,7 @@ real_gpus() {
 install_chart() {
   local extra=()
   if [[ "$MODE" == gpu ]]; then
-    extra=(--set-string "example.spec.target.gpu.product=$GPU_PRODUCT")
+    extra=(-f "$E2E_DIR/values-gpu.yaml" --set-string "example.spec.target.gpu.product=$GPU_PRODUCT")
   fi
   log "installing the chart (operator + CRD + example '$EXAMPLE')"
   helm upgrade --install "$RELEASE" "$REPO_ROOT/charts/multiguess" --namespace "$NAMESPACE" --create-namespace \

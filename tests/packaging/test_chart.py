@@ -15,6 +15,7 @@ from tests.packaging.manifests import CRD_PATH, load_crd, validate_manifest
 from tests.packaging.tools import ROOT
 
 E2E_VALUES = ROOT / "tests" / "e2e" / "values.yaml"
+E2E_GPU_VALUES = ROOT / "tests" / "e2e" / "values-gpu.yaml"
 DIGEST = "sha256:" + "ab" * 32
 
 # name -> (values files, --set values). Each set switches on a different part of the chart.
@@ -31,6 +32,7 @@ VALUE_SETS: dict[str, tuple[tuple[Path, ...], tuple[str, ...]]] = {
     ),
     "example": ((), ("example.enabled=true", "example.name=demo")),
     "e2e-cpu": ((E2E_VALUES,), ()),
+    "e2e-gpu": ((E2E_VALUES, E2E_GPU_VALUES), ("example.spec.target.gpu.product=NVIDIA-H100-80GB-HBM3",)),
     "custom": (
         (),
         (
@@ -194,6 +196,17 @@ def test_e2e_values_point_the_operator_at_the_loaded_images(
     assert _env(container)["MULTIGUESS_OPERATOR_IMAGE"] == "multiguess-server:e2e"
     (example,) = by_kind(objects, "SpeculativeDeployment")
     assert example["metadata"]["name"] == "e2e"
+
+
+def test_e2e_gpu_overlay_keeps_the_model_and_moves_it_to_the_gpu(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    (cpu,) = by_kind(rendered["e2e-cpu"], "SpeculativeDeployment")
+    (gpu,) = by_kind(rendered["e2e-gpu"], "SpeculativeDeployment")
+    assert gpu["spec"]["target"]["model"] == cpu["spec"]["target"]["model"]
+    assert gpu["spec"]["target"]["gpu"]["product"] == "NVIDIA-H100-80GB-HBM3"
+    env = {e["name"]: e["value"] for e in gpu["spec"]["serving"]["env"]}
+    assert env == {"MULTIGUESS_MODEL_NAME": "smollm2-e2e", "MULTIGUESS_DEVICE": "cuda"}
 
 
 def test_crds_rendered_with_include_crds_are_the_source_of_truth(helm: Path) -> None:
