@@ -111,3 +111,16 @@ def test_non_streaming_disconnect_stops_generation(narrow: LiveServer) -> None:
     wait_idle(narrow, timeout=2)
     with narrow.client() as client:
         assert metric(client, "multiguess_generation_tokens_total") - generated < LONG["max_tokens"]
+
+
+def test_draining_refuses_new_work_and_fails_readiness(
+    start_server: Callable[..., LiveServer], tiny_llama: Path, tiny_config: EngineConfig
+) -> None:
+    live = start_server(tiny_loader(tiny_llama, None, tiny_config))
+    live.scheduler.drain()  # what SIGTERM does first
+    with live.client() as client:
+        ready = client.get("/health/ready")
+        assert ready.status_code == 503 and ready.json()["status"] == "draining"
+        resp = client.post("/v1/completions", json={"prompt": "w1", "max_tokens": 2})
+        assert resp.status_code == 503 and "shutting down" in resp.json()["error"]["message"]
+        assert metric(client, "multiguess_requests_rejected_total", reason="not_ready") == 1

@@ -1,0 +1,132 @@
+"""`multiguess serve`: flags and their environment variables, and a graceful SIGTERM drain."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from multiguess.cli import build_parser
+from multiguess.commands.serve import env_name, served_name
+
+from tests.api.conftest import wait_ready
+from tests.api.helpers import sse_events
+
+
+def parse(*argv: str) -> object:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_every_flag_has_an_environment_variable_and_the_command_line_wins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MULTIGUESS_NUM_CANDIDATES", "5")
+    monkeypatch.setenv("MULTIGUESS_MAX_QUEUE", "7")
+    monkeypatch.setenv("MULTIGUESS_REQUEST_TIMEOUT", "2.5")
+    args = parse("--max-queue", "9")
+    assert (args.num_candidates, args.max_queue, args.request_timeout) == (5, 9, 2.5)
+    assert (args.depth, args.port, args.target) == (4, 8000, None)
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
+    for flag in (
+        "--target",
+        "--draft",
+        "--num-candidates",
+        "--depth",
+        "--host",
+        "--port",
+        "--max-queue",
+        "--request-timeout",
+        "--model-name",
+        "--log-level",
+        "--draft-quantization",
+        "--max-model-len",
+    ):
+        assert flag in help_text and env_name(flag) in help_text.replace("\n", " ").replace("  ", ""), flag
+
+
+def test_bad_environment_values_fail_like_bad_flags(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("MULTIGUESS_PORT", "eighty")
+    with pytest.raises(SystemExit) as exc:
+        parse()
+    assert exc.value.code == 2 and "--port" in capsys.readouterr().err
+    monkeypatch.setenv("MULTIGUESS_PORT", "80")
+    with pytest.raises(SystemExit):
+        parse("--request-timeout", "0")
+
+
+def test_served_name_defaults_to_the_target_folder() -> None:
+    assert served_name(parse()) == "multiguess-default"
+    assert served_name(parse("--target", "/models/SmolLM2-135M/")) == "SmolLM2-135M"
+    assert served_name(parse("--target", "/m/x", "--model-name", "prod")) == "prod"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def serve_process(tiny_llama: Path, tiny_llama_draft: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+    """The real command in its own process, configured the way pods are: mostly by env."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "MULTIGUESS_TARGET": str(tiny_llama),
+        "MULTIGUESS_DRAFT": str(tiny_llama_draft),
+        "MULTIGUESS_DTYPE": "float32",
+        "MULTIGUESS_MAX_MODEL_LEN": "512",
+        "MULTIGUESS_HOST": "127.0.0.1",
+        "MULTIGUESS_PORT": str(port),
+        "MULTIGUESS_MODEL_NAME": "from-env",
+        "MULTIGUESS_LOG_LEVEL": "warning",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "multiguess.cli",
+        "serve",
+        "--model-name",
+        "from-cli",
+        "--shutdown-grace",
+        "30",
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, timeout=120)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_zero(
+    serve_process: tuple[subprocess.Popen, str],
+) -> None:
+    proc, url = serve_process
+    body = {"prompt": "w1 w2", "max_tokens": 500, "temperature": 0, "ignore_eos": True, "depth": 0}
+    with httpx.Client(base_url=url, timeout=60) as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["from-cli"]
+        whole = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        with client.stream("POST", "/v1/completions", json=stream_body) as resp:
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            events = sse_events([first, *lines])
+    assert events[-1] == "[DONE]"
+    assert events[-2]["usage"]["completion_tokens"] == 500
+    assert "".join(e["choices"][0]["text"] for e in events[:-2]) == whole
+    assert proc.wait(30) == 0, proc.stdout.read() if proc.stdout else ""
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health/live", timeout=2)
