@@ -24,7 +24,7 @@ tools: setup
 	$(PY) scripts/install_tools.py
 
 run: setup
-	$(VENV)/bin/multiguess generate --prompt "Explain speculative decoding in one paragraph."
+	$(VENV)/bin/multiguess serve
 
 test: setup tools
 	$(PY) -m pytest -q $(PYTEST_ARGS)

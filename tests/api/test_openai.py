@@ -146,6 +146,9 @@ def test_generate_endpoint(server: LiveServer, offline: LLM) -> None:
     body = resp.json()
     assert body["result"] == text
     assert body["usage"]["completion_tokens"] == tokens
+    with server.client() as client:
+        chat = client.post("/generate", json={"prompt": "w7 w8", "max_tokens": 10, "chat": True}).json()
+    assert chat["result"] == expected(offline, chat_ids(offline, "w7 w8"), max_tokens=10)[0]
     assert set(body["multiguess"]) >= {
         "verify_steps",
         "draft_tokens",

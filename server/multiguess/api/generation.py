@@ -24,6 +24,7 @@ from multiguess.api.schemas import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessage,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -198,7 +199,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     model = check_model(request, body.model)
     scheduler = scheduler_of(request)
-    prompt = chat_prompt(body, scheduler.engine.tokenizer)  # type: ignore[union-attr]
+    prompt = chat_prompt(body.messages, scheduler.engine.tokenizer)  # type: ignore[union-attr]
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     samples = build_samples(scheduler, body, [prompt], max_tokens, body.n)
     head = header("chatcmpl", model)
@@ -269,7 +270,11 @@ def usage_chunk(
 @router.post("/generate", response_model=GenerateResponse)
 async def generate(body: GenerateRequest, request: Request) -> Any:
     scheduler = scheduler_of(request)
-    prompt = scheduler.engine.tokenizer.encode(body.prompt)  # type: ignore[union-attr]
+    tokenizer = scheduler.engine.tokenizer  # type: ignore[union-attr]
+    if body.chat:
+        prompt = chat_prompt([ChatMessage(role="user", content=body.prompt)], tokenizer)
+    else:
+        prompt = tokenizer.encode(body.prompt)
     samples = build_samples(scheduler, body, [prompt], body.max_tokens, 1)
     try:
         outcome = await run_collected(request, scheduler, samples, 1)

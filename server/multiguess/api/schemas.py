@@ -63,9 +63,11 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class GenerateRequest(SamplingFields):
-    """The original guide's endpoint: greedy by default."""
+    """The original guide's endpoint: greedy by default; ``chat`` wraps the prompt as one user
+    message in the target's chat template (instruct models answer nothing to a bare prompt)."""
 
     prompt: str
+    chat: bool = False
     max_tokens: int | None = 128
     temperature: float = 0.0
 

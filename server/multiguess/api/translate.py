@@ -9,7 +9,7 @@ from transformers import PreTrainedTokenizerBase
 
 from multiguess.api.errors import APIError
 from multiguess.api.schemas import (
-    ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     SamplingFields,
     SpecSummary,
@@ -61,19 +61,19 @@ def completion_prompts(body: CompletionRequest, tokenizer: PreTrainedTokenizerBa
     return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
 
-def chat_prompt(body: ChatCompletionRequest, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The target's own chat template over the messages, ready for the assistant's turn."""
-    if not body.messages:
+    if not messages:
         raise APIError(400, "messages must not be empty", param="messages")
-    messages = [
+    plain = [
         {
             "role": m.role,
             "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or []),
         }
-        for m in body.messages
+        for m in messages
     ]
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
     except (TemplateError, ValueError) as exc:
         raise APIError(
             400, f"the model's chat template rejected the messages: {exc}", param="messages"
