@@ -9,6 +9,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+from multiguess_operator.rbac import cluster_role
 
 from tests.packaging.helm import CHART, NAMESPACE, RELEASE, HelmError, by_kind, render, run_helm, value_args
 from tests.packaging.manifests import CRD_PATH, load_crd, validate_manifest
@@ -31,6 +32,7 @@ VALUE_SETS: dict[str, tuple[tuple[Path, ...], tuple[str, ...]]] = {
         ),
     ),
     "example": ((), ("example.enabled=true", "example.name=demo")),
+    "namespaced": ((), ("operator.namespaces={team-a}",)),
     "e2e-cpu": ((E2E_VALUES,), ()),
     "e2e-gpu": ((E2E_VALUES, E2E_GPU_VALUES), ("example.spec.target.gpu.product=NVIDIA-H100-80GB-HBM3",)),
     "custom": (
@@ -232,10 +234,14 @@ def _rule_set(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
     }
 
 
-def test_cluster_role_matches_the_operator_rbac(rendered: dict[str, list[dict[str, Any]]]) -> None:
-    rbac = pytest.importorskip("multiguess_operator.rbac", reason="multiguess_operator.rbac not written yet")
-    (role,) = by_kind(rendered["default"], "ClusterRole")
-    assert _rule_set(role["rules"]) == _rule_set(rbac.cluster_role_rules())
+@pytest.mark.parametrize(("name", "namespaced"), [("default", False), ("namespaced", True)])
+def test_cluster_role_matches_the_operator_rbac(
+    rendered: dict[str, list[dict[str, Any]]], name: str, namespaced: bool
+) -> None:
+    """The chart grants exactly what multiguess_operator.rbac says the operator uses."""
+    (role,) = by_kind(rendered[name], "ClusterRole")
+    expected = cluster_role(namespaced_mode=namespaced)["rules"]
+    assert _rule_set(role["rules"]) == _rule_set(expected)
 
 
 @pytest.mark.parametrize(
