@@ -85,12 +85,9 @@ def conditions(
         progressing = (True, "RollingOut", f"rolling out: {', '.join(moving)}")
     else:
         progressing = (False, "Complete", "all pods are up to date")
-    if stuck:
-        degraded = (True, "RolloutFailed", "; ".join(stuck))
-    elif unavailable and not moving:
-        degraded = (True, "PodsUnavailable", f"no ready pods: {', '.join(unavailable)}")
-    else:
-        degraded = (False, "AsExpected", "")
+    # Pods that are still starting (model loading takes minutes) are progress, not degradation; the
+    # Deployment controller's own deadline (ProgressDeadlineExceeded) is what marks a failure.
+    degraded = (True, "RolloutFailed", "; ".join(stuck)) if stuck else (False, "AsExpected", "")
     return {"Ready": ready, "Progressing": progressing, "Degraded": degraded}
 
 
