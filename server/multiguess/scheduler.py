@@ -211,6 +211,11 @@ class Scheduler:
             self._thread.join(timeout)
         self.state = "stopped"
 
+    @property
+    def alive(self) -> bool:
+        """False once loading failed or the worker died: only a restart helps then."""
+        return self.state != "failed"
+
     def not_ready_message(self) -> str:
         if self.state == "loading":
             return "the model is still loading; retry shortly"
@@ -230,7 +235,13 @@ class Scheduler:
         if self.state == "loading":
             self.state = "ready"
         log.info("engine ready: %s", engine.config)
-        self._serve(engine)
+        try:
+            self._serve(engine)
+        except Exception as exc:  # a bug in the loop itself: fail loudly, and fail liveness
+            log.exception("the engine worker died")
+            self.state, self.reason = "failed", f"the engine worker died: {type(exc).__name__}: {exc}"
+            for tracked in self._tracked.values():
+                self._post(tracked.job, EngineFailure(self.reason))
 
     def _serve(self, engine: Engine) -> None:
         while True:

@@ -9,7 +9,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from multiguess.engine.engine import EngineConfig
+from fastapi.testclient import TestClient
+from multiguess.api import ServerSettings, create_app
+from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.errors import ModelLoadError
 
 from tests.api.conftest import LiveServer, tiny_loader
 from tests.api.faults import Faults
@@ -124,3 +127,18 @@ def test_draining_refuses_new_work_and_fails_readiness(
         resp = client.post("/v1/completions", json={"prompt": "w1", "max_tokens": 2})
         assert resp.status_code == 503 and "shutting down" in resp.json()["error"]["message"]
         assert metric(client, "multiguess_requests_rejected_total", reason="not_ready") == 1
+
+
+def test_a_failed_load_fails_readiness_and_liveness(tmp_path: Path) -> None:
+    def load() -> Engine:
+        raise ModelLoadError(f"cannot load model {str(tmp_path)!r}: no config.json")
+
+    app = create_app(load, ServerSettings(model_name="broken"))
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 10
+        while app.state.scheduler.state == "loading" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ready, live = client.get("/health/ready"), client.get("/health/live")
+        assert ready.status_code == live.status_code == 503
+        assert "no config.json" in ready.json()["reason"] and live.json()["status"] == "failed"
+        assert client.post("/generate", json={"prompt": "w1"}).status_code == 503

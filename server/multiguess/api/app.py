@@ -61,9 +61,12 @@ def create_app(load: Callable[[], Engine], settings: ServerSettings | None = Non
     errors.install(app)
     app.include_router(generation_router)
 
-    @app.get("/health/live")
-    async def live() -> dict[str, str]:
-        return {"status": "alive"}
+    @app.get("/health/live", responses={503: {"description": "the engine failed; restart"}})
+    async def live(request: Request) -> JSONResponse:
+        scheduler: Scheduler = request.app.state.scheduler
+        if scheduler.alive:
+            return JSONResponse({"status": "alive"})
+        return JSONResponse({"status": "failed", "reason": scheduler.not_ready_message()}, status_code=503)
 
     @app.get("/health/ready", responses={503: {"description": "loading, failed or shutting down"}})
     async def ready(request: Request) -> JSONResponse:
