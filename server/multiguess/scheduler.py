@@ -248,6 +248,7 @@ class Scheduler:
             for command in self._take_commands(block=not engine.has_unfinished()):
                 if command is _STOP:
                     self._fail_all(engine, EngineFailure("the server stopped before the request finished"))
+                    self._refuse_pending()
                     return
                 kind, job, done = command
                 if kind == "add":
@@ -256,6 +257,12 @@ class Scheduler:
                     self._abort(engine, job.id)
             if engine.has_unfinished():
                 self._step(engine)
+
+    def _refuse_pending(self) -> None:
+        """Adds that raced with the stop get an answer instead of waiting forever."""
+        for command in self._take_commands(block=False):
+            if command is not _STOP and command[0] == "add":
+                command[2].set_exception(NotReady("the server is shutting down"))
 
     def _take_commands(self, block: bool) -> list[Any]:
         commands = [self._commands.get()] if block else []
