@@ -13,8 +13,7 @@ CLUSTER="${CLUSTER:-multiguess-e2e}"
 
 prepare_tools
 need kind
-KUBECONFIG="$(mktemp -t multiguess-e2e-kubeconfig.XXXXXX)"
-export KUBECONFIG
+private_kubeconfig
 
 finish() {
   local status=$?
@@ -24,7 +23,7 @@ finish() {
     log "keeping cluster $CLUSTER (KUBECONFIG=$KUBECONFIG)"
   else
     kind delete cluster --name "$CLUSTER" || true
-    rm -f "$KUBECONFIG"
+    rm -rf "$KUBECONFIG_DIR"
   fi
   exit "$status"
 }

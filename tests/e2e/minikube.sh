@@ -10,8 +10,7 @@ PROFILE="${PROFILE:-multiguess-e2e}"
 
 prepare_tools
 need minikube
-KUBECONFIG="$(mktemp -t multiguess-e2e-kubeconfig.XXXXXX)"
-export KUBECONFIG
+private_kubeconfig
 
 finish() {
   local status=$?
@@ -21,7 +20,7 @@ finish() {
     log "keeping minikube profile $PROFILE (KUBECONFIG=$KUBECONFIG)"
   else
     minikube delete --profile "$PROFILE" || true
-    rm -f "$KUBECONFIG"
+    rm -rf "$KUBECONFIG_DIR"
   fi
   exit "$status"
 }

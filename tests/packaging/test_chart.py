@@ -208,7 +208,8 @@ def test_e2e_gpu_overlay_keeps_the_model_and_moves_it_to_the_gpu(
     assert gpu["spec"]["target"]["model"] == cpu["spec"]["target"]["model"]
     assert gpu["spec"]["target"]["gpu"]["product"] == "NVIDIA-H100-80GB-HBM3"
     env = {e["name"]: e["value"] for e in gpu["spec"]["serving"]["env"]}
-    assert env == {"MULTIGUESS_MODEL_NAME": "smollm2-e2e", "MULTIGUESS_DEVICE": "cuda"}
+    cpu_env = {e["name"]: e["value"] for e in cpu["spec"]["serving"]["env"]}
+    assert env == {**cpu_env, "MULTIGUESS_DEVICE": "cuda"}
 
 
 def test_crds_rendered_with_include_crds_are_the_source_of_truth(helm: Path) -> None:
@@ -269,6 +270,7 @@ def test_notes_tell_the_user_what_to_do_next(helm: Path) -> None:
     assert "kubectl apply -f examples/speculative.yaml" in notes
     assert "crds/speculativedeployment.yaml" in notes
     assert "/generate" in notes
+    assert f"kubectl delete specdeploy --all --all-namespaces --wait && helm uninstall {RELEASE}" in notes
 
 
 def test_package_carries_crd_schema_and_notes(helm: Path, tmp_path: Path) -> None:
