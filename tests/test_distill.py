@@ -11,7 +11,7 @@ import torch
 from multiguess import cli
 from multiguess.distill import corpus, prompts
 from multiguess.distill.evaluate import chain_tokens_per_step
-from multiguess.distill.loss import topk_soft_cross_entropy
+from multiguess.distill.loss import sampled_topk_soft_cross_entropy, topk_soft_cross_entropy
 from multiguess.distill.shards import read_shards
 from multiguess.distill.student import projected_embeddings
 from multiguess.distill.teacher import Record, reply_length
@@ -37,6 +37,25 @@ def test_loss_value_and_gradient_match_the_plain_formula() -> None:
     reference.backward()
     assert torch.allclose(loss, reference, atol=1e-5)
     assert torch.allclose(logits.grad, reference_logits.grad, atol=1e-6)
+
+
+def test_sampled_loss_estimates_the_full_loss() -> None:
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(64, 8), torch.randn(2000, 8)
+    ids = torch.stack([torch.randperm(2000)[:4] for _ in range(64)])
+    logprobs = torch.log_softmax(torch.randn(64, 4), dim=-1)
+    full = topk_soft_cross_entropy(hidden @ weight.T, ids, logprobs)
+    generator = torch.Generator().manual_seed(0)
+    estimates = [
+        sampled_topk_soft_cross_entropy(hidden, weight, ids, logprobs, 400, generator)[0].item()
+        for _ in range(20)
+    ]
+    assert sum(estimates) / len(estimates) == pytest.approx(full.item(), rel=0.05)
+    weight.requires_grad_(True)
+    loss, hits = sampled_topk_soft_cross_entropy(hidden, weight, ids, logprobs, 50, generator)
+    loss.backward()
+    touched = weight.grad.abs().sum(dim=1) > 0
+    assert touched[ids.flatten()].all() and touched.sum() < 2000 and hits.shape == (64,)
 
 
 def test_chain_tokens_per_step() -> None:

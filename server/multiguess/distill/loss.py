@@ -36,3 +36,32 @@ def topk_soft_cross_entropy(logits: torch.Tensor, ids: torch.Tensor, logprobs: t
     """
     probs = torch.softmax(logprobs.float(), dim=-1)
     return _TopKSoftCrossEntropy.apply(logits, ids.long(), probs)
+
+
+def sampled_topk_soft_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    logprobs: torch.Tensor,
+    negatives: int,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same loss with the softmax over a candidate set instead of the whole vocabulary.
+
+    Candidates are every id in the batch's teacher top-k plus ``negatives`` uniform draws; the
+    drawn ones get ``log((V - |top-k ids|) / negatives)`` added to their logits, the usual
+    sampled-softmax correction, so the normaliser still estimates the full one. The output
+    layer is the cost of a small draft, and this cuts it several-fold. Returns (loss, whether the
+    draft's best candidate is the teacher's top-1, per row).
+    """
+    vocab = weight.shape[0]
+    teacher_ids = torch.unique(ids.long())
+    drawn = torch.randint(0, vocab, (negatives,), generator=generator)
+    drawn = drawn[~torch.isin(drawn, teacher_ids)].unique()
+    candidates = torch.cat([teacher_ids, drawn])
+    offset = torch.zeros(len(candidates))
+    offset[len(teacher_ids) :] = torch.log(torch.tensor((vocab - len(teacher_ids)) / max(1, negatives)))
+    logits = torch.nn.functional.linear(hidden, weight[candidates]).float() + offset
+    local = torch.searchsorted(teacher_ids, ids.long())
+    loss = topk_soft_cross_entropy(logits, local, logprobs)
+    return loss, logits.detach().argmax(dim=-1) == local[:, 0]

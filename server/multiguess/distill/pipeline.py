@@ -27,7 +27,7 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "special_tokens_map.json",
 )
-EVAL_DURING_TRAINING = 40
+EVAL_DURING_TRAINING = 32
 
 
 @dataclass(frozen=True)

@@ -66,4 +66,16 @@ def build_draft(target, shape: DraftShape, seed: int = 0):
         draft.get_input_embeddings().weight.copy_(
             projected_embeddings(target.get_input_embeddings().weight, shape.hidden_size)
         )
+        calibrate_logit_scale(draft, seed)
     return draft
+
+
+def calibrate_logit_scale(draft, seed: int, target_std: float = 1.0) -> None:
+    """Scale the final norm so that initial logits have std ``target_std``.
+
+    A fresh body points its final states in arbitrary directions; with large logits that makes
+    the initial loss far above log(vocab) and the first steps are spent shrinking them.
+    """
+    ids = torch.randint(0, draft.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(seed))
+    std = draft(input_ids=ids).logits.float().std().item()
+    draft.model.norm.weight.mul_(target_std / std)

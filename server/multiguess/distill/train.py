@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from multiguess.distill.loss import topk_soft_cross_entropy
+from multiguess.distill.loss import sampled_topk_soft_cross_entropy, topk_soft_cross_entropy
 from multiguess.distill.teacher import Record
 
 
@@ -31,9 +31,10 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     seed: int = 0
-    checkpoint_seconds: float = 240.0
+    checkpoint_seconds: float = 300.0
     log_every: int = 10
     bf16_autocast: bool = True
+    sampled_negatives: int = 4096  # 0: softmax over the whole vocabulary
 
 
 @dataclass
@@ -115,24 +116,37 @@ def learning_rate(config: TrainConfig, step: int) -> float:
     )
 
 
-def draft_logits(model, batch: Batch, autocast: bool) -> torch.Tensor:
-    """Output-layer logits at labelled positions only: the context needs no vocabulary projection."""
+def labelled_hidden(model, batch: Batch, autocast: bool) -> torch.Tensor:
+    """Final hidden states at labelled positions only: the context needs no vocabulary projection."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         hidden = model.model(input_ids=batch.ids, attention_mask=batch.mask).last_hidden_state
-        return model.lm_head(hidden[batch.rows, batch.cols])
+        return hidden[batch.rows, batch.cols]
+
+
+def draft_logits(model, batch: Batch, autocast: bool) -> torch.Tensor:
+    """Full-vocabulary logits at labelled positions."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        return model.lm_head(labelled_hidden(model, batch, autocast))
 
 
 def train_step(model, optimizer, batch: Batch, config: TrainConfig, lr: float) -> dict[str, float]:
     for group in optimizer.param_groups:
         group["lr"] = lr
-    logits = draft_logits(model, batch, config.bf16_autocast)
-    loss = topk_soft_cross_entropy(logits, batch.topk_ids, batch.topk_logprobs)
-    top1 = (logits.argmax(dim=-1) == batch.topk_ids[:, 0]).float().mean().item()
+    if config.sampled_negatives:
+        hidden = labelled_hidden(model, batch, config.bf16_autocast)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16_autocast):
+            loss, hits = sampled_topk_soft_cross_entropy(
+                hidden, model.lm_head.weight, batch.topk_ids, batch.topk_logprobs, config.sampled_negatives
+            )
+    else:
+        logits = draft_logits(model, batch, config.bf16_autocast)
+        loss = topk_soft_cross_entropy(logits, batch.topk_ids, batch.topk_logprobs)
+        hits = logits.detach().argmax(dim=-1) == batch.topk_ids[:, 0]
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
     optimizer.step()
-    return {"loss": loss.item(), "top1": top1, "tokens": len(batch.rows)}
+    return {"loss": loss.item(), "top1": hits.float().mean().item(), "tokens": len(batch.rows)}
 
 
 def make_optimizer(model, config: TrainConfig) -> torch.optim.Optimizer:
