@@ -23,6 +23,7 @@ TIMEOUT="${E2E_TIMEOUT:-900s}"
 PYTHON="${PYTHON:-$REPO_ROOT/.venv/bin/python}"
 HELM="$REPO_ROOT/.tools/bin/helm"
 PORT_FORWARD_PID=""
+PINNED_PRODUCT=""  # the nvidia.com/gpu.product the example's pods must be pinned to
 
 log() { printf '\n=== [e2e %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { printf '\ne2e FAILED: %s\n' "$*" >&2; exit 1; }
@@ -71,6 +72,7 @@ fake_gpus() {
       -p '[{"op": "add", "path": "/status/capacity/nvidia.com~1gpu", "value": "4"}]'
     kubectl wait "$node" --for=jsonpath='{.status.allocatable.nvidia\.com/gpu}'=4 --timeout=60s
   done
+  PINNED_PRODUCT="$FAKE_GPU_PRODUCT"
 }
 
 # GPU mode: the NVIDIA device plugin (with GPU feature discovery for the product label) must
@@ -96,14 +98,14 @@ real_gpus() {
       kubectl label --overwrite "$node" "nvidia.com/gpu.product=$product"
     done
   fi
-  GPU_PRODUCT="$product"
-  log "serving on real GPUs: $GPU_PRODUCT"
+  PINNED_PRODUCT="$product"
+  log "serving on real GPUs: $PINNED_PRODUCT"
 }
 
 install_chart() {
   local extra=()
   if [[ "$MODE" == gpu ]]; then
-    extra=(-f "$E2E_DIR/values-gpu.yaml" --set-string "example.spec.target.gpu.product=$GPU_PRODUCT")
+    extra=(-f "$E2E_DIR/values-gpu.yaml" --set-string "example.spec.target.gpu.product=$PINNED_PRODUCT")
   fi
   log "installing the chart (operator + CRD + example '$EXAMPLE')"
   helm upgrade --install "$RELEASE" "$REPO_ROOT/charts/multiguess" --namespace "$NAMESPACE" --create-namespace \
@@ -139,7 +141,7 @@ wait_ready() {
   local pinned
   pinned="$(kubectl -n "$NAMESPACE" get "deployment/$EXAMPLE-target" \
     -o jsonpath='{.spec.template.spec.nodeSelector.nvidia\.com/gpu\.product}')"
-  [[ "$pinned" == "${GPU_PRODUCT:-$FAKE_GPU_PRODUCT}" ]] || die "target pods pinned to '$pinned'"
+  [[ "$pinned" == "$PINNED_PRODUCT" ]] || die "target pods pinned to '$pinned', not '$PINNED_PRODUCT'"
 }
 
 port_forward() {
