@@ -53,6 +53,8 @@ def test_existing_cache_is_reused_untouched(tmp_path: Path) -> None:
     else:
         assert (models.draft, models.draft_quantization) == (embedded.SHIPPED_DRAFT, None)
     assert models.dtype == "bfloat16"
+    int8 = embedded.with_int8_target_draft(models)
+    assert (int8.target, int8.draft, int8.draft_quantization) == (models.target, models.target, "int8")
 
 
 def test_incomplete_folder_is_not_a_draft(tmp_path: Path) -> None:
@@ -79,3 +81,31 @@ def test_real_conversion_then_cli_reports_it(tmp_path: Path, capsys: pytest.Capt
     assert cli.main(["embedded", "--cache", str(tmp_path)]) == 0
     assert (target / "model.safetensors").stat().st_mtime_ns == weights
     assert json.loads(capsys.readouterr().out) == reported
+
+
+@pytest.mark.skipif(
+    embedded.shipped_draft() is None, reason="no trained draft shipped in multiguess/data/draft"
+)
+def test_shipped_draft_meets_the_draft_contract() -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = embedded.SHIPPED_DRAFT
+    weights = folder / "model.safetensors"
+    assert weights.stat().st_size < 50 * 2**20
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["model_type"], config["vocab_size"], config["dtype"]) == ("llama", 49152, "bfloat16")
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert len(tokenizer) == 49152 and tokenizer.eos_token == "<|im_end|>"
+    assert "<|im_start|>assistant" in tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    provenance = json.loads((folder / "provenance.json").read_text())
+    assert provenance["command"].startswith("multiguess distill")
+    metrics = json.loads((folder / "eval.json").read_text())
+    assert 0 < metrics["acceptance"] <= metrics["top4_coverage"] <= 1 and 0 < metrics["cost_ratio"] < 1
+    assert metrics == provenance["metrics"]
+    assert "## Reproduce" in (folder / "PROVENANCE.md").read_text()
+    draft = AutoModelForCausalLM.from_pretrained(folder)
+    ids = tokenizer("def add(a, b):", return_tensors="pt").input_ids
+    assert draft(input_ids=ids).logits.shape == (1, ids.shape[1], 49152)

