@@ -12,7 +12,7 @@ import yaml
 from multiguess_operator.resources import desired_children
 from multiguess_operator.spec import SpecError, check_name, parse_spec
 
-from tests.packaging.manifests import load_crd, validate_custom_resource
+from tests.packaging.manifests import load_crd, validate_custom_resource, validate_manifest
 from tests.packaging.tools import ROOT
 
 EXAMPLES = ROOT / "examples"
@@ -63,6 +63,17 @@ def _pods(resource: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {
         c["metadata"]["name"]: c["spec"]["template"]["spec"] for c in children if c["kind"] == "Deployment"
     }
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_children_of_every_example_are_valid_kubernetes(name: str) -> None:
+    """What the operator would create from each example passes kubernetes-validate --strict."""
+    resource = ALL[name]
+    spec = parse_spec(resource["spec"])
+    children = desired_children(resource["metadata"]["name"], "default", spec, "registry.example.com/s:1")
+    assert {"Deployment", "Service", "PodDisruptionBudget"} <= {c["kind"] for c in children}
+    for child in children:
+        assert validate_manifest(child, load_crd()) == "kubernetes"
 
 
 def _gpu(pod: dict[str, Any]) -> tuple[str, str]:
