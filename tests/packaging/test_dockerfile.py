@@ -82,6 +82,23 @@ def test_operator_image_never_installs_torch() -> None:
     assert "torch" not in runs and "[server]" not in runs
 
 
+def test_operator_package_runs_without_torch_or_the_server() -> None:
+    """The operator image has `.[operator]` only: no extra in it, and no operator module, may need torch."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    needs = pyproject["dependencies"] + pyproject["optional-dependencies"]["operator"]
+    assert not [req for req in needs if re.match(r"(torch|transformers)\b", req)]
+    probe = (
+        "import importlib, pkgutil, sys, multiguess_operator, multiguess_operator.__main__\n"
+        "for m in pkgutil.walk_packages(multiguess_operator.__path__, 'multiguess_operator.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "print(sorted({k.split('.')[0] for k in sys.modules} & {'torch', 'transformers', 'multiguess'}))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert result.stdout.strip() == "[]", result.stdout
+
+
 def test_server_image_pins_torch_like_the_project() -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     (torch_pin,) = [
