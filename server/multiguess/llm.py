@@ -7,7 +7,9 @@ from collections.abc import Sequence as Seq
 from dataclasses import replace
 
 from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.engine.ngram import NgramDrafter
 from multiguess.models.loading import LoadedModel, check_draft_compatible, load_model
+from multiguess.options import DRAFTERS
 from multiguess.outputs import CompletionOutput, RequestOutput
 from multiguess.params import SamplingParams
 
@@ -25,7 +27,7 @@ def load_pair(
 ) -> tuple[LoadedModel, LoadedModel | None]:
     """Load target and draft; ``target=None`` means the embedded default pair.
 
-    ``speculate=False`` loads no draft at all (plain decoding of the target).
+    ``speculate=False`` loads no draft model at all.
     """
     if target is None:
         from multiguess.models.embedded import prepare_embedded
@@ -45,11 +47,31 @@ def load_pair(
     return target_model, draft_model
 
 
+def build_engine(
+    config: EngineConfig,
+    target: str | None = None,
+    draft: str | None = None,
+    drafter: str = "model",
+    dtype: str = "auto",
+    device: str = "cpu",
+    draft_device: str | None = None,
+    draft_quantization: str | None = None,
+) -> Engine:
+    """An engine with the chosen drafter: a draft ``model``, ``ngram`` lookup, or ``none``."""
+    if drafter not in DRAFTERS:
+        raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}; got {drafter!r}")
+    target_model, draft_model = load_pair(
+        target, draft, dtype, device, draft_device, draft_quantization, speculate=drafter == "model"
+    )
+    return Engine(target_model, draft_model, config, NgramDrafter() if drafter == "ngram" else None)
+
+
 class LLM:
     """A target, an optional draft, and the engine that serves them.
 
     ``LLM()`` uses the embedded default pair. ``draft=None`` (with an explicit target) or
-    ``speculate=False`` is plain decoding through the same engine.
+    ``drafter="none"`` is plain decoding through the same engine; ``drafter="ngram"`` drafts
+    from the sequence itself, with no draft model.
     """
 
     def __init__(
@@ -65,14 +87,14 @@ class LLM:
         draft_quantization: str | None = None,
         max_batch: int = 8,
         max_model_len: int = 2048,
-        speculate: bool = True,
+        drafter: str = "model",
+        adaptive: bool = True,
     ) -> None:
-        config = EngineConfig(num_candidates, depth, max_nodes, max_batch, max_model_len)
-        target_model, draft_model = load_pair(
-            target, draft, dtype, device, draft_device, draft_quantization, speculate
+        config = EngineConfig(num_candidates, depth, max_nodes, max_batch, max_model_len, adaptive)
+        self.engine = build_engine(
+            config, target, draft, drafter, dtype, device, draft_device, draft_quantization
         )
-        self.tokenizer = target_model.tokenizer
-        self.engine = Engine(target_model, draft_model, config)
+        self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
     def encode(self, prompt: Prompt) -> list[int]:

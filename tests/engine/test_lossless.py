@@ -72,7 +72,7 @@ def test_tree_speculation_is_lossless(
 @pytest.mark.parametrize(("num_candidates", "depth"), [(1, 3), (3, 4), (2, 7)])
 def test_draft_equal_to_target_accepts_every_level(tiny_llama: Path, num_candidates: int, depth: int) -> None:
     """With the target as its own draft every drafted level is accepted: depth + 1 per step."""
-    llm = LLM(str(tiny_llama), str(tiny_llama), num_candidates=num_candidates, depth=depth, dtype="float32")
+    llm = LLM(str(tiny_llama), str(tiny_llama), num_candidates, depth, dtype="float32", adaptive=False)
     max_tokens = 4 * (depth + 1)
     outs = llm.generate(random_prompts(7, (3, 20)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     for out in outs:

@@ -11,7 +11,7 @@ import argparse
 import os
 from typing import Any
 
-from multiguess.models.loading import DTYPES, QUANTIZATIONS
+from multiguess.options import DRAFTERS, DTYPE_NAMES, QUANTIZATIONS
 
 
 def env_default(flag: str, default: Any, kind: type = str) -> Any:
@@ -31,8 +31,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--target", None, help="target model folder or hub id (default: embedded pair)")
     add_flag(parser, "--draft", None, help="draft model folder or hub id (default: embedded draft)")
     add_flag(parser, "--draft-quantization", None, choices=QUANTIZATIONS, help="int8: dynamic int8 draft")
-    add_flag(parser, "--drafter", "model", choices=("model", "none"), help="how to draft; none = plain")
-    add_flag(parser, "--dtype", "auto", choices=("auto", *DTYPES), help="weights/activations dtype")
+    add_flag(parser, "--drafter", "model", choices=DRAFTERS, help="draft model, n-gram lookup, or none")
+    add_flag(parser, "--dtype", "auto", choices=DTYPE_NAMES, help="weights/activations dtype")
     add_flag(parser, "--device", "cpu", help="target device (cpu, cuda, cuda:1)")
     add_flag(parser, "--draft-device", None, help="draft device (default: the target's)")
     add_flag(parser, "--num-candidates", 3, int, help="children per expanded node (1 = chain)")
@@ -43,15 +43,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_llm(args: argparse.Namespace) -> Any:
-    """An ``LLM`` from parsed engine flags. ``--drafter none`` serves the target alone."""
+    """An ``LLM`` from parsed engine flags."""
     from multiguess.llm import LLM
 
-    draft = None if args.drafter == "none" else args.draft
-    if args.target is not None and args.drafter != "none" and draft is None:
-        raise SystemExit("--target needs --draft (or --drafter none for plain decoding)")
+    if args.target is not None and args.drafter == "model" and args.draft is None:
+        raise SystemExit("--target needs --draft (or --drafter ngram|none)")
     return LLM(
         target=args.target,
-        draft=draft,
+        draft=args.draft,
         num_candidates=args.num_candidates,
         depth=args.depth,
         max_nodes=args.max_nodes,
@@ -61,5 +60,5 @@ def build_llm(args: argparse.Namespace) -> Any:
         draft_quantization=args.draft_quantization,
         max_batch=args.max_batch,
         max_model_len=args.max_model_len,
-        speculate=args.drafter != "none",
+        drafter=args.drafter,
     )

@@ -16,7 +16,7 @@ import torch
 
 from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.runner import NativeRunner
-from multiguess.engine.sampling import processed_probs
+from multiguess.engine.sampling import Processing, processed_probs
 from multiguess.engine.tree import TokenTree
 
 
@@ -50,9 +50,7 @@ class DraftRequest:
 
 @dataclass
 class SampleSpec:
-    temperature: float
-    top_p: float
-    top_k: int
+    processing: Processing
     generator: torch.Generator | None
 
 
@@ -157,11 +155,12 @@ class ModelDrafter:
         beams: list[list[int]] = [[-1] for _ in requests]  # -1 stands for the root
         rows = [logits[b : b + 1] for b in range(len(requests))]
         for level in range(max(r.budget.depth for r in requests)):
+            dists = self._proposal_distributions(requests, rows)
             for b, req in enumerate(requests):
                 if level >= req.budget.depth:
                     beams[b] = []
                     continue
-                new = self._expand(req, beams[b], rows[b], cands[b], probs[b])
+                new = self._expand(req, beams[b], rows[b], dists[b], cands[b], probs[b])
                 new.sort(key=lambda i: (not cands[b][i].spine, -cands[b][i].score))
                 beams[b] = new[: req.budget.num_candidates]
             if level + 1 == max(r.budget.depth for r in requests) or not any(beams):
@@ -181,30 +180,51 @@ class ModelDrafter:
             proposals.append(Proposal(tree, node_probs))
         return proposals
 
+    @staticmethod
+    def _proposal_distributions(
+        requests: list[DraftRequest], rows: list[torch.Tensor]
+    ) -> list[torch.Tensor | None]:
+        """The distributions sampled requests draw children from, processed in one batch."""
+        sampled = [b for b, r in enumerate(requests) if r.sample is not None and len(rows[b])]
+        dists: list[torch.Tensor | None] = [None] * len(requests)
+        if not sampled:
+            return dists
+        specs = [requests[b].sample.processing for b in sampled for _ in rows[b]]  # type: ignore[union-attr]
+        merged = processed_probs(torch.cat([rows[b] for b in sampled]), specs)
+        for b, chunk in zip(sampled, merged.split([len(rows[b]) for b in sampled]), strict=True):
+            dists[b] = chunk
+        return dists
+
     def _expand(
         self,
         req: DraftRequest,
         beam: list[int],
         rows: torch.Tensor,
+        dists: torch.Tensor | None,
         cands: list[_Candidate],
         probs: dict[int, torch.Tensor],
     ) -> list[int]:
-        """Add the children of each beam node (rows hold their logits) and return their indices."""
+        """Add the children of each beam node and return their indices.
+
+        ``rows`` hold the beam's draft logits; ``dists`` their processed distributions when the
+        request samples its children (greedy requests take the top-k by log-probability).
+        """
         new = []
         k = req.budget.num_candidates
-        for parent, row in zip(beam, rows, strict=True):
-            base = 0.0 if parent == -1 else cands[parent].score
-            on_spine = parent == -1 or cands[parent].spine
-            if req.sample is None:
-                logp = torch.log_softmax(row, dim=-1)
-                top = torch.topk(logp, min(k, logp.shape[-1]))
-                picks, scores = top.indices.tolist(), top.values.tolist()
-            else:
-                q = processed_probs(row, req.sample.temperature, req.sample.top_p, req.sample.top_k)
+        if dists is None:
+            top = torch.topk(torch.log_softmax(rows, dim=-1), min(k, rows.shape[-1]))
+            choices = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+        else:
+            assert req.sample is not None
+            choices = []
+            for parent, q in zip(beam, dists, strict=True):
                 probs[parent] = q
                 support = int((q > 0).sum())
-                picks = torch.multinomial(q, min(k, support), generator=req.sample.generator).tolist()
-                scores = torch.log(q[picks]).tolist()
+                picks = torch.multinomial(q, min(k, support), generator=req.sample.generator)
+                choices.append((picks.tolist(), torch.log(q[picks]).tolist()))
+        for parent, (picks, scores) in zip(beam, choices, strict=True):
+            base = 0.0 if parent == -1 else cands[parent].score
+            on_spine = parent == -1 or cands[parent].spine
             for rank, (tok, lp) in enumerate(zip(picks, scores, strict=True)):
                 cands.append(_Candidate(tok, parent, base + lp, rank, on_spine and rank == 0))
                 new.append(len(cands) - 1)

@@ -10,14 +10,15 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from multiguess.engine.acceptance import Acceptance, accept_greedy, accept_sampled
+from multiguess.engine.adaptive import AdaptivePolicy
 from multiguess.engine.drafter import Drafter, DraftRequest, ModelDrafter, Proposal, SampleSpec, TreeBudget
 from multiguess.engine.runner import NativeRunner
-from multiguess.engine.sampling import processed_probs
+from multiguess.engine.sampling import Processing, processed_probs
 from multiguess.engine.sequence import Sequence, SpecStats
 from multiguess.engine.tree import TokenTree
 from multiguess.errors import InvalidRequestError
@@ -29,11 +30,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """Tree budget (the most a sequence drafts), batch and context limits, adaptivity.
+
+    With ``adaptive`` on, each step's tree follows the sequence's acceptance and the batch
+    size (see ``AdaptivePolicy``), never above the budget; off, every tree uses the budget.
+    """
+
     num_candidates: int = 3
     depth: int = 4
     max_nodes: int = 16
     max_batch: int = 8
     max_model_len: int = 2048
+    adaptive: bool = True
+    policy: AdaptivePolicy = field(default_factory=AdaptivePolicy)
 
     def __post_init__(self) -> None:
         TreeBudget(self.num_candidates, self.depth, self.max_nodes)  # validates
@@ -101,7 +110,7 @@ class Engine:
             generator = torch.Generator().manual_seed(
                 params.seed if params.seed is not None else random.getrandbits(63)
             )
-        seq = Sequence(request_id, list(prompt_ids), params, generator)
+        seq = Sequence(request_id, list(prompt_ids), params, generator, self.config.policy.prior)
         self.waiting.append(seq)
         return seq
 
@@ -124,13 +133,27 @@ class Engine:
             [s.slot for s in batch], [s.cache_len for s in batch], [p.tree for p in proposals]
         )
         outputs = []
+        target_probs = target_distributions(batch, proposals, logits)
         for b, (seq, proposal) in enumerate(zip(batch, proposals, strict=True)):
-            acceptance = self._accept(seq, proposal, logits[b, : len(proposal.tree)])
+            rows = logits[b, : len(proposal.tree)]
+            if seq.params.greedy:
+                acceptance = accept_greedy(proposal.tree, rows.argmax(dim=-1).tolist())
+            else:
+                acceptance = accept_sampled(
+                    proposal.tree,
+                    target_probs[b],
+                    proposal.draft_probs,
+                    seq.generator,
+                    with_replacement=False,
+                )
             self.target.cache.compact(seq.slot, seq.cache_len, acceptance.path)
             seq.cache_len += len(acceptance.path)
             if self.drafter is not None and len(proposal.tree) > 1:
                 self.drafter.commit(seq.slot, proposal, acceptance)
             self._record(seq, proposal, acceptance)
+            seq.acceptance = self.config.policy.update(
+                seq.acceptance, acceptance.accepted_drafts, proposal.tree.max_depth
+            )
             before = len(seq.output_ids)
             seq.append(acceptance.tokens, self.eos_ids, self.tokenizer)
             outputs.append(
@@ -165,14 +188,20 @@ class Engine:
             seq.cache_len = len(seq.prompt_ids) - 1
         self.running.extend(admitted)
 
-    def _budget(self, seq: Sequence) -> TreeBudget:
-        """The engine's tree budget, as overridden by the request and clipped to what is left."""
+    def _budget(self, seq: Sequence, batch_size: int) -> TreeBudget:
+        """This step's tree for ``seq``: the engine's budget, or the request's own override,
+        shaped by the adaptive policy (unless overridden) and clipped to what is left."""
         cfg, params = self.config, seq.params
-        depth = cfg.depth if params.depth is None else params.depth
-        room = min(seq.remaining, self.config.max_model_len - len(seq.token_ids)) - 1
-        return TreeBudget(
-            params.num_candidates or cfg.num_candidates, max(0, min(depth, room)), cfg.max_nodes
+        overridden = params.depth is not None or params.num_candidates is not None
+        budget = TreeBudget(
+            params.num_candidates or cfg.num_candidates,
+            cfg.depth if params.depth is None else params.depth,
+            cfg.max_nodes,
         )
+        if cfg.adaptive and not overridden:
+            budget = cfg.policy.plan(budget, seq.acceptance, batch_size, seq.stats.verify_steps)
+        room = min(seq.remaining, cfg.max_model_len - len(seq.token_ids)) - 1
+        return replace(budget, depth=max(0, min(budget.depth, room)))
 
     def _propose(self, batch: list[Sequence]) -> list[Proposal]:
         proposals = [Proposal(TokenTree.chain([s.token_ids[-1]])) for s in batch]
@@ -180,7 +209,7 @@ class Engine:
             return proposals
         requests = []
         for i, seq in enumerate(batch):
-            budget = self._budget(seq)
+            budget = self._budget(seq, len(batch))
             if budget.depth > 0:
                 requests.append((i, DraftRequest(seq.slot, seq.token_ids, budget, sample_spec(seq))))
         if not requests:
@@ -222,10 +251,26 @@ class Engine:
         self.free_slots.sort()
 
 
+def processing(params: SamplingParams) -> Processing:
+    return Processing(params.temperature, params.top_p, params.top_k)
+
+
 def sample_spec(seq: Sequence) -> SampleSpec | None:
     """Sampled requests draw their children from the draft; greedy ones take its top-k."""
-    p = seq.params
-    return None if p.greedy else SampleSpec(p.temperature, p.top_p, p.top_k, seq.generator)
+    return None if seq.params.greedy else SampleSpec(processing(seq.params), seq.generator)
+
+
+def target_distributions(
+    batch: list[Sequence], proposals: list[Proposal], logits: torch.Tensor
+) -> dict[int, torch.Tensor]:
+    """The processed target distribution at every tree node of the sampled sequences."""
+    sampled = [b for b, seq in enumerate(batch) if not seq.params.greedy]
+    if not sampled:
+        return {}
+    sizes = [len(proposals[b].tree) for b in sampled]
+    specs = [processing(batch[b].params) for b, n in zip(sampled, sizes, strict=True) for _ in range(n)]
+    merged = processed_probs(torch.cat([logits[b, :n] for b, n in zip(sampled, sizes, strict=True)]), specs)
+    return dict(zip(sampled, merged.split(sizes), strict=True))
 
 
 def eos_token_ids(model: LoadedModel) -> set[int]:

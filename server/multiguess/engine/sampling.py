@@ -1,30 +1,39 @@
 """Turning logits into the distribution a request samples from (temperature, top-k, top-p).
 
 The same processing defines the target's distribution (the truth speculation must preserve)
-and the draft's proposal distribution.
+and the draft's proposal distribution. It runs once per step over every sampled row of the
+batch, each row with its own request's settings.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
-def processed_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
-    """Probabilities over the last dimension after temperature, then top-k, then top-p.
+@dataclass(frozen=True)
+class Processing:
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+def processed_probs(logits: torch.Tensor, rows: list[Processing]) -> torch.Tensor:
+    """Float64 probabilities ``[N, V]`` after temperature, then top-k, then top-p, per row.
 
     Top-p keeps the smallest set of most probable tokens whose mass reaches ``top_p`` (ties at
     the boundary resolved by sort order, as in transformers).
     """
+    vocab = logits.shape[-1]
+    temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float64)[:, None]
     scores = logits.double() / temperature
-    if 0 < top_k < scores.shape[-1]:
-        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop_sorted = before >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+    top_k = torch.tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows])
+    top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float64)[:, None]
+    sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+    ranks = torch.arange(vocab)[None, :]
+    sorted_probs = torch.softmax(sorted_scores.masked_fill(ranks >= top_k[:, None], float("-inf")), dim=-1)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(sorted_probs).scatter(-1, order, sorted_probs)

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from multiguess.errors import IncompatibleDraftError, ModelLoadError, UnsupportedModelError
+from multiguess.options import QUANTIZATIONS
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +18,6 @@ log = logging.getLogger(__name__)
 # MLP) that the native runner drives: Qwen2 adds q/k/v biases, Qwen3 adds q/k norms.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-QUANTIZATIONS = ("none", "int8")
 
 
 def cpu_has_fast_bf16() -> bool:

@@ -1,0 +1,84 @@
+"""A model-free drafter: continuations of earlier occurrences of the sequence's own suffix.
+
+Prompt lookup: when the last few tokens appeared before (in the prompt or the output so far),
+what followed them then is a cheap guess for what follows now. Summaries, code edits and
+extraction repeat their input heavily, so this drafter costs microseconds and can still
+accept several tokens per step. Different earlier occurrences give different continuations:
+they become the branches of the tree (merged where they share a prefix).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from multiguess.engine.acceptance import Acceptance
+from multiguess.engine.drafter import DraftRequest, Proposal
+from multiguess.engine.tree import TokenTree
+
+
+def find_continuations(
+    tokens: list[int], depth: int, limit: int, max_ngram: int, min_ngram: int
+) -> list[list[int]]:
+    """Up to ``limit`` continuations (at most ``depth`` long) of earlier matches of the suffix.
+
+    Longer matching suffixes come first, then more recent occurrences; continuations whose
+    first token repeats an earlier one's are skipped so that branches differ.
+    """
+    seq = np.asarray(tokens)
+    found: list[list[int]] = []
+    firsts: set[int] = set()
+    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
+        starts = np.flatnonzero((windows == seq[-n:]).all(axis=1))
+        for start in starts[::-1]:
+            cont = seq[start + n : start + n + depth].tolist()
+            if cont and cont[0] not in firsts:
+                firsts.add(cont[0])
+                found.append(cont)
+                if len(found) == limit:
+                    return found
+    return found
+
+
+def trie(root: int, chains: list[list[int]], max_nodes: int) -> TokenTree:
+    """Merge chains that share prefixes into one tree under ``root``; parents stay first."""
+    tokens, parents = [root], [-1]
+    index: dict[tuple[int, int], int] = {}
+    for chain in chains:
+        node = 0
+        for token in chain:
+            key = (node, token)
+            if key not in index:
+                if len(tokens) - 1 == max_nodes:
+                    break
+                tokens.append(token)
+                parents.append(node)
+                index[key] = len(tokens) - 1
+            node = index[key]
+    return TokenTree(tuple(tokens), tuple(parents))
+
+
+class NgramDrafter:
+    """Stateless prompt-lookup drafter; children are deterministic (exact under sampling too)."""
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("n-gram sizes need 1 <= min_ngram <= max_ngram")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        proposals = []
+        for req in requests:
+            budget = req.budget
+            chains = find_continuations(
+                req.token_ids, budget.depth, budget.num_candidates, self.max_ngram, self.min_ngram
+            )
+            proposals.append(Proposal(trie(req.token_ids[-1], chains, budget.max_nodes)))
+        return proposals
+
+    def commit(self, slot: int, proposal: Proposal, acceptance: Acceptance) -> None:
+        """Nothing to keep: every proposal is computed from the sequence itself."""
+
+    def release(self, slot: int) -> None:
+        """Nothing to free."""

@@ -1,0 +1,67 @@
+"""The adaptive speculation policy, table-driven, and its effect in the engine."""
+
+from pathlib import Path
+
+import pytest
+from multiguess import LLM, SamplingParams
+from multiguess.engine.adaptive import AdaptivePolicy
+from multiguess.engine.drafter import TreeBudget
+
+from tests.engine.test_lossless import random_prompts, reference
+
+BASE = TreeBudget(num_candidates=3, depth=6, max_nodes=16)
+POLICY = AdaptivePolicy(token_budget=64, min_gain=0.1, probe_every=8)
+
+
+@pytest.mark.parametrize(
+    ("acceptance", "batch", "step", "expected"),
+    [
+        (0.95, 1, 1, TreeBudget(3, 6, 16)),  # drafts pay, batch small: the whole budget
+        (0.5, 1, 1, TreeBudget(3, 3, 16)),  # 0.5^4 < 0.1: three levels
+        (0.2, 1, 1, TreeBudget(3, 1, 16)),  # one level still adds 0.2 tokens
+        (0.05, 1, 1, TreeBudget(1, 0, 16)),  # drafting does not pay: off ...
+        (0.05, 1, 8, TreeBudget(1, 1, 16)),  # ... but a one-token probe every 8 steps
+        (0.95, 8, 1, TreeBudget(1, 6, 7)),  # 8 sequences share 64 nodes: 7 each, a chain
+        (0.95, 16, 1, TreeBudget(1, 3, 3)),  # 16 sequences: 3 nodes each
+        (0.95, 32, 1, TreeBudget(1, 1, 1)),
+        (0.95, 64, 1, TreeBudget(3, 0, 16)),  # the budget is all roots: plain decoding
+    ],
+)
+def test_plan(acceptance: float, batch: int, step: int, expected: TreeBudget) -> None:
+    assert POLICY.plan(BASE, acceptance, batch, step) == expected
+
+
+def test_plan_never_exceeds_the_base_budget() -> None:
+    for acceptance in (0.0, 0.3, 0.7, 1.0):
+        for batch in (1, 2, 5, 40):
+            plan = POLICY.plan(BASE, acceptance, batch, 0)
+            assert plan.depth <= BASE.depth and plan.num_candidates <= BASE.num_candidates
+            assert plan.max_nodes <= BASE.max_nodes
+
+
+def test_update_estimates_the_per_level_rate() -> None:
+    policy = AdaptivePolicy(smoothing=1.0)
+    assert policy.update(0.5, accepted=4, drafted_depth=4) == 1.0
+    assert policy.update(0.5, accepted=0, drafted_depth=4) == 0.0
+    assert policy.update(0.5, accepted=2, drafted_depth=4) == pytest.approx(2 / 3)
+    assert policy.update(0.5, accepted=0, drafted_depth=0) == 0.5  # nothing drafted: unchanged
+
+
+def test_adaptive_engine_stays_lossless_and_shrinks_trees_for_a_poor_draft(
+    tiny_llama: Path, tiny_llama_draft: Path
+) -> None:
+    prompts = random_prompts(21, (3, 17, 40))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    fixed = LLM(str(tiny_llama), str(tiny_llama_draft), 3, 6, dtype="float32", adaptive=False)
+    adaptive = LLM(str(tiny_llama), str(tiny_llama_draft), 3, 6, dtype="float32", adaptive=True)
+    fixed_out, adaptive_out = fixed.generate(prompts, params), adaptive.generate(prompts, params)
+    expected = reference(tiny_llama, prompts, 40, ignore_eos=True)
+    assert [o.token_ids for o in adaptive_out] == expected == [o.token_ids for o in fixed_out]
+    drafted = lambda outs: sum(o.stats["draft_tokens"] for o in outs)  # noqa: E731
+    assert drafted(adaptive_out) < drafted(fixed_out)
+
+
+def test_request_override_disables_speculation(tiny_llama: Path, tiny_llama_draft: Path) -> None:
+    llm = LLM(str(tiny_llama), str(tiny_llama_draft), dtype="float32")
+    out = llm.generate(random_prompts(2, (9,)), SamplingParams(max_tokens=10, depth=0))[0]
+    assert out.stats["draft_tokens"] == 0 and out.stats["verify_steps"] == 10

@@ -1,0 +1,141 @@
+"""Under sampling, speculation keeps the target's output distribution exactly.
+
+A tiny model over an 8-token vocabulary makes the exact distribution of every 3-token
+continuation computable by enumeration (8^3 outcomes). Thousands of samples drawn through the
+engine, for several tree shapes and sampling settings, are tested against it with a
+chi-square test; the same test must reject samples of the *draft's* distribution, which proves
+it has the power to catch a wrong sampler.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from multiguess import LLM, SamplingParams
+from multiguess.engine.sampling import Processing, processed_probs
+from scipy.stats import chisquare
+from transformers import AutoModelForCausalLM
+
+from tests.tiny_models import build_tokenizer, model_config, save_model, save_noisy_copy
+
+LENGTH = 3
+SAMPLES = 4000
+PROMPT = [5, 6, 7, 4]
+ALPHA = 1e-3  # a correct sampler fails this test once in a thousand runs per case
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("small-vocab")
+    tokenizer = build_tokenizer([f"w{i}" for i in range(4)])
+    config = model_config("llama", len(tokenizer))
+    target = save_model(folder / "target", config, seed=5, tokenizer=tokenizer)
+    with torch.no_grad():  # a flatter target than the default: many outcomes carry mass
+        model = AutoModelForCausalLM.from_pretrained(target)
+        model.lm_head.weight.mul_(0.25)
+        model.save_pretrained(target)
+    return target, save_noisy_copy(target, folder / "draft", noise=1.0, seed=6)
+
+
+def exact_distribution(model_dir: Path, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """P(x1..xL | prompt) by enumeration, with the request's processing at every step."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    vocab = model.config.vocab_size
+    dist: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(LENGTH):
+        prefixes = list(dist)
+        with torch.no_grad():
+            logits = model(torch.tensor([PROMPT + list(p) for p in prefixes])).logits[:, -1]
+        probs = processed_probs(
+            logits, [Processing(params.temperature, params.top_p, params.top_k)] * len(logits)
+        )
+        dist = {
+            (*p, x): dist[p] * probs[i, x].item()
+            for i, p in enumerate(prefixes)
+            for x in range(vocab)
+            if probs[i, x] > 0
+        }
+    return dist
+
+
+def chi_square_pvalue(samples: list[tuple[int, ...]], dist: dict[tuple[int, ...], float]) -> float:
+    """Goodness of fit; outcomes expected fewer than 5 times are pooled into one bin."""
+    counts = Counter(samples)
+    assert set(counts) <= set(dist), "sampled an outcome the target cannot produce"
+    n = len(samples)
+    observed, expected, pooled_obs, pooled_exp = [], [], 0, 0.0
+    for outcome, p in dist.items():
+        if p * n >= 5:
+            observed.append(counts[outcome])
+            expected.append(p * n)
+        else:
+            pooled_obs += counts[outcome]
+            pooled_exp += p * n
+    if pooled_exp > 0:
+        observed.append(pooled_obs)
+        expected.append(pooled_exp)
+    return float(chisquare(observed, expected).pvalue)
+
+
+def draw(llm: LLM, params: SamplingParams) -> list[tuple[int, ...]]:
+    out = llm.generate([PROMPT], params)[0]
+    return [tuple(o.token_ids) for o in out.outputs]
+
+
+SETTINGS = {
+    "t1": dict(temperature=1.0),
+    "t0.6-topk5": dict(temperature=0.6, top_k=5),
+    "t1.3-topp0.8": dict(temperature=1.3, top_p=0.8),
+}
+# (num_candidates, depth); "wide" offers every token of the vocabulary as a child.
+SHAPES = {"chain": (1, 2), "wide": (8, 1), "tree": (3, 2), "bushy": (4, 2), "ngram": (3, 2)}
+CASES = [(shape, "t1") for shape in ("chain", "wide", "tree", "bushy")] + [
+    ("tree", "t0.6-topk5"),
+    ("tree", "t1.3-topp0.8"),
+    ("wide", "t1.3-topp0.8"),
+    ("chain", "t0.6-topk5"),
+    ("ngram", "t1"),  # deterministic children: q is a point mass
+]
+
+
+@pytest.mark.parametrize(("shape", "setting"), CASES)
+def test_speculative_sampling_matches_the_target_exactly(
+    small_vocab_pair: tuple[Path, Path], shape: str, setting: str
+) -> None:
+    target, draft = small_vocab_pair
+    num_candidates, depth = SHAPES[shape]
+    params = SamplingParams(max_tokens=LENGTH, ignore_eos=True, n=SAMPLES, seed=17, **SETTINGS[setting])
+    drafter, draft_dir = ("ngram", None) if shape == "ngram" else ("model", str(draft))
+    llm = LLM(str(target), draft_dir, num_candidates, depth, dtype="float32", max_batch=256, drafter=drafter)
+    samples = draw(llm, params)
+    pvalue = chi_square_pvalue(samples, exact_distribution(target, params))
+    assert len(samples) == SAMPLES
+    assert pvalue > ALPHA, f"{shape}/{setting}: p = {pvalue:.2e}"
+
+
+def test_the_test_rejects_the_draft_distribution(small_vocab_pair: tuple[Path, Path]) -> None:
+    target, draft = small_vocab_pair
+    params = SamplingParams(max_tokens=LENGTH, ignore_eos=True, n=SAMPLES, seed=17, temperature=1.0)
+    plain_draft = LLM(str(draft), None, dtype="float32", max_batch=256)
+    pvalue = chi_square_pvalue(draw(plain_draft, params), exact_distribution(target, params))
+    assert pvalue < 1e-6
+
+
+def test_seed_reproduces_and_n_samples_differ(small_vocab_pair: tuple[Path, Path]) -> None:
+    target, draft = small_vocab_pair
+    llm = LLM(str(target), str(draft), 3, 2, dtype="float32")
+    params = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True, n=4, seed=3)
+    first, second = draw(llm, params), draw(llm, params)
+    assert first == second
+    assert len(set(first)) > 1
+
+
+def test_temperature_zero_is_greedy(small_vocab_pair: tuple[Path, Path]) -> None:
+    target, draft = small_vocab_pair
+    spec = LLM(str(target), str(draft), 3, 2, dtype="float32")
+    plain = LLM(str(target), None, dtype="float32")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert spec.generate([PROMPT], params)[0].token_ids == plain.generate([PROMPT], params)[0].token_ids
