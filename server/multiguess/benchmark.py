@@ -1,0 +1,197 @@
+"""The speed benchmark: every decoding method on the same prompts, models, dtype and threads.
+
+One run measures, in turn and interleaved over repeats so machine noise hits all alike:
+(1) transformers ``generate`` (plain greedy), (2) transformers assisted generation with the
+same draft, (3) multiguess plain (no draft), (4) multiguess chain (``num_candidates=1``) and
+(5) multiguess tree (the defaults). Ratios are taken within the run; tokens/s are medians over
+repeats. It also measures memory bandwidth and the target's verification cost by tree size,
+which bound what speculation can gain on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from multiguess.engine.engine import Engine
+from multiguess.engine.runner import NativeRunner
+from multiguess.engine.tree import TokenTree
+from multiguess.models.loading import LoadedModel
+from multiguess.params import SamplingParams
+
+METHODS = (
+    "transformers generate",
+    "transformers assisted",
+    "multiguess plain",
+    "multiguess chain",
+    "multiguess tree",
+)
+
+
+def load_prompts() -> tuple[int, list[dict[str, str]]]:
+    data = json.loads(resources.files("multiguess.data").joinpath("bench_prompts.json").read_text())
+    return data["version"], data["prompts"]
+
+
+@dataclass
+class MethodResult:
+    name: str
+    tokens_per_second: list[float] = field(default_factory=list)  # one per repeat
+    outputs: list[list[int]] = field(default_factory=list)  # first repeat, per prompt
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def median_tps(self) -> float:
+        return statistics.median(self.tokens_per_second)
+
+    def as_dict(self, reference: MethodResult | None, assisted: MethodResult | None) -> dict:
+        row: dict = {"method": self.name, "tokens_per_second": round(self.median_tps, 2)}
+        row["repeats"] = [round(t, 2) for t in self.tokens_per_second]
+        if reference is not None:
+            row["speedup_vs_generate"] = round(self.median_tps / reference.median_tps, 3)
+            same = sum(a == b for a, b in zip(self.outputs, reference.outputs, strict=True))
+            row["identical_to_generate"] = round(same / len(reference.outputs), 3)
+        if assisted is not None:
+            row["speedup_vs_assisted"] = round(self.median_tps / assisted.median_tps, 3)
+        if self.verify_steps:
+            row["mean_accepted_length"] = round(1 + self.accepted_tokens / self.verify_steps, 3)
+            row["acceptance_rate"] = round(self.accepted_tokens / max(1, self.draft_tokens), 3)
+        return row
+
+
+Generator = Callable[[list[int]], list[int]]
+
+
+def hf_generator(target: LoadedModel, max_tokens: int, assistant: LoadedModel | None = None) -> Generator:
+    model = target.model
+    extra = {"assistant_model": assistant.model} if assistant is not None else {}
+
+    def run(prompt: list[int]) -> list[int]:
+        with torch.inference_mode():
+            ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, **extra)
+        return ids[0, len(prompt) :].tolist()
+
+    return run
+
+
+def engine_generator(engine: Engine, max_tokens: int, result: MethodResult) -> Generator:
+    def run(prompt: list[int]) -> list[int]:
+        seq = engine.add_request("bench", prompt, SamplingParams(max_tokens=max_tokens))
+        while engine.has_unfinished():
+            engine.step()
+        result.verify_steps += seq.stats.verify_steps
+        result.draft_tokens += seq.stats.draft_tokens
+        result.accepted_tokens += seq.stats.accepted_tokens
+        return seq.output_ids
+
+    return run
+
+
+def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Read bandwidth in GB/s: a large float32 tensor summed (read once) per repeat."""
+    data = torch.ones(megabytes * 1024 * 1024 // 4)
+    data.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - start)
+    return data.numel() * 4 / statistics.median(times) / 1e9
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes read per decode step: every parameter once (tied embeddings counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def verify_cost(target: LoadedModel, sizes: tuple[int, ...], prompt: list[int], repeats: int = 5) -> dict:
+    """Median ms of one target forward over ``T`` tree nodes after ``prompt``."""
+    prefix = len(prompt)
+    runner = NativeRunner(target, 1, prefix + max(sizes) + 1)
+    runner.forward_trees([0], [0], [TokenTree.chain(prompt)], last_only=True)
+    costs = {}
+    for size in sizes:
+        tree = TokenTree.chain([prompt[-1]] * size)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            runner.forward_trees([0], [prefix], [tree])
+            times.append(time.perf_counter() - start)
+        costs[size] = round(statistics.median(times) * 1000, 2)
+    return costs
+
+
+def run_methods(
+    methods: dict[str, tuple[Generator, MethodResult]],
+    prompts: list[list[int]],
+    repeats: int,
+    progress: Callable[[str], None],
+) -> None:
+    """Each repeat runs every method over every prompt; methods alternate per prompt."""
+    for repeat in range(repeats):
+        elapsed = {name: 0.0 for name in methods}
+        produced = {name: 0 for name in methods}
+        for i, prompt in enumerate(prompts):
+            for name, (generate, result) in methods.items():
+                start = time.perf_counter()
+                out = generate(prompt)
+                elapsed[name] += time.perf_counter() - start
+                produced[name] += len(out)
+                if repeat == 0:
+                    result.outputs.append(out)
+                progress(f"repeat {repeat + 1}/{repeats} prompt {i + 1}/{len(prompts)} {name}")
+        for name, (_, result) in methods.items():
+            result.tokens_per_second.append(produced[name] / elapsed[name])
+
+
+def markdown_report(report: dict) -> str:
+    rows = report["methods"]
+    lines = [
+        "| method | tokens/s (median) | × generate | × assisted | mean accepted length | acceptance | identical to generate |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['tokens_per_second']} | {r.get('speedup_vs_generate', '')} | "
+            f"{r.get('speedup_vs_assisted', '')} | {r.get('mean_accepted_length', '')} | "
+            f"{r.get('acceptance_rate', '')} | {r.get('identical_to_generate', '')} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_report(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["method"] for r in report["methods"]]
+    values = [r["tokens_per_second"] for r in report["methods"]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.barh(names, values, color="tab:blue")
+    left.set_xlabel("tokens/s (median over repeats)")
+    left.set_title("Decoding speed, same prompts and models")
+    costs = report["verify_cost_ms"]
+    for dtype, series in costs.items():
+        right.plot([int(k) for k in series], list(series.values()), marker="o", label=dtype)
+    right.set_xlabel("tree nodes verified in one forward")
+    right.set_ylabel("ms per target forward")
+    right.set_title("Verification cost by tree size")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

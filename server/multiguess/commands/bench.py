@@ -1,0 +1,168 @@
+"""``multiguess bench``: the speed benchmark (see ``multiguess.benchmark``), written to docs/."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from multiguess.commands.engine_args import add_engine_args
+
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="benchmark against plain and HF assisted generation")
+    add_engine_args(parser)
+    parser.add_argument("--max-tokens", type=int, default=96, help="tokens generated per prompt")
+    parser.add_argument("--repeats", type=int, default=3, help="passes over the prompt set")
+    parser.add_argument("--prompts", type=int, default=0, help="use only the first N prompts (0: all)")
+    parser.add_argument("--chain-depth", type=int, default=None, help="depth for the chain run")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    parser.add_argument("--skip-assisted", action="store_true", help="leave out HF assisted generation")
+    parser.add_argument("--out", type=Path, default=Path("docs"), help="where results go")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from multiguess import benchmark as bm
+    from multiguess.engine.engine import Engine, EngineConfig
+    from multiguess.llm import load_pair
+    from multiguess.models.loading import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, draft = load_pair(
+        args.target, args.draft, args.dtype, args.device, args.draft_device, args.draft_quantization
+    )
+    if draft is None:
+        print("error: the benchmark needs a draft (--draft)", file=sys.stderr)
+        return 2
+    version, prompt_set = bm.load_prompts()
+    if args.prompts:
+        prompt_set = prompt_set[: args.prompts]
+    tokenizer = target.tokenizer
+    prompts = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p["text"]}], add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )
+        for p in prompt_set
+    ]
+    n = args.max_tokens
+    tree_cfg = EngineConfig(args.num_candidates, args.depth, args.max_nodes, 1, args.max_model_len)
+    chain_cfg = EngineConfig(1, args.chain_depth or args.depth, args.max_nodes, 1, args.max_model_len)
+    results = {name: bm.MethodResult(name) for name in bm.METHODS}
+    generators = {
+        "transformers generate": bm.hf_generator(target, n),
+        "transformers assisted": bm.hf_generator(target, n, draft),
+        "multiguess plain": bm.engine_generator(
+            Engine(target, None, tree_cfg), n, results["multiguess plain"]
+        ),
+        "multiguess chain": bm.engine_generator(
+            Engine(target, draft, chain_cfg), n, results["multiguess chain"]
+        ),
+        "multiguess tree": bm.engine_generator(
+            Engine(target, draft, tree_cfg), n, results["multiguess tree"]
+        ),
+    }
+    if args.skip_assisted:
+        del generators["transformers assisted"], results["transformers assisted"]
+    methods = {name: (generators[name], results[name]) for name in generators}
+    total = args.repeats * len(prompts) * len(methods)
+    with tqdm(total=total, desc="bench", file=sys.stderr) as bar:
+        bm.run_methods(methods, prompts, args.repeats, lambda msg: (bar.set_postfix_str(msg), bar.update()))
+
+    print("measuring bandwidth and verification cost ...", file=sys.stderr)
+    bandwidth = bm.measure_bandwidth()
+    sizes = (1, 2, 4, 8, 16, 32)
+    verify = {str(target.dtype).removeprefix("torch."): bm.verify_cost(target, sizes, prompts[0])}
+    if target.dtype != torch.float32:
+        fp32 = load_model(target.name, dtype="float32", device=args.device)
+        verify["float32"] = bm.verify_cost(fp32, sizes, prompts[0])
+    reference = results["transformers generate"]
+    assisted = results.get("transformers assisted")
+    step_ms = 1000 / results["multiguess plain"].median_tps
+    bound_ms = bm.weight_bytes(target.model) / (bandwidth * 1e9) * 1000
+    report = {
+        "prompt_set_version": version,
+        "prompts": len(prompts),
+        "max_tokens": n,
+        "repeats": args.repeats,
+        "threads": torch.get_num_threads(),
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "target": target.name,
+        "draft": draft.name,
+        "draft_quantization": args.draft_quantization,
+        "tree": {"num_candidates": args.num_candidates, "depth": args.depth, "max_nodes": args.max_nodes},
+        "chain_depth": chain_cfg.depth,
+        "machine": platform.processor() or platform.machine(),
+        "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "methods": [r.as_dict(reference, assisted) for r in results.values()],
+        "bandwidth_gb_s": round(bandwidth, 2),
+        "plain_step_ms": round(step_ms, 2),
+        "generate_step_ms": round(1000 / reference.median_tps, 2),
+        "bandwidth_bound_step_ms": round(bound_ms, 2),
+        "verify_cost_ms": verify,
+    }
+    write_report(report, args.out)
+    print(bm.markdown_report(report))
+    return 0
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_report(report: dict, out: Path) -> None:
+    """JSON and a plot under ``out``; the table replaces the marked section of BENCHMARKS.md."""
+    from multiguess import benchmark as bm
+
+    (out / "bench").mkdir(parents=True, exist_ok=True)
+    (out / "img").mkdir(parents=True, exist_ok=True)
+    (out / "bench" / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    bm.plot_report(report, out / "img" / "bench.png")
+    section = "\n".join(
+        [
+            START,
+            f"Run of {report['date']} at commit `{report['commit']}`: {report['prompts']} prompts "
+            f"(set v{report['prompt_set_version']}), {report['max_tokens']} tokens each, "
+            f"{report['repeats']} repeats, {report['threads']} threads, {report['dtype']}; target "
+            f"`{report['target']}`, draft `{report['draft']}`; tree {report['tree']}, chain depth "
+            f"{report['chain_depth']}.",
+            "",
+            bm.markdown_report(report),
+            "",
+            f"Memory bandwidth {report['bandwidth_gb_s']} GB/s; weights read once per step would take "
+            f"{report['bandwidth_bound_step_ms']} ms. Measured step: multiguess plain "
+            f"{report['plain_step_ms']} ms, transformers generate {report['generate_step_ms']} ms.",
+            "",
+            "Target forward cost (ms) by tree nodes verified: "
+            + "; ".join(f"{d}: {c}" for d, c in report["verify_cost_ms"].items()),
+            "",
+            "![benchmark](img/bench.png)",
+            END,
+        ]
+    )
+    doc = out / "BENCHMARKS.md"
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n\n" + START + "\n" + END + "\n"
+    if START not in text:
+        text += "\n" + START + "\n" + END + "\n"
+    pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
+    doc.write_text(pattern.sub(lambda _: section, text))
