@@ -40,17 +40,36 @@ def served_name(args: argparse.Namespace) -> str:
     return Path(args.target.rstrip("/")).name if args.target else "multiguess-default"
 
 
-def build_engine(args: argparse.Namespace) -> Any:
-    """Load the pair and wrap the drafter in the guard (runs on the engine's worker thread)."""
+def build_engine(args: argparse.Namespace, registry: Any = None) -> Any:
+    """Load the pair and wrap the drafter in the guard (runs on the engine's worker thread).
+
+    With ``--draft-url`` no draft is loaded here: a remote drafter asks the draft server
+    (``multiguess serve-draft``), bounding each step by ``--draft-step-timeout`` itself; its
+    metrics go to ``registry``.
+    """
     from multiguess.engine.engine import Engine, EngineConfig
     from multiguess.engine.guard import GuardedDrafter
     from multiguess.llm import load_pair
 
     config = EngineConfig(args.num_candidates, args.depth, args.max_nodes, args.max_batch, args.max_model_len)
+    remote = bool(args.draft_url)
     target, draft = load_pair(
-        args.target, args.draft, args.dtype, args.device, args.draft_device, args.draft_quantization
+        args.target,
+        args.draft,
+        args.dtype,
+        args.device,
+        args.draft_device,
+        args.draft_quantization,
+        speculate=not remote,
     )
-    engine = Engine(target, draft, config)
+    drafter = None
+    if remote:
+        from multiguess.remote.client import RemoteDrafter
+
+        drafter = RemoteDrafter(
+            args.draft_url, target.tokenizer, step_timeout=args.draft_step_timeout, registry=registry
+        )
+    engine = Engine(target, draft, config, drafter=drafter)
     if engine.drafter is not None:
         engine.drafter = GuardedDrafter(engine.drafter, args.draft_step_timeout, args.draft_cooldown)
     return engine
@@ -62,7 +81,7 @@ def make_server(args: argparse.Namespace) -> Any:
     from multiguess.api import ServerSettings, create_app
 
     settings = ServerSettings(served_name(args), args.max_queue, args.request_timeout)
-    app = create_app(lambda: build_engine(args), settings)
+    app = create_app(lambda: build_engine(args, app.state.metrics.registry), settings)
 
     class DrainingServer(uvicorn.Server):
         """On SIGTERM/SIGINT: readiness fails and new requests get 503 at once, in-flight ones
@@ -125,6 +144,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add(parser, "--draft", str, None, "draft model folder (none: plain decoding)")
     add(parser, "--draft-quantization", str, None, "draft quantization: none or int8")
     add(parser, "--draft-device", str, None, "draft device (default: --device)")
+    add(parser, "--draft-url", str, None, "draft server (multiguess serve-draft) instead of a local draft")
     add(parser, "--dtype", str, "auto", "auto, bfloat16, float16 or float32")
     add(parser, "--device", str, "cpu", "cpu or cuda[:N]")
     add(parser, "--num-candidates", int, 3, "tree width: candidates per expanded node")

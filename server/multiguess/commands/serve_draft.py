@@ -1,0 +1,76 @@
+"""`multiguess serve-draft`: the draft server of ``placement: separate`` (port 8001 by default).
+
+Target servers started with ``--draft-url http://host:8001`` draft through it. Every flag can
+also come from ``MULTIGUESS_<FLAG>`` (the operator sets MULTIGUESS_DRAFT, _QUANTIZATION, _PORT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from multiguess.commands.serve import LOG_FORMAT, add, log_level, positive_float
+
+
+def load_draft(args: argparse.Namespace) -> Any:
+    """The draft model; without ``--draft``, the embedded pair's draft (as ``serve`` would use)."""
+    from multiguess.models.loading import load_model
+
+    draft, quantization, dtype = args.draft, args.draft_quantization, args.dtype
+    if draft is None:
+        from multiguess.models.embedded import prepare_embedded
+
+        embedded = prepare_embedded()
+        draft = str(embedded.draft)
+        quantization = quantization or embedded.draft_quantization
+        dtype = embedded.dtype if dtype == "auto" else dtype
+    return load_model(draft, dtype=dtype, device=args.device, quantization=quantization or "none")
+
+
+def make_server(args: argparse.Namespace) -> Any:
+    import uvicorn
+
+    from multiguess.remote.server import DraftServerSettings, create_draft_app
+
+    settings = DraftServerSettings(
+        args.max_sessions, args.session_idle_timeout, args.max_model_len, args.max_tree_nodes
+    )
+    app = create_draft_app(lambda: load_draft(args), settings)
+    return uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, ws="websockets")
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    make_server(args).run()
+    return 0
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError("must be >= 1")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve-draft",
+        help="serve a draft model to remote target servers (serve --draft-url)",
+        description="Draft trees for target servers over a WebSocket (/v1/draft); /health/*, /metrics. "
+        "Without --draft: the embedded pair's draft.",
+    )
+    add(parser, "--draft", str, None, "draft model folder or hub id")
+    add(parser, "--draft-quantization", str, None, "draft quantization: none or int8")
+    add(parser, "--dtype", str, "auto", "auto, bfloat16, float16 or float32")
+    add(parser, "--device", str, "cpu", "cpu or cuda[:N]")
+    add(parser, "--host", str, "0.0.0.0", "address to listen on")
+    add(parser, "--port", int, 8001, "port to listen on")
+    add(parser, "--max-sessions", positive_int, 16, "sequences (of all clients) with a draft cache slot")
+    add(parser, "--session-idle-timeout", positive_float, 300.0, "seconds before an idle session is evicted")
+    add(parser, "--max-model-len", positive_int, 2048, "longest sequence a session may hold")
+    add(parser, "--max-tree-nodes", positive_int, 64, "largest tree: max(max_nodes, candidates x depth)")
+    add(parser, "--log-level", log_level, "info", "debug, info, warning or error")
+    parser.set_defaults(func=run)

@@ -1,0 +1,208 @@
+"""The draft server's logic without I/O: decoded step messages in, results out.
+
+It drives an ordinary ``ModelDrafter``: a session is one of its slots, and the drafter's own
+per-slot cache bookkeeping (``cached``) is kept equal to ``len(session.tokens)``. Messages of
+several target servers that arrive together are served by one batched ``propose``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from multiguess.engine.acceptance import Acceptance
+from multiguess.engine.drafter import DraftRequest, ModelDrafter, Proposal, SampleSpec
+from multiguess.engine.engine import EngineConfig
+from multiguess.engine.runner import NativeRunner
+from multiguess.engine.sampling import Processing
+from multiguess.remote.protocol import (
+    Commit,
+    Drafted,
+    Failed,
+    Request,
+    Resend,
+    Result,
+    StepMessage,
+    StepReply,
+)
+from multiguess.remote.sessions import Key, Session, SessionsFull, SessionTable
+
+log = logging.getLogger(__name__)
+
+
+class WireExactDrafter(ModelDrafter):
+    """A ``ModelDrafter`` whose sampling distributions are rounded to float32 *before* children
+    are drawn from them, so the float32 rows sent to the target are exactly what was sampled."""
+
+    @staticmethod
+    def _proposal_distributions(
+        requests: list[DraftRequest], rows: list[torch.Tensor]
+    ) -> list[torch.Tensor | None]:
+        dists = ModelDrafter._proposal_distributions(requests, rows)
+        return [None if d is None else d.float().double() for d in dists]
+
+
+@dataclass
+class ServiceEvents:
+    """What one ``handle`` call did, for the server's metrics."""
+
+    evicted_lru: int = 0
+    evicted_idle: int = 0
+    resends: int = 0
+    failed: int = 0
+    drafted: int = 0
+    propose_seconds: float = 0.0
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def path_is_valid(session: Session, path: tuple[int, ...]) -> bool:
+    """A root-first chain of the session's last tree (the only commit that means anything)."""
+    tree = session.tree
+    if tree is None or not path or path[0] != 0 or any(n >= len(tree) for n in path):
+        return False
+    return all(tree.parents[child] == parent for parent, child in itertools.pairwise(path))
+
+
+class DraftService:
+    def __init__(
+        self,
+        runner: NativeRunner,
+        max_sessions: int,
+        idle_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.drafter = WireExactDrafter(runner)
+        self.vocab_size = runner.vocab_size
+        self.sessions = SessionTable(max_sessions, idle_seconds, clock)
+
+    def handle(self, batch: list[tuple[str, StepMessage]]) -> tuple[list[StepReply], ServiceEvents]:
+        """Serve the messages of several clients together; one reply per message, in order."""
+        events = ServiceEvents()
+        for session in self.sessions.expire():
+            self.drafter.release(session.slot)
+            events.evicted_idle += 1
+        for client, message in batch:
+            for slot in message.releases:
+                self._drop((client, slot))
+            for commit in message.commits:
+                self._commit(client, commit)
+        pinned = {(client, r.slot) for client, m in batch for r in m.requests}
+        results: list[list[Result | None]] = [[None] * len(m.requests) for _, m in batch]
+        todo: list[tuple[int, int, Session, DraftRequest]] = []
+        for i, (client, message) in enumerate(batch):
+            for j, req in enumerate(message.requests):
+                outcome = self._prepare((client, req.slot), req, pinned, events)
+                if isinstance(outcome, tuple):
+                    todo.append((i, j, *outcome))
+                else:
+                    results[i][j] = outcome
+        if todo:
+            started = time.perf_counter()
+            self._propose(todo, results, batch)
+            events.propose_seconds = time.perf_counter() - started
+        replies = []
+        for row in results:
+            assert all(r is not None for r in row)
+            replies.append(StepReply(row))  # type: ignore[arg-type]
+        events.resends += sum(isinstance(r, Resend) for row in results for r in row)
+        events.failed += sum(isinstance(r, Failed) for row in results for r in row)
+        events.drafted += sum(isinstance(r, Drafted) for row in results for r in row)
+        return replies, events
+
+    def _drop(self, key: Key) -> None:
+        session = self.sessions.remove(key)
+        if session is not None:
+            self.drafter.release(session.slot)
+
+    def _commit(self, client: str, commit: Commit) -> None:
+        """Keep the draft KV of the accepted nodes the drafter had fed (see ``ModelDrafter.commit``)."""
+        session = self.sessions.get((client, commit.slot))
+        if session is None:
+            return  # evicted meanwhile: the next request is answered with Resend
+        if not path_is_valid(session, commit.path):
+            log.warning("client %s sent an invalid path for slot %d; session dropped", client, commit.slot)
+            self._drop((client, commit.slot))
+            return
+        assert session.tree is not None
+        path = list(commit.path)
+        self.drafter.commit(session.slot, Proposal(session.tree), Acceptance(path, []))
+        kept = self.drafter.cached[session.slot] - session.prefix
+        session.tokens = session.tokens[: session.prefix] + [
+            session.tree.tokens[n] for n in path[1 : 1 + kept]
+        ]
+        session.tree = None
+
+    def _prepare(
+        self, key: Key, req: Request, pinned: set[Key], events: ServiceEvents
+    ) -> Result | tuple[Session, DraftRequest]:
+        """The session and draft request for ``req``, or the result that answers it instead."""
+        session = self.sessions.get(key)
+        if session is None and req.start > 0:
+            return Resend(0)
+        if session is not None and req.start > len(session.tokens):
+            return Resend(len(session.tokens))
+        held = session.tokens[: req.start] if session is not None else []
+        sequence = held + list(req.tokens)
+        problem = self._check(sequence, req)
+        if problem:
+            return Failed(problem)
+        if session is None:
+            try:
+                session, evicted = self.sessions.create(key, pinned)
+            except SessionsFull as exc:
+                return Failed(str(exc))
+            for old in evicted:
+                self.drafter.release(old.slot)
+            events.evicted_lru += len(evicted)
+        # Keep what matches; at least the last token is fed again (propose needs one new token).
+        keep = min(common_prefix(session.tokens, sequence), len(sequence) - 1)
+        if keep < len(session.tokens):
+            session.tokens = session.tokens[:keep]
+            self.drafter.cached[session.slot] = keep
+        sample = None
+        if req.sampling is not None:
+            s = req.sampling
+            generator = torch.Generator().manual_seed(s.seed)
+            sample = SampleSpec(Processing(s.temperature, s.top_p, s.top_k), generator)
+        return session, DraftRequest(session.slot, sequence, req.budget, sample)
+
+    def _check(self, sequence: list[int], req: Request) -> str | None:
+        if not sequence:
+            return "empty sequence"
+        if max(sequence) >= self.vocab_size:
+            return f"token id {max(sequence)} is outside the draft's vocabulary of {self.vocab_size}"
+        slack = EngineConfig(req.budget.num_candidates, req.budget.depth, req.budget.max_nodes).tree_slack
+        capacity = self.drafter.runner.capacity
+        if len(sequence) + slack > capacity:
+            return f"{len(sequence)} tokens plus a tree of this budget exceed the draft cache ({capacity} positions)"
+        return None
+
+    def _propose(
+        self,
+        todo: list[tuple[int, int, Session, DraftRequest]],
+        results: list[list[Result | None]],
+        batch: list[tuple[str, StepMessage]],
+    ) -> None:
+        try:
+            proposals = self.drafter.propose([req for _, _, _, req in todo])
+        except Exception as exc:  # the drafter's state for these slots is unknown now
+            log.exception("draft propose failed")
+            for i, j, _, _ in todo:
+                self._drop((batch[i][0], batch[i][1].requests[j].slot))
+                results[i][j] = Failed(f"draft failed: {type(exc).__name__}: {exc}")
+            return
+        for (i, j, session, req), proposal in zip(todo, proposals, strict=True):
+            session.tokens = list(req.token_ids)
+            session.tree, session.prefix = proposal.tree, len(req.token_ids)
+            parents = set(proposal.tree.parents)  # a childless node's row is never read: not sent
+            rows = {n: q.float() for n, q in proposal.draft_probs.items() if n in parents}
+            results[i][j] = Drafted(proposal.tree, rows)

@@ -1,0 +1,84 @@
+"""The draft server's sessions: which draft-cache slot serves which (client, slot), and eviction.
+
+A session is one sequence of one target server. The draft model has a fixed number of cache
+slots; when they are all taken the least recently used session is evicted, and a session idle
+for too long is evicted too (a target that died never says goodbye). An evicted session's next
+request is answered with ``Resend`` and the target sends the whole sequence again, so eviction
+costs a re-prefill, never wrong output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from multiguess.engine.tree import TokenTree
+
+Key = tuple[str, int]  # (client id, the client's slot)
+
+
+@dataclass
+class Session:
+    slot: int  # the draft model's cache slot
+    tokens: list[int] = field(default_factory=list)  # the sequence the draft cache holds
+    tree: TokenTree | None = None  # the last proposed tree, until its commit
+    prefix: int = 0  # sequence length when that tree was proposed
+    last_used: float = 0.0
+
+
+class SessionsFull(RuntimeError):
+    """Every slot is held by a session of the batch being served."""
+
+
+class SessionTable:
+    def __init__(
+        self, max_sessions: int, idle_seconds: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if max_sessions < 1 or idle_seconds <= 0:
+            raise ValueError("max_sessions must be >= 1 and idle_seconds > 0")
+        self.idle_seconds = idle_seconds
+        self.clock = clock
+        self._sessions: OrderedDict[Key, Session] = OrderedDict()  # least recently used first
+        self._free = list(range(max_sessions))
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def get(self, key: Key) -> Session | None:
+        """The session, marked as just used."""
+        session = self._sessions.get(key)
+        if session is not None:
+            session.last_used = self.clock()
+            self._sessions.move_to_end(key)
+        return session
+
+    def create(self, key: Key, pinned: Iterable[Key] = ()) -> tuple[Session, list[Session]]:
+        """A new session for ``key`` (dropping any old one), and the session evicted to make room.
+
+        Sessions in ``pinned`` (the rest of the batch being served) are never evicted.
+        """
+        evicted = []
+        self.remove(key)
+        if not self._free:
+            keep = set(pinned)
+            victim = next((k for k in self._sessions if k not in keep), None)
+            if victim is None:
+                raise SessionsFull(f"all {len(self._sessions)} draft sessions are in use by this batch")
+            evicted.append(self.remove(victim))  # type: ignore[arg-type]
+        session = Session(self._free.pop(0), last_used=self.clock())
+        self._sessions[key] = session
+        return session, evicted
+
+    def remove(self, key: Key) -> Session | None:
+        session = self._sessions.pop(key, None)
+        if session is not None:
+            self._free.append(session.slot)
+        return session
+
+    def expire(self) -> list[Session]:
+        """Evict the sessions idle for longer than ``idle_seconds``."""
+        cutoff = self.clock() - self.idle_seconds
+        stale = [k for k, s in self._sessions.items() if s.last_used < cutoff]
+        return [s for s in (self.remove(k) for k in stale) if s is not None]

@@ -1,0 +1,136 @@
+"""The wire format: every message survives a round trip; malformed frames get a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from multiguess.engine.drafter import TreeBudget
+from multiguess.engine.tree import TokenTree
+from multiguess.remote.protocol import (
+    Commit,
+    Drafted,
+    Failed,
+    ProtocolError,
+    Request,
+    Resend,
+    Sampling,
+    ServerInfo,
+    StepMessage,
+    StepReply,
+    decode_reply,
+    decode_step,
+    encode_reply,
+    encode_step,
+    parse_client_hello,
+    tokenizer_fingerprint,
+    websocket_url,
+)
+
+from tests.tiny_models import WORDS, build_tokenizer
+
+VOCAB = 64
+
+
+def test_step_message_round_trips() -> None:
+    message = StepMessage(
+        releases=(3, 7),
+        commits=(Commit(1, (0, 2, 5)), Commit(4, (0,))),
+        requests=(
+            Request(1, 12, (5, 9, 63), TreeBudget(3, 4, 16)),
+            Request(2, 0, tuple(range(4, 40)), TreeBudget(1, 1, 1), Sampling(0.7, 0.9, 20, 2**63 - 5)),
+        ),
+    )
+    assert decode_step(encode_step(message)) == message
+
+
+def test_reply_round_trips_trees_and_rows_bit_exactly() -> None:
+    dense = torch.softmax(torch.randn(VOCAB, dtype=torch.float64), -1).float()
+    sparse = torch.zeros(VOCAB)
+    sparse[[4, 17, 40]] = torch.tensor([0.5, 0.25, 0.25])
+    tree = TokenTree((5, 9, 11, 12), (-1, 0, 0, 1))
+    reply = StepReply([Drafted(tree, {0: dense, 1: sparse}), Resend(41), Failed("draft cache full")], 0.25)
+    back = decode_reply(encode_reply(reply), VOCAB)
+    assert back.server_seconds == 0.25
+    drafted = back.results[0]
+    assert isinstance(drafted, Drafted) and drafted.tree == tree
+    assert torch.equal(drafted.draft_probs[0], dense) and torch.equal(drafted.draft_probs[1], sparse)
+    assert back.results[1:] == [Resend(41), Failed("draft cache full")]
+
+
+def test_sparse_rows_are_smaller_than_dense() -> None:
+    tree = TokenTree((5, 9), (-1, 0))
+    sparse = torch.zeros(VOCAB)
+    sparse[9] = 1.0
+    dense = torch.full((VOCAB,), 1 / VOCAB)
+    size = len(encode_reply(StepReply([Drafted(tree, {0: sparse})])))
+    assert size < len(encode_reply(StepReply([Drafted(tree, {0: dense})]))) - VOCAB * 3
+
+
+@pytest.mark.parametrize(
+    ("frame", "error"),
+    [
+        (encode_step(StepMessage(requests=(Request(1, 0, (5, 6), TreeBudget()),)))[:-3], "truncated"),
+        (encode_step(StepMessage()) + b"\0", "trailing"),
+        (bytes([1, 99, 0, 0, 0, 0, 0, 0]), "version 99"),
+        (encode_reply(StepReply([])), "kind"),
+        (
+            encode_step(StepMessage(requests=(Request(1, 0, (5,), TreeBudget()),))).replace(
+                b"\x03\x04\x10\x00", b"\x00\x04\x10\x00"
+            ),
+            "budget",
+        ),
+    ],
+    ids=["truncated", "trailing", "version", "kind", "budget"],
+)
+def test_malformed_step_frames_are_refused(frame: bytes, error: str) -> None:
+    with pytest.raises(ProtocolError, match=error):
+        decode_step(frame)
+
+
+def test_reply_rows_must_fit_the_vocabulary() -> None:
+    row = torch.zeros(VOCAB + 8)
+    row[VOCAB + 2] = 1.0
+    frame = encode_reply(StepReply([Drafted(TokenTree((5, 9), (-1, 0)), {0: row})]))
+    with pytest.raises(ProtocolError, match="vocabulary"):
+        decode_reply(frame, VOCAB)
+
+
+def test_bad_trees_are_refused() -> None:
+    frame = bytearray(encode_reply(StepReply([Drafted(TokenTree((5, 9), (-1, 0)))])))
+    frame[-6:-2] = (1).to_bytes(4, "little")  # node 1's parent := itself
+    with pytest.raises(ProtocolError, match="bad tree"):
+        decode_reply(bytes(frame), VOCAB)
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("http://demo-draft:8001", "ws://demo-draft:8001/v1/draft"),
+        ("https://d.example:443/", "wss://d.example:443/v1/draft"),
+        ("ws://127.0.0.1:9/custom", "ws://127.0.0.1:9/custom"),
+    ],
+)
+def test_websocket_url(url: str, expected: str) -> None:
+    assert websocket_url(url) == expected
+
+
+@pytest.mark.parametrize("url", ["demo-draft:8001", "ftp://x:1", "http://"])
+def test_bad_draft_urls_are_refused(url: str) -> None:
+    with pytest.raises(ValueError, match="http://host:port"):
+        websocket_url(url)
+
+
+def test_fingerprint_tells_vocabularies_apart() -> None:
+    same = tokenizer_fingerprint(build_tokenizer())
+    assert same == tokenizer_fingerprint(build_tokenizer())
+    assert same != tokenizer_fingerprint(build_tokenizer([*WORDS[:-1], "other"]))
+
+
+def test_hellos() -> None:
+    info = ServerInfo("draft", "abc", 64, 256, 4)
+    assert ServerInfo.from_json(info.to_json()) == info
+    with pytest.raises(ProtocolError, match="protocol 2"):
+        ServerInfo.from_json(ServerInfo("draft", "abc", 64, 256, 4, version=2).to_json())
+    assert parse_client_hello('{"client": "pod-1", "version": 1}') == "pod-1"
+    with pytest.raises(ProtocolError):
+        parse_client_hello('{"version": 1}')
