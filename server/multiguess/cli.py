@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS: tuple[str, ...] = ("embedded", "generate", "serve", "distill", "bench")
+COMMANDS: tuple[str, ...] = ("embedded", "generate", "serve", "serve_draft", "distill", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
