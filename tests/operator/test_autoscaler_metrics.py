@@ -98,20 +98,22 @@ async def test_scrape_real_exporters_with_an_unreachable_pod_and_a_restart() -> 
         snapshots, errors = await scrape(targets, timeout=2)
         assert set(snapshots) == {"uid-2", "uid-3"}
         assert set(errors) == {"pod-4"}  # nothing listens on 127.0.0.4
-        assert scaler.observe(snapshots) == []  # first sight of a pod is only a baseline
+        assert scaler.observe(snapshots, now=0.0, interval=1.0) == ([], None)  # first sight: a baseline
 
         for value in [0.1] * 90 + [2.0] * 10:  # the interval's traffic, on the first pod
             first.queue.observe(value)
         second.waiting.set(6)
         snapshots, _ = await scrape(targets, timeout=2)
-        deltas = scaler.observe(snapshots)
+        deltas, elapsed = scaler.observe(snapshots, now=10.0, interval=1.0)
+        assert elapsed == 10.0
         merged = merge(deltas)
         assert merged is not None and merged.count == 100  # the 50 earlier observations are not counted
         assert mean(merged) == pytest.approx(0.29)
         p95 = quantile(0.95, merged)
         assert 1.0 < p95 <= 2.5  # the top 10 % sit in the (1, 2.5] bucket
-        signal = compute_signal(deltas, list(snapshots.values()), SPEC)
+        signal = compute_signal(deltas, list(snapshots.values()), SPEC, elapsed)
         assert signal.p95 == pytest.approx(p95)
+        assert signal.throughput == pytest.approx(10.0)  # 100 requests in 10 s
         assert signal.ratio == pytest.approx(p95 / 0.5)
         assert signal.waiting_per_pod == 3.0
 
@@ -120,7 +122,7 @@ async def test_scrape_real_exporters_with_an_unreachable_pod_and_a_restart() -> 
             restarted.queue.observe(value)
         snapshots, errors = await scrape(targets, timeout=2)
         assert set(errors) == {"pod-3", "pod-4"}
-        deltas = scaler.observe(snapshots)
+        deltas, _ = scaler.observe(snapshots, now=20.0, interval=1.0)
         assert [d.count for d in deltas] == [4]
 
 
@@ -150,7 +152,32 @@ def test_signal_per_metric(metric: str, ratio: float) -> None:
     assert compute_signal([delta], [delta], spec).ratio == pytest.approx(ratio, rel=0.02)
 
 
+def test_the_signal_covers_the_last_three_intervals() -> None:
+    scaler = Autoscaler()
+    quiet = snap({0.5: 0, INF: 0})
+    busy = [snap({0.5: 0, INF: n}, total=2.0 * n) for n in (10, 20, 20, 20, 20)]
+    scaler.observe({"p": quiet}, now=0.0, interval=15.0)
+    counts = []
+    for i, s in enumerate(busy, start=1):
+        deltas, elapsed = scaler.observe({"p": s}, now=15.0 * i, interval=15.0)
+        counts.append((sum(d.count for d in deltas), elapsed))
+    # 10 new, 10 new, then nothing new: the slow requests leave the signal three intervals later.
+    assert counts == [(10, 15.0), (20, 30.0), (20, 45.0), (10, 45.0), (0, 45.0)]
+
+
 def test_signal_without_pods_is_none_and_a_stalled_queue_still_counts() -> None:
     assert compute_signal([], [], SPEC).ratio is None
     stalled = Snapshot(((0.5, 0), (INF, 0)), 0, 0.0, 20)  # nothing left the queue, 20 waiting
     assert compute_signal([stalled], [stalled], SPEC).ratio == pytest.approx(5.0)
+
+
+def test_autoscaler_state_survives_a_restart_through_the_status() -> None:
+    scaler = Autoscaler()
+    spec = AutoscalingSpec(enabled=True, min_replicas=1, max_replicas=8, scale_down_stabilization_seconds=300)
+    first = scaler.decide(4, 4, compute_signal([], [snap({INF: 0})], spec), now=1000.0, spec=spec)
+    assert first.replicas == 4  # a fresh autoscaler holds: the current size counts as recommended
+    scaler.capacity = 1.5
+    status = scaler.status(compute_signal([], [snap({INF: 0})], spec), first, 1, {}, "queueLatencyP95")
+    restored = Autoscaler.restore({"autoscaling": status})
+    assert restored.window == scaler.window and restored.capacity == 1.5
+    assert restored.history == scaler.history

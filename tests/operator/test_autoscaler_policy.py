@@ -110,3 +110,30 @@ def test_scale_events_are_few_under_a_long_ramp() -> None:
 def test_config_rejects_nonsense(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         PolicyConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_pods_still_starting_are_not_counted_again() -> None:
+    # 4 asked for, 2 serving, queue at 3× target: the 2 starting pods are already the answer.
+    decision = decide(4, 3.0, now=0.0, window=(), config=CFG, serving=2)
+    assert (decision.replicas, decision.reason) == (4, "Steady")
+    # Once they serve and the queue is still too long, scale again from 4.
+    assert decide(4, 1.5, now=15.0, window=decision.window, config=CFG, serving=4).replicas == 6
+
+
+def test_capacity_is_learned_from_an_overflow_and_floors_the_scale_down() -> None:
+    overflow = decide(4, 2.0, now=0.0, window=(), config=CFG, serving=4, throughput=8.0)
+    assert overflow.capacity == pytest.approx(2.0)  # 8 req/s over 4 pods was too much
+    quiet = decide(
+        8, 0.0, now=1000.0, window=(), config=CFG, serving=8, throughput=9.0, capacity=overflow.capacity
+    )
+    # 9 req/s needs 9 / (0.75 × 2) = 6 pods, whatever the (zero) latency says.
+    assert (quiet.replicas, quiet.reason) == (6, "ScaleDown")
+    held = decide(6, 0.0, now=1015.0, window=(), config=CFG, serving=6, throughput=9.0, capacity=2.0)
+    assert (held.replicas, held.reason) == (6, "ThroughputFloor")
+    lighter = decide(6, 0.0, now=1030.0, window=(), config=CFG, serving=6, throughput=3.0, capacity=2.0)
+    assert lighter.replicas == 2  # the floor follows the load down
+
+
+def test_capacity_is_not_learned_while_pods_come_and_go() -> None:
+    decision = decide(4, 2.0, now=0.0, window=(), config=CFG, serving=4, throughput=8.0, learn=False)
+    assert decision.capacity is None

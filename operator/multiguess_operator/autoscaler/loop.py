@@ -20,6 +20,7 @@ from multiguess_operator.resources import selector
 from multiguess_operator.spec import AutoscalingSpec, DeploymentSpec
 
 HISTORY_LENGTH = 10
+SIGNAL_INTERVALS = 3  # the signal covers the last three scrape intervals (45 s at the default 15 s)
 
 
 @dataclass(frozen=True)
@@ -30,9 +31,12 @@ class Signal:
     value: float | None  # the configured metric's value
     p95: float | None
     waiting_per_pod: float | None
+    throughput: float | None = None  # requests/s that left the queue, all scraped pods together
 
 
-def compute_signal(deltas: list[Snapshot], scraped: list[Snapshot], config: AutoscalingSpec) -> Signal:
+def compute_signal(
+    deltas: list[Snapshot], scraped: list[Snapshot], config: AutoscalingSpec, elapsed: float | None = None
+) -> Signal:
     """Pure. Latency from the interval's queue histogram; waiting requests as the secondary signal:
     whichever is further above its target drives the ratio (a stalled queue shows no latencies)."""
     if not scraped:
@@ -41,13 +45,14 @@ def compute_signal(deltas: list[Snapshot], scraped: list[Snapshot], config: Auto
     waiting_ratio = waiting / config.target_waiting_requests
     merged = merge(deltas)
     p95 = quantile(0.95, merged) if merged else None
+    throughput = merged.count / elapsed if merged is not None and elapsed else None
     if config.metric == "requestsWaiting":
-        return Signal(waiting_ratio, waiting, p95, waiting)
+        return Signal(waiting_ratio, waiting, p95, waiting, throughput)
     latency = None if merged is None else p95 if config.metric == "queueLatencyP95" else mean(merged)
     ratios = [waiting_ratio] + (
         [latency / config.target_queue_latency_seconds] if latency is not None else []
     )
-    return Signal(max(ratios), latency, p95, waiting)
+    return Signal(max(ratios), latency, p95, waiting, throughput)
 
 
 @dataclass
@@ -56,6 +61,11 @@ class Autoscaler:
 
     previous: dict[str, Snapshot] = field(default_factory=dict)
     window: tuple[Recommendation, ...] = ()
+    capacity: float | None = None
+    last_scrape: float | None = None
+    members_since: float | None = None  # when the set of scraped pods last changed
+    stable: bool = False  # the same pods served the whole signal window
+    recent: list[tuple[float, Snapshot, float]] = field(default_factory=list)  # (time, delta, seconds)
     history: list[dict[str, Any]] = field(default_factory=list)
     last_scale_time: str | None = None
 
@@ -65,27 +75,59 @@ class Autoscaler:
         window = tuple(
             Recommendation(float(r["time"]), int(r["replicas"])) for r in saved.get("window") or []
         )
+        capacity = saved.get("capacityPerPod")
         return cls(
             window=window,
+            capacity=None if capacity is None else float(capacity),
             history=list(saved.get("history") or []),
             last_scale_time=saved.get("lastScaleTime"),
         )
 
-    def observe(self, snapshots: dict[str, Snapshot]) -> list[Snapshot]:
-        """Deltas for pods seen before; remember this scrape. A pod's first scrape is only a baseline."""
+    def observe(
+        self, snapshots: dict[str, Snapshot], now: float, interval: float
+    ) -> tuple[list[Snapshot], float | None]:
+        """The traffic of the last SIGNAL_INTERVALS scrapes (one merged delta per scrape) and the time
+        it spans; remember this scrape. A pod's first scrape is only a baseline. A p95 over 45 s of
+        requests is steadier than over one 15 s interval, and HPA averages its metrics the same way."""
+        span = SIGNAL_INTERVALS * interval
         deltas = [snap.minus(self.previous[uid]) for uid, snap in snapshots.items() if uid in self.previous]
-        self.previous = dict(snapshots)
-        return deltas
+        merged = merge(deltas)
+        if merged is not None and self.last_scrape is not None:
+            self.recent.append((now, merged, now - self.last_scrape))
+        self.recent = [r for r in self.recent if now - r[0] < span - 1e-6] or self.recent[-1:]
+        if set(snapshots) != set(self.previous) or self.members_since is None:
+            self.members_since = now
+        self.stable = now - self.members_since >= span - 1e-6
+        self.previous, self.last_scrape = dict(snapshots), now
+        if not deltas:
+            return [], None
+        return [r[1] for r in self.recent], sum(r[2] for r in self.recent)
 
-    def decide(self, current: int, signal: Signal, now: float, spec: AutoscalingSpec) -> Decision:
+    def decide(
+        self, current: int, serving: int, signal: Signal, now: float, spec: AutoscalingSpec
+    ) -> Decision:
         config = PolicyConfig(
             spec.min_replicas,
             spec.max_replicas,
             spec.scale_down_stabilization_seconds,
             max_scale_up=spec.max_scale_up_factor,
         )
-        decision = decide(current, signal.ratio, now, self.window, config)
-        self.window = decision.window
+        if not self.window and not self.history:
+            # A fresh autoscaler has no past: treat the current size as just recommended, so the
+            # first quiet interval after enabling autoscaling does not shed capacity at once.
+            self.window = (Recommendation(now, current),)
+        decision = decide(
+            current,
+            signal.ratio,
+            now,
+            self.window,
+            config,
+            serving,
+            signal.throughput,
+            self.capacity,
+            learn=self.stable,
+        )
+        self.window, self.capacity = decision.window, decision.capacity
         entry = {
             "time": _iso(now),
             "from": current,
@@ -116,6 +158,8 @@ class Autoscaler:
             "scrapedPods": scraped,
             "unreachablePods": [f"{pod}: {error}" for pod, error in sorted(unreachable.items())],
             "window": [{"time": r.time, "replicas": r.replicas} for r in self.window],
+            "capacityPerPod": _round(self.capacity),
+            "throughput": _round(signal.throughput),
             "history": self.history,
         }
 
@@ -135,9 +179,9 @@ async def step(
     """Scrape, decide, and write: the scale subresource (if changed) and ``status.autoscaling``."""
     pods = await asyncio.to_thread(kube.list, PODS, namespace, selector(name, "target"))
     snapshots, unreachable = await scrape(ready_targets(pods, spec.serving.port))
-    deltas = scaler.observe(snapshots)
-    signal = compute_signal(deltas, list(snapshots.values()), spec.autoscaling)
-    decision = scaler.decide(spec.replicas, signal, now, spec.autoscaling)
+    deltas, elapsed = scaler.observe(snapshots, now, spec.autoscaling.interval_seconds)
+    signal = compute_signal(deltas, list(snapshots.values()), spec.autoscaling, elapsed)
+    decision = scaler.decide(spec.replicas, len(snapshots), signal, now, spec.autoscaling)
     if decision.replicas != spec.replicas:
         await asyncio.to_thread(
             kube.merge_patch, SPECDEPLOYS, namespace, name, {"spec": {"replicas": decision.replicas}}, "scale"

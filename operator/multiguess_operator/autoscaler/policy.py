@@ -1,15 +1,30 @@
 """How many replicas (pure): the Kubernetes HPA arithmetic on a load ratio, with its safeguards.
 
-desired = ceil(current × ratio), where ratio = signal / target; within ±tolerance nothing changes;
-a scale-up is capped at ×max_scale_up per decision; a scale-down goes only as far as the highest
-recommendation of the stabilization window (so one quiet interval never sheds capacity); the result
-is clamped to [min, max]. Without metrics there is no ratio, and no scale-down.
+recommended = ceil(serving × ratio), where ratio = signal / target and ``serving`` counts the pods
+the signal came from (pods still starting are not counted, so their start-up time does not read as
+a reason to add even more); within ±tolerance nothing changes; a scale-up adds at most
+×max_scale_up per decision; the result is clamped to [min, max]. Without metrics there is no
+ratio, and no scale-down.
+
+Scale-down is where queue latency differs from CPU load: it is ~0 at any size with spare capacity
+and says nothing about how much spare there is. So a scale-down goes only as far as
+
+* the highest recommendation of the stabilization window (one quiet interval never sheds capacity),
+* and not below what today's throughput needs: when the queue last overflowed its target, the pods
+  were doing ``capacity`` requests/s each, so at throughput T a scale-down keeps at least
+  T / (HEADROOM × capacity) pods. Throughput is linear in load where latency is not: the floor follows
+  a falling load down, and a size that proved too small is not tried again at the same load, so
+  the autoscaler does not cycle between too small and big enough.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+# A scale-down leaves each pod at most 75 % of the per-pod throughput at which the queue last
+# overflowed: a queue overflows well before a pod is saturated, and a little below is not enough.
+HEADROOM = 0.75
 
 
 @dataclass(frozen=True)
@@ -42,33 +57,51 @@ class Decision:
     recommended: int  # this interval's raw recommendation (after caps and bounds)
     reason: str
     window: tuple[Recommendation, ...]  # recommendations to remember for the next decisions
+    capacity: float | None = None  # requests/s per pod when the queue last overflowed the target
 
 
 def decide(
-    current: int, ratio: float | None, now: float, window: tuple[Recommendation, ...], config: PolicyConfig
+    current: int,
+    ratio: float | None,
+    now: float,
+    window: tuple[Recommendation, ...],
+    config: PolicyConfig,
+    serving: int | None = None,
+    throughput: float | None = None,
+    capacity: float | None = None,
+    learn: bool = True,
 ) -> Decision:
-    """One decision. ``ratio`` is signal / target (None: no pod could be scraped)."""
+    """One decision. ``current``: replicas asked for now; ``serving``: pods the signal came from
+    (default: all of them); ``ratio``: signal / target, None when no pod could be scraped;
+    ``throughput``: requests/s those pods started; ``capacity``: the last decision's; ``learn``: the
+    same pods served the whole interval (pods that joined midway would dilute the rate)."""
     recent = tuple(r for r in window if now - r.time < config.stabilization_seconds)
     if ratio is None:
         held = config.clamp(current)
-        return Decision(held, held, "NoMetrics" if held == current else "OutOfBounds", recent)
+        return Decision(held, held, "NoMetrics" if held == current else "OutOfBounds", recent, capacity)
+    base = current if serving is None else serving
     limited = False
-    if current <= 0:
-        raw = config.min_replicas
+    if base <= 0:
+        raw = max(current, config.min_replicas)
     elif abs(ratio - 1.0) <= config.tolerance:
         raw = current
     else:
-        wanted = math.ceil(current * ratio - 1e-9)  # the epsilon keeps 2 × 1.5 at 3, not 4
-        limit = max(math.ceil(current * config.max_scale_up), current + 1)
+        wanted = math.ceil(base * ratio - 1e-9)  # the epsilon keeps 2 × 1.5 at 3, not 4
+        limit = max(math.ceil(base * config.max_scale_up), base + 1)
         raw, limited = min(wanted, limit), config.clamp(limit) < config.clamp(wanted)
+    if learn and base > 0 and ratio > 1.0 + config.tolerance and throughput:
+        capacity = throughput / base  # per pod, while `base` pods were not enough
     recommended = config.clamp(raw)
     recent = (*recent, Recommendation(now, recommended))
     if recommended > current:
-        return Decision(recommended, recommended, "ScaleUpLimited" if limited else "ScaleUp", recent)
-    floor = max(r.replicas for r in recent)
-    replicas = config.clamp(min(current, floor))
+        reason = "ScaleUpLimited" if limited else "ScaleUp"
+        return Decision(recommended, recommended, reason, recent, capacity)
+    stabilized = max(r.replicas for r in recent)
+    floor = math.ceil(throughput / (HEADROOM * capacity)) if capacity and throughput else 0
+    replicas = config.clamp(min(current, max(stabilized, floor)))
     if replicas < current:
-        return Decision(replicas, recommended, "ScaleDown", recent)
+        return Decision(replicas, recommended, "ScaleDown", recent, capacity)
     if recommended < current:
-        return Decision(replicas, recommended, "ScaleDownStabilized", recent)
-    return Decision(replicas, recommended, "AtBounds" if recommended != raw else "Steady", recent)
+        reason = "ScaleDownStabilized" if stabilized >= current or floor < current else "ThroughputFloor"
+        return Decision(replicas, recommended, reason, recent, capacity)
+    return Decision(replicas, recommended, "AtBounds" if recommended != raw else "Steady", recent, capacity)
