@@ -46,6 +46,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         TreeBudget(self.num_candidates, self.depth, self.max_nodes)  # validates
+        if self.depth < 1:
+            raise ValueError(
+                f"depth must be at least 1, got {self.depth} (use drafter 'none' for plain decoding)"
+            )
         if self.max_batch < 1 or self.max_model_len < 2:
             raise ValueError("max_batch must be >= 1 and max_model_len >= 2")
 
