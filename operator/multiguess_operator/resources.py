@@ -94,10 +94,15 @@ def draft_deployment(
     name: str, namespace: str, spec: DeploymentSpec, draft: DraftSpec, image: str
 ) -> Manifest:
     """Draft pods of ``placement: separate``, pinned to the draft's GPU product when it names one."""
+    s = spec.speculation
     env = [
         {"name": "MULTIGUESS_DRAFT", "value": draft.model},
         {"name": "MULTIGUESS_DRAFT_QUANTIZATION", "value": draft.quantization},
+        {"name": "MULTIGUESS_DTYPE", "value": spec.target.dtype},
+        {"name": "MULTIGUESS_DEVICE", "value": "cuda" if draft.gpu is not None else "cpu"},
         {"name": "MULTIGUESS_PORT", "value": str(DRAFT_PORT)},
+        # The draft server refuses trees larger than this; the target asks for up to these.
+        {"name": "MULTIGUESS_MAX_TREE_NODES", "value": str(max(s.max_nodes, s.num_candidates * s.depth))},
         {"name": "MULTIGUESS_CACHE_DIR", "value": CACHE_DIR},
     ]
     container = _container("draft", image, ["multiguess", "serve-draft"], DRAFT_PORT, env, spec)
@@ -170,6 +175,7 @@ def _target_env(name: str, spec: DeploymentSpec) -> list[dict[str, Any]]:
         "MULTIGUESS_TARGET": spec.target.model,
         "MULTIGUESS_MODEL_NAME": spec.target.model,
         "MULTIGUESS_DTYPE": spec.target.dtype,
+        "MULTIGUESS_DEVICE": "cuda",  # the pod is pinned to a GPU; the server's default is the CPU
         "MULTIGUESS_DRAFTER": s.drafter,
         "MULTIGUESS_NUM_CANDIDATES": str(s.num_candidates),
         "MULTIGUESS_DEPTH": str(s.depth),

@@ -73,7 +73,13 @@ def test_separate_draft_gets_its_own_pinned_pods_and_the_target_points_at_them()
     assert draft["spec"]["replicas"] == 3
     assert pod(draft)["nodeSelector"] == {GPU_PRODUCT_LABEL: V100}
     assert pod(draft)["containers"][0]["command"] == ["multiguess", "serve-draft"]
-    wanted = {"MULTIGUESS_DRAFT": "org/d", "MULTIGUESS_DRAFT_QUANTIZATION": "int8", "MULTIGUESS_PORT": "8001"}
+    wanted = {
+        "MULTIGUESS_DRAFT": "org/d",
+        "MULTIGUESS_DRAFT_QUANTIZATION": "int8",
+        "MULTIGUESS_PORT": "8001",
+        "MULTIGUESS_DEVICE": "cuda",
+        "MULTIGUESS_MAX_TREE_NODES": "16",  # max(maxNodes 16, 3 candidates × depth 4)
+    }
     assert wanted.items() <= env(draft).items()
     service = made["Service/demo-draft"]
     assert service["spec"]["selector"]["app.kubernetes.io/component"] == "draft"
@@ -101,6 +107,7 @@ def test_target_env_carries_the_speculation_settings() -> None:
         "MULTIGUESS_REQUEST_TIMEOUT": "2.5",
         "MULTIGUESS_DRAFTER": "model",
         "MULTIGUESS_CACHE_DIR": "/models",
+        "MULTIGUESS_DEVICE": "cuda",
     }.items() <= got.items()
 
 
@@ -156,6 +163,7 @@ def test_cpu_draft_without_gpu_is_not_pinned() -> None:
     draft = children(raw)["Deployment/demo-draft"]
     assert "nodeSelector" not in pod(draft)
     assert "nvidia.com/gpu" not in str(pod(draft)["containers"][0]["resources"])
+    assert env(draft)["MULTIGUESS_DEVICE"] == "cpu"
 
 
 def test_labels_and_selectors() -> None:
