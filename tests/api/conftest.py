@@ -47,7 +47,7 @@ def tiny_loader(
     draft: Path | None,
     config: EngineConfig,
     faults: Faults | None = None,
-    step_timeout: float = 2.0,
+    step_timeout: float = 30.0,  # CI hiccups must not degrade a healthy server
 ) -> Callable[[], Engine]:
     """Builds the engine as ``serve`` does (drafter in a guard); ``faults`` injects failures
     between the two."""
@@ -59,7 +59,8 @@ def tiny_loader(
         engine = Engine(target_model, draft_model, config)
         if engine.drafter is not None:
             inner = FaultyDrafter(engine.drafter, faults) if faults else engine.drafter
-            engine.drafter = GuardedDrafter(inner, step_timeout=step_timeout, cooldown=0.5)
+            clock = faults.clock if faults else time.monotonic
+            engine.drafter = GuardedDrafter(inner, step_timeout=step_timeout, cooldown=0.5, clock=clock)
         return engine
 
     return load

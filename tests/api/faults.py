@@ -12,8 +12,14 @@ from multiguess.engine.drafter import Drafter, DraftRequest, Proposal
 @dataclass
 class Faults:
     fail: bool = False
-    delay: float = 0.0  # seconds each propose sleeps first
+    delay: float = 0.0  # real seconds each propose sleeps first
+    lag: float = 0.0  # seconds each propose seems to take on ``clock`` (no real waiting)
     proposals: int = 0  # proposals the inner drafter made
+    skew: float = 0.0
+
+    def clock(self) -> float:
+        """The guard's clock: real time plus the simulated lag so far."""
+        return time.monotonic() + self.skew
 
 
 class FaultyDrafter:
@@ -23,6 +29,7 @@ class FaultyDrafter:
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         if self.faults.delay:
             time.sleep(self.faults.delay)
+        self.faults.skew += self.faults.lag
         if self.faults.fail:
             raise RuntimeError("injected draft failure")
         self.faults.proposals += 1

@@ -26,7 +26,7 @@ def faulty(
     tiny_config: EngineConfig,
 ) -> tuple[LiveServer, Faults]:
     faults = Faults()
-    load = tiny_loader(tiny_llama, tiny_llama_draft, tiny_config, faults=faults, step_timeout=1.0)
+    load = tiny_loader(tiny_llama, tiny_llama_draft, tiny_config, faults=faults)
     return start_server(load, request_timeout=60), faults
 
 
@@ -44,7 +44,7 @@ def generate(client: httpx.Client) -> tuple[str, dict]:
 def recover(client: httpx.Client, faults: Faults) -> None:
     """Clear the fault; once the cool-down (and an abandoned slow call) is over, a request
     drafts again and readiness is back to plain "ready"."""
-    faults.fail, faults.delay = False, 0.0
+    faults.fail, faults.lag = False, 0.0
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         time.sleep(COOLDOWN)
@@ -56,7 +56,7 @@ def recover(client: httpx.Client, faults: Faults) -> None:
 
 @pytest.mark.parametrize(
     ("fault", "reason"),
-    [({"fail": True}, "injected draft failure"), ({"delay": 1.5}, "longer than")],
+    [({"fail": True}, "injected draft failure"), ({"lag": 60.0}, "longer than")],
     ids=["raises", "too-slow"],
 )
 def test_output_unchanged_counter_moves_readiness_degrades_then_recovers(
