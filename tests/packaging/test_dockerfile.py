@@ -10,6 +10,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
+from multiguess.models.embedded import TARGET_DIRNAME
 from multiguess_operator.resources import CACHE_DIR
 
 from tests.packaging.dockerfile import (
@@ -124,6 +126,15 @@ def test_server_image_bakes_the_embedded_target_and_declares_the_cache_volume() 
     assert f"HF_HOME={CACHE_DIR}/" in env and "MULTIGUESS_CACHE=/opt/multiguess/models" in env
     assert server.args("CMD") == ['["serve"]']
     assert set(server.args("EXPOSE")[0].split()) == {"8000", "8001"}
+
+
+def test_e2e_example_serves_the_folder_the_build_bakes() -> None:
+    """The e2e resource names the baked target by path; it must be where `multiguess embedded` puts it."""
+    baked_cache = "/opt/multiguess/models"
+    assert f"MULTIGUESS_CACHE={baked_cache} multiguess embedded" in STAGES["build-server"].args("RUN")
+    spec = yaml.safe_load((ROOT / "tests" / "e2e" / "values.yaml").read_text())["example"]["spec"]
+    assert spec["target"]["model"] == f"{baked_cache}/{TARGET_DIRNAME}"
+    assert spec["draft"]["model"] == spec["target"]["model"]
 
 
 def test_every_copied_path_exists_and_survives_dockerignore() -> None:
