@@ -213,26 +213,6 @@ def test_metrics_are_exposed_and_move(server: LiveServer) -> None:
         assert after[name] > before[name], name
 
 
-def test_event_loop_answers_while_generating(server: LiveServer) -> None:
-    """Health and metrics answer mid-generation, and the running gauge shows the request."""
-    body = {
-        "prompt": PROMPT,
-        "max_tokens": 200,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "depth": 0,
-    }
-    with server.client() as client, client.stream("POST", "/v1/completions", json=body) as resp:
-        lines = resp.iter_lines()
-        assert next(line for line in lines if line.startswith("data: "))
-        with server.client() as other:
-            assert other.get("/health/ready", timeout=2).status_code == 200
-            assert metric(other, "multiguess_requests_running") == 1
-        rest = sse_events(list(lines))
-    assert rest[-1] == "[DONE]"
-
-
 def test_raw_httpx_client_sees_openai_errors(server: LiveServer) -> None:
     with server.client() as client:
         resp = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 0})

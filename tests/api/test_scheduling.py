@@ -58,6 +58,22 @@ def narrow(start_server: Callable[..., LiveServer], tiny_llama: Path, tiny_llama
     return start_server(load, max_queue=1, request_timeout=1.0)
 
 
+def test_health_and_metrics_answer_while_generating(narrow: LiveServer) -> None:
+    """The event loop never waits on the engine: mid-generation, health and metrics answer and
+    the running gauge shows the request."""
+    with (
+        narrow.client() as client,
+        client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as resp,
+    ):
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        with narrow.client() as other:
+            assert other.get("/health/ready", timeout=2).status_code == 200
+            assert metric(other, "multiguess_requests_running") == 1
+        list(lines)
+    wait_idle(narrow)
+
+
 def test_full_queue_gets_429_with_retry_after(narrow: LiveServer) -> None:
     with narrow.client() as client:
         rejected = metric(client, "multiguess_requests_rejected_total", reason="queue_full")
