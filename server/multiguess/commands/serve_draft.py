@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 from typing import Any
 
 from multiguess.commands.serve import LOG_FORMAT, add, log_level, positive_float
@@ -38,12 +39,15 @@ def make_server(args: argparse.Namespace) -> Any:
     )
     app = create_draft_app(lambda: load_draft(args), settings)
     return uvicorn.Server(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, ws="websockets")
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, ws="websockets-sansio")
     )
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    # uvicorn stops gracefully on SIGTERM, then re-raises it to the handler it found: make that
+    # a no-op, so a pod's normal stop exits 0 rather than "killed by signal".
+    signal.signal(signal.SIGTERM, lambda *_: None)
     make_server(args).run()
     return 0
 

@@ -16,6 +16,7 @@ EVICTION_REASONS = ("lru", "idle")
 
 class ClientMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
         self.round_trip = Histogram(
             "multiguess_remote_draft_round_trip_seconds",
             "Per engine step: sending the draft requests until every tree is back (resends included).",

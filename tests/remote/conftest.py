@@ -1,0 +1,129 @@
+"""Real draft servers on 127.0.0.1 (uvicorn, WebSocket) and engines that draft through them."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.engine.guard import GuardedDrafter
+from multiguess.models.loading import LoadedModel, load_model
+from multiguess.params import SamplingParams
+from multiguess.remote.client import RemoteDrafter
+from multiguess.remote.server import DraftServerSettings, create_draft_app
+from prometheus_client import generate_latest
+
+CONFIG = EngineConfig(num_candidates=3, depth=4, max_nodes=16, max_batch=4, max_model_len=256)
+COOLDOWN = 0.2
+
+
+class DraftServer:
+    """``serve-draft``'s app under uvicorn; ``stop`` and ``start`` again keep the port."""
+
+    def __init__(self, draft: Path, settings: DraftServerSettings) -> None:
+        self.draft, self.settings = draft, settings
+        self.port = 0
+        self.server: uvicorn.Server | None = None
+        self.thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> DraftServer:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", self.port))
+        self.port = sock.getsockname()[1]
+        self.app = create_draft_app(lambda: load_model(str(self.draft), dtype="float32"), self.settings)
+        config = uvicorn.Config(
+            self.app, log_level="warning", ws="websockets-sansio", timeout_graceful_shutdown=1
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        wait_ready(self.url)
+        return self
+
+    def stop(self) -> None:
+        assert self.server is not None and self.thread is not None
+        self.server.should_exit = True
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "draft server did not stop"
+
+    def metric(self, name: str, **labels: str) -> float:
+        """A sample of the server's /metrics, read over HTTP as Prometheus would."""
+        return metric_value(httpx.get(f"{self.url}/metrics").text, name, **labels)
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """A sample's value from Prometheus text (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    series = f"{name}{{{want}}}" if want else name
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def client_metric(drafter: RemoteDrafter, name: str, **labels: str) -> float:
+    return metric_value(generate_latest(drafter.metrics.registry).decode(), name, **labels)
+
+
+def wait_ready(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health/ready", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} did not become ready within {timeout} s")
+
+
+@pytest.fixture
+def draft_server(tiny_llama_draft: Path) -> Iterator[Callable[..., DraftServer]]:
+    """Starts draft servers on demand; stops those still running at the end of the test."""
+    started: list[DraftServer] = []
+
+    def start(**settings: object) -> DraftServer:
+        server = DraftServer(tiny_llama_draft, DraftServerSettings(**settings)).start()  # type: ignore[arg-type]
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        if server.thread is not None and server.thread.is_alive():
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def target(tiny_llama: Path) -> LoadedModel:
+    return load_model(str(tiny_llama), dtype="float32")
+
+
+def remote_engine(target: LoadedModel, url: str, **client: object) -> tuple[Engine, RemoteDrafter]:
+    """An engine drafting through ``url`` the way ``serve --draft-url`` builds it."""
+    options: dict = {"step_timeout": 2.0, "backoff": (0.05, 0.2)} | client
+    drafter = RemoteDrafter(url, target.tokenizer, **options)
+    engine = Engine(
+        target, None, CONFIG, drafter=GuardedDrafter(drafter, step_timeout=2.0, cooldown=COOLDOWN)
+    )
+    return engine, drafter
+
+
+def add_all(engine: Engine, prompts: list[list[int]], max_tokens: int, prefix: str = "r") -> list:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return [engine.add_request(f"{prefix}{i}", p, params) for i, p in enumerate(prompts)]
+
+
+def finish(engine: Engine) -> None:
+    while engine.has_unfinished():
+        engine.step()
