@@ -9,6 +9,8 @@ after its sequence's prefix, attends to prefix + its own ancestors in one forwar
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -36,8 +38,50 @@ def region_attention_mask(prefix_lens: torch.Tensor, visible: torch.Tensor, leng
     return ((rel < 0)[:, None, :] | (visible.gather(2, cols) & in_region[:, None, :]))[:, None]
 
 
+@dataclass
+class FusedProjection:
+    """Several Linear layers reading the same input, run as one matmul.
+
+    The fused weight is one tensor; each original layer's weight is re-pointed to a view of it,
+    so the model keeps working as a transformers module and no memory is duplicated.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    sizes: list[int]
+
+    @classmethod
+    def of(cls, linears: list[torch.nn.Module]) -> FusedProjection | None:
+        if not all(type(m) is torch.nn.Linear for m in linears):
+            return None  # e.g. dynamically quantized layers: keep them as they are
+        with torch.no_grad():
+            weight = torch.cat([m.weight for m in linears])
+            has_bias = [m.bias is not None for m in linears]
+            bias = None
+            if any(has_bias):
+                bias = torch.cat(
+                    [m.bias if m.bias is not None else weight.new_zeros(m.out_features) for m in linears]
+                )
+            start = 0
+            for m in linears:
+                rows = m.out_features
+                m.weight = torch.nn.Parameter(weight[start : start + rows], requires_grad=False)
+                if m.bias is not None:
+                    m.bias = torch.nn.Parameter(bias[start : start + rows], requires_grad=False)
+                start += rows
+        return cls(weight, bias, [m.out_features for m in linears])
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
 class NativeRunner:
-    """Runs one model over its own static KV cache (one slot per sequence)."""
+    """Runs one model over its own static KV cache (one slot per sequence).
+
+    On CPUs attention runs in float32 over a float32 cache whatever the weights' dtype: the
+    CPU kernels are several times faster in fp32 than in bf16 for decode-sized queries, and
+    the cache of a small model is small. q/k/v and gate/up projections run fused.
+    """
 
     def __init__(self, loaded: LoadedModel, num_slots: int, capacity: int) -> None:
         model = loaded.model
@@ -55,9 +99,21 @@ class NativeRunner:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.capacity = capacity
+        self.attn_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         self.cache = StaticKVCache(
-            len(self.layers), num_slots, self.num_kv_heads, capacity, self.head_dim, self.dtype, self.device
+            len(self.layers),
+            num_slots,
+            self.num_kv_heads,
+            capacity,
+            self.head_dim,
+            self.attn_dtype,
+            self.device,
         )
+        self.qkv = [
+            FusedProjection.of([la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj])
+            for la in self.layers
+        ]
+        self.gate_up = [FusedProjection.of([la.mlp.gate_proj, la.mlp.up_proj]) for la in self.layers]
 
     @torch.inference_mode()
     def forward(
@@ -93,25 +149,40 @@ class NativeRunner:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(batch, width, -1, self.head_dim)
-            k = attn.k_proj(h).view(batch, width, -1, self.head_dim)
-            v = attn.v_proj(h).view(batch, width, -1, self.head_dim).transpose(1, 2)
+            if self.qkv[i] is not None:
+                q, k, v = self.qkv[i](h)
+            else:
+                q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+            q = q.view(batch, width, -1, self.head_dim)
+            k = k.view(batch, width, -1, self.head_dim)
+            v = v.view(batch, width, -1, self.head_dim).transpose(1, 2)
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            self.cache.write(i, slot_index, write_at, k, v)
+            self.cache.write(i, slot_index, write_at, k.to(self.attn_dtype), v.to(self.attn_dtype))
             keys, values = self.cache.read(i, selector, length)
             out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=getattr(attn, "scaling", None), enable_gqa=True
-            )
+                q.to(self.attn_dtype),
+                keys,
+                values,
+                attn_mask=mask,
+                scale=getattr(attn, "scaling", None),
+                enable_gqa=True,
+            ).to(self.dtype)
             x = x + attn.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self._mlp(i, layer.mlp, layer.post_attention_layernorm(x))
         x = self.norm(x)
         if logits_at is not None:
             x = x[torch.arange(batch, device=device), logits_at.to(device)]
         return self.lm_head(x).float()
+
+    def _mlp(self, i: int, mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+        if self.gate_up[i] is None:
+            return mlp(h)
+        gate, up = self.gate_up[i](h)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
 
     def forward_trees(
         self, slots: list[int], prefix_lens: list[int], trees: list[TokenTree], last_only: bool = False
