@@ -53,7 +53,7 @@ def build_engine(
     draft: str | None = None,
     drafter: str = "model",
     dtype: str = "auto",
-    device: str = "cpu",
+    device: str = "auto",
     draft_device: str | None = None,
     draft_quantization: str | None = None,
 ) -> Engine:
@@ -82,7 +82,7 @@ class LLM:
         depth: int = 4,
         max_nodes: int = 16,
         dtype: str = "auto",
-        device: str = "cpu",
+        device: str = "auto",
         draft_device: str | None = None,
         draft_quantization: str | None = None,
         max_batch: int = 8,

@@ -33,7 +33,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--draft-quantization", None, choices=QUANTIZATIONS, help="int8: dynamic int8 draft")
     add_flag(parser, "--drafter", "model", choices=DRAFTERS, help="draft model, n-gram lookup, or none")
     add_flag(parser, "--dtype", "auto", choices=DTYPE_NAMES, help="weights/activations dtype")
-    add_flag(parser, "--device", "cpu", help="target device (cpu, cuda, cuda:1)")
+    add_flag(parser, "--device", "auto", help="target device (auto, cpu, cuda, cuda:1)")
     add_flag(parser, "--draft-device", None, help="draft device (default: the target's)")
     add_flag(parser, "--num-candidates", 3, int, help="children per expanded node (1 = chain)")
     add_flag(parser, "--depth", 4, int, help="levels drafted per step")

@@ -29,6 +29,13 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def resolve_device(name: str) -> str:
+    """``auto``: the first GPU when one is visible, else the CPU."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     """``auto``: bf16 on GPUs that support it and on CPUs with bf16 instructions, else fp16/fp32."""
     if name != "auto":
@@ -61,7 +68,7 @@ def check_architecture(config: object, name: str) -> None:
 def load_model(
     name: str,
     dtype: str = "auto",
-    device: str = "cpu",
+    device: str = "auto",
     quantization: str = "none",
     device_map: str | dict | None = None,
 ) -> LoadedModel:
@@ -72,6 +79,7 @@ def load_model(
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}; got {quantization!r}")
+    device = resolve_device(device)
     try:
         config = AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as exc:
