@@ -21,6 +21,9 @@ from multiguess.errors import IncompatibleDraftError
 from multiguess.models.loading import LoadedModel
 from multiguess.params import SamplingParams
 from multiguess.remote.client import RemoteDrafter, RemoteDraftError
+from multiguess.remote.protocol import ServerInfo, client_hello, websocket_url
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
 
 from tests.engine.test_lossless import random_prompts, reference
 from tests.remote.conftest import (
@@ -219,3 +222,31 @@ def test_serve_draft_and_serve_as_the_operator_runs_them(
         for process in processes:
             process.terminate()
         assert [p.wait(30) for p in processes] == [0, 0]
+
+
+def test_sequences_too_long_for_the_draft_server_decode_alone(
+    draft_server: Callable[..., DraftServer], target: LoadedModel, truth: Callable
+) -> None:
+    """The server refuses one sequence (its cache is too short); the other still drafts."""
+    server = draft_server(max_model_len=40)
+    prompts, expected = truth(6, (4, 45))
+    engine, drafter = remote_engine(target, server.url)
+    short, long = add_all(engine, prompts, MAX_TOKENS)
+    finish(engine)
+    assert [short.output_ids, long.output_ids] == expected
+    assert long.stats.draft_tokens == 0 and short.stats.draft_tokens > 0
+    assert client_metric(drafter, "multiguess_remote_draft_refused_total") > 0
+
+
+def test_a_malformed_frame_closes_the_connection_with_a_protocol_error(
+    draft_server: Callable[..., DraftServer],
+) -> None:
+    server = draft_server()
+    with connect(websocket_url(server.url)) as conn:
+        conn.send(client_hello("fuzzer"))
+        ServerInfo.from_json(conn.recv(timeout=5))
+        conn.send(b"\x01\x01garbage")
+        with pytest.raises(ConnectionClosed) as closed:
+            conn.recv(timeout=5)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1002
+    assert "truncated" in closed.value.rcvd.reason

@@ -27,7 +27,7 @@ def draft(tiny_llama_draft: Path) -> LoadedModel:
 
 
 def service(draft: LoadedModel, sessions: int = 4) -> DraftService:
-    return DraftService(NativeRunner(draft, sessions, 128), sessions, idle_seconds=60)
+    return DraftService(NativeRunner(draft, sessions, 128), sessions, max_model_len=100, idle_seconds=60)
 
 
 def deepest_path(tree_parents: tuple[int, ...]) -> list[int]:
@@ -104,14 +104,16 @@ def test_bad_requests_fail_alone(draft: LoadedModel) -> None:
     message = StepMessage(
         requests=(
             Request(0, 0, (5, 9999), BUDGET),
-            Request(1, 0, tuple([5] * 200), BUDGET),
-            Request(2, 0, (5, 9), BUDGET),
+            Request(1, 0, tuple([5] * 101), BUDGET),
+            Request(2, 0, (5, 9), TreeBudget(8, 8, 16)),
+            Request(3, 0, (5, 9), BUDGET),
         )
     )
     (reply,), _ = remote.handle([("a", message)])
     assert isinstance(reply.results[0], Failed) and "vocabulary" in reply.results[0].reason
-    assert isinstance(reply.results[1], Failed) and "exceed" in reply.results[1].reason
-    assert isinstance(reply.results[2], Drafted)
+    assert isinstance(reply.results[1], Failed) and "max model length" in reply.results[1].reason
+    assert isinstance(reply.results[2], Failed) and "tree budget" in reply.results[2].reason
+    assert isinstance(reply.results[3], Drafted)
 
 
 def test_sampled_rows_are_what_children_were_drawn_from(draft: LoadedModel) -> None:

@@ -28,6 +28,7 @@ from websockets.sync.client import ClientConnection, connect
 
 from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.drafter import DraftRequest, Proposal
+from multiguess.engine.tree import TokenTree
 from multiguess.errors import IncompatibleDraftError
 from multiguess.remote.metrics import ClientMetrics
 from multiguess.remote.protocol import (
@@ -52,6 +53,16 @@ log = logging.getLogger(__name__)
 
 class RemoteDraftError(RuntimeError):
     """The draft server did not deliver this step (its message says why)."""
+
+
+class ServerRefused(RemoteDraftError):
+    """The server answered, but drafted none of the step's requests."""
+
+
+def wire_request(req: DraftRequest, start: int, sampling: Sampling | None) -> Request:
+    """``req`` for a server holding ``start`` of its tokens (at least the root is sent)."""
+    start = min(max(start, 0), len(req.token_ids) - 1)
+    return Request(req.slot, start, tuple(req.token_ids[start:]), req.budget, sampling)
 
 
 def default_client_id() -> str:
@@ -112,8 +123,8 @@ class RemoteDrafter:
         except IncompatibleDraftError:
             self._fail("incompatible")
             raise
-        except RemoteDraftError:
-            self._fail("server")
+        except ServerRefused:
+            self.metrics.failures.labels(kind="server").inc()  # the connection itself is fine
             raise
         self.metrics.round_trip.observe(self.clock() - started)
         return proposals
@@ -134,44 +145,55 @@ class RemoteDrafter:
 
     # -- the wire ----------------------------------------------------------------------------
     def _round_trips(self, requests: list[DraftRequest], deadline: float) -> list[Proposal]:
-        """One round trip, and a second for the sequences the server no longer holds."""
+        """One round trip, and a second for the sequences the server no longer holds.
+
+        A request the server refuses (too long for its cache, no free session) is not drafted
+        this step (a root-only tree), while the others are; only when all are refused does the
+        step fail.
+        """
         conn = self._connection(deadline)
-        starts = {r.slot: min(self._sent.get(r.slot, 0), len(r.token_ids) - 1) for r in requests}
+        sampling = [self._sampling(r) for r in requests]  # drawn once: a resend reuses the seed
+        starts = [min(self._sent.get(r.slot, 0), len(r.token_ids) - 1) for r in requests]
         message = StepMessage(
             tuple(sorted(self._releases)),
             tuple(Commit(slot, path) for slot, path in self._commits.items()),
-            tuple(self._wire_request(r, starts[r.slot]) for r in requests),
+            tuple(wire_request(r, start, s) for r, start, s in zip(requests, starts, sampling, strict=True)),
         )
         results = self._exchange(conn, message, deadline)
         self._releases.clear()
         self._commits.clear()
-        for req in requests:
-            self._sent[req.slot] = len(req.token_ids)
         retry = {i: r.held for i, r in enumerate(results) if isinstance(r, Resend)}
         if retry:
             self.metrics.resends.inc(len(retry))
             again = StepMessage(
-                requests=tuple(self._wire_request(requests[i], held) for i, held in retry.items())
+                requests=tuple(wire_request(requests[i], held, sampling[i]) for i, held in retry.items())
             )
             for i, result in zip(retry, self._exchange(conn, again, deadline), strict=True):
                 results[i] = result
-        proposals = []
-        for req, result in zip(requests, results, strict=True):
-            if isinstance(result, Failed):
-                raise RemoteDraftError(f"draft server: {result.reason}")
-            if not isinstance(result, Drafted):
-                raise RemoteDraftError(f"draft server still lacks slot {req.slot} after a resend")
-            proposals.append(self._proposal(req, result))
+        proposals, refused = [], []
+        for req, start, result in zip(requests, starts, results, strict=True):
+            if isinstance(result, Drafted):
+                self._sent[req.slot] = len(req.token_ids)
+                proposals.append(self._proposal(req, result))
+            else:
+                self._sent[req.slot] = start if isinstance(result, Failed) else 0
+                refused.append(result.reason if isinstance(result, Failed) else "session lost twice")
+                proposals.append(Proposal(TokenTree.chain([req.token_ids[-1]])))
+        if refused:
+            self.metrics.refused.inc(len(refused))
+            log.debug("draft server refused %d of %d requests: %s", len(refused), len(requests), refused[0])
+        if len(refused) == len(requests):
+            raise ServerRefused(f"draft server: {refused[0]}")
         return proposals
 
-    def _wire_request(self, req: DraftRequest, start: int) -> Request:
-        sampling = None
-        if req.sample is not None:
-            p = req.sample.processing
-            seed = int(torch.randint(0, 2**63 - 1, (), generator=req.sample.generator))
-            sampling = Sampling(p.temperature, p.top_p, p.top_k, seed)
-        start = min(max(start, 0), len(req.token_ids) - 1)
-        return Request(req.slot, start, tuple(req.token_ids[start:]), req.budget, sampling)
+    @staticmethod
+    def _sampling(req: DraftRequest) -> Sampling | None:
+        """A sampled request's settings, with a seed from its own generator (reproducible runs)."""
+        if req.sample is None:
+            return None
+        p = req.sample.processing
+        seed = int(torch.randint(0, 2**63 - 1, (), generator=req.sample.generator))
+        return Sampling(p.temperature, p.top_p, p.top_k, seed)
 
     def _proposal(self, req: DraftRequest, result: Drafted) -> Proposal:
         """Check the tree answers this request, and turn float32 rows into the float64

@@ -40,6 +40,11 @@ class ClientMetrics:
             ["kind"],
             registry=registry,
         )
+        self.refused = Counter(
+            "multiguess_remote_draft_refused",
+            "Sequences the draft server did not draft for a step (too long, no free session): target alone.",
+            registry=registry,
+        )
         self.reconnects = Counter(
             "multiguess_remote_draft_connects", "Connections opened to the draft server.", registry=registry
         )

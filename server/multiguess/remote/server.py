@@ -9,6 +9,7 @@ loop only decodes, queues, and encodes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 TRY_AGAIN_LATER = 1013  # WebSocket close code: not ready (loading or failed)
 PROTOCOL_ERROR = 1002
+INTERNAL_ERROR = 1011
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,7 @@ class DraftWorker:
             max_model_len=s.max_model_len,
             max_sessions=s.max_sessions,
         )
-        return DraftService(runner, s.max_sessions, s.idle_seconds)
+        return DraftService(runner, s.max_sessions, s.max_model_len, s.idle_seconds)
 
     def _serve(self, service: DraftService, jobs: list[Job]) -> None:
         started = time.perf_counter()
@@ -196,20 +198,31 @@ def create_draft_app(load: Callable[[], LoadedModel], settings: DraftServerSetti
             return
         metrics.connections.inc()
         try:
-            client = parse_client_hello(await websocket.receive_text())
-            await websocket.send_text(worker.info.to_json())
-            while True:
-                message = decode_step(await websocket.receive_bytes())
-                reply = await asyncio.wrap_future(worker.submit(client, message))
-                await websocket.send_bytes(encode_reply(reply))
-        except WebSocketDisconnect:
-            pass
-        except (ProtocolError, KeyError) as exc:
-            log.warning("closing a draft connection: %s", exc)
-            await websocket.close(PROTOCOL_ERROR, str(exc)[:120])
-        except RuntimeError as exc:  # the worker stopped or failed under this connection
-            await websocket.close(TRY_AGAIN_LATER, str(exc)[:120])
+            code, reason = await converse(websocket, worker)
         finally:
             metrics.connections.dec()
+        if code is not None:
+            with contextlib.suppress(Exception):  # the peer may be gone already
+                await websocket.close(code, reason[:120])
 
     return app
+
+
+async def converse(websocket: WebSocket, worker: DraftWorker) -> tuple[int | None, str]:
+    """Hello, then step after step until the client leaves; returns how to close otherwise."""
+    assert worker.info is not None
+    try:
+        client = parse_client_hello(await websocket.receive_text())
+        await websocket.send_text(worker.info.to_json())
+        while True:
+            message = decode_step(await websocket.receive_bytes())
+            reply = await asyncio.wrap_future(worker.submit(client, message))
+            await websocket.send_bytes(encode_reply(reply))
+    except WebSocketDisconnect:
+        return None, ""
+    except (ProtocolError, KeyError) as exc:  # KeyError: a text frame where bytes belong, or back
+        log.warning("closing a draft connection: %s", exc)
+        return PROTOCOL_ERROR, f"protocol error: {exc}"
+    except Exception as exc:  # the worker stopped, or a batch failed: the client falls back
+        log.warning("closing a draft connection: %s: %s", type(exc).__name__, exc)
+        return INTERNAL_ERROR, f"{type(exc).__name__}: {exc}"

@@ -77,11 +77,13 @@ class DraftService:
         self,
         runner: NativeRunner,
         max_sessions: int,
+        max_model_len: int,
         idle_seconds: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.drafter = WireExactDrafter(runner)
         self.vocab_size = runner.vocab_size
+        self.max_model_len = max_model_len
         self.sessions = SessionTable(max_sessions, idle_seconds, clock)
 
     def handle(self, batch: list[tuple[str, StepMessage]]) -> tuple[list[StepReply], ServiceEvents]:
@@ -180,10 +182,11 @@ class DraftService:
             return "empty sequence"
         if max(sequence) >= self.vocab_size:
             return f"token id {max(sequence)} is outside the draft's vocabulary of {self.vocab_size}"
+        if len(sequence) > self.max_model_len:
+            return f"{len(sequence)} tokens exceed the draft server's max model length ({self.max_model_len})"
         slack = EngineConfig(req.budget.num_candidates, req.budget.depth, req.budget.max_nodes).tree_slack
-        capacity = self.drafter.runner.capacity
-        if len(sequence) + slack > capacity:
-            return f"{len(sequence)} tokens plus a tree of this budget exceed the draft cache ({capacity} positions)"
+        if self.max_model_len + slack > self.drafter.runner.capacity:
+            return f"tree budget {req.budget} is larger than the draft server allows (--max-tree-nodes)"
         return None
 
     def _propose(
