@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from tests.tiny_models import build_tokenizer, model_config, save_model, save_noisy_copy
 
 LENGTH = 3
-SAMPLES = 4000
+SAMPLES = 3000
 PROMPT = [5, 6, 7, 4]
 ALPHA = 1e-3  # a correct sampler fails this test once in a thousand runs per case
 
@@ -95,8 +95,6 @@ SHAPES = {"chain": (1, 2), "wide": (8, 1), "tree": (3, 2), "bushy": (4, 2), "ngr
 CASES = [(shape, "t1") for shape in ("chain", "wide", "tree", "bushy")] + [
     ("tree", "t0.6-topk5"),
     ("tree", "t1.3-topp0.8"),
-    ("wide", "t1.3-topp0.8"),
-    ("chain", "t0.6-topk5"),
     ("ngram", "t1"),  # deterministic children: q is a point mass
 ]
 
