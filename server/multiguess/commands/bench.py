@@ -25,6 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--chain-depth", type=int, default=None, help="depth for the chain run")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     parser.add_argument("--skip-assisted", action="store_true", help="leave out HF assisted generation")
+    parser.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled run")
     parser.add_argument("--out", type=Path, default=Path("docs"), help="where results go")
     parser.set_defaults(func=run)
 
@@ -62,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     n = args.max_tokens
     tree_cfg = EngineConfig(args.num_candidates, args.depth, args.max_nodes, 1, args.max_model_len)
     chain_cfg = EngineConfig(1, args.chain_depth or args.depth, args.max_nodes, 1, args.max_model_len)
-    results = {name: bm.MethodResult(name) for name in bm.METHODS}
+    results = {name: bm.MethodResult(name, sampled="sampled" in name) for name in bm.METHODS}
+    tree_engine = Engine(target, draft, tree_cfg)
     generators = {
         "transformers generate": bm.hf_generator(target, n),
         "transformers assisted": bm.hf_generator(target, n, draft),
@@ -72,8 +74,9 @@ def run(args: argparse.Namespace) -> int:
         "multiguess chain": bm.engine_generator(
             Engine(target, draft, chain_cfg), n, results["multiguess chain"]
         ),
-        "multiguess tree": bm.engine_generator(
-            Engine(target, draft, tree_cfg), n, results["multiguess tree"]
+        "multiguess tree": bm.engine_generator(tree_engine, n, results["multiguess tree"]),
+        "multiguess tree, sampled": bm.engine_generator(
+            tree_engine, n, results["multiguess tree, sampled"], args.temperature
         ),
     }
     if args.skip_assisted:

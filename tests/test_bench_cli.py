@@ -1,0 +1,34 @@
+"""`multiguess bench` end to end on tiny models: every method runs and the report is written."""
+
+import json
+from pathlib import Path
+
+from multiguess.cli import main
+
+
+def test_bench_writes_results_table_and_plot(
+    tmp_path: Path, tiny_llama: Path, tiny_llama_draft: Path
+) -> None:
+    out = tmp_path / "docs"
+    (out).mkdir()
+    (out / "BENCHMARKS.md").write_text("# Benchmarks\n\nHand-written notes stay.\n")
+    argv = ["bench", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft), "--dtype", "float32"]
+    argv += ["--prompts", "2", "--repeats", "2", "--max-tokens", "6", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads((out / "bench" / "results.json").read_text())
+    rows = {r["method"]: r for r in report["methods"]}
+    assert set(rows) == {
+        "transformers generate",
+        "transformers assisted",
+        "multiguess plain",
+        "multiguess chain",
+        "multiguess tree",
+        "multiguess tree, sampled",
+    }
+    for name in ("multiguess plain", "multiguess chain", "multiguess tree", "transformers assisted"):
+        assert rows[name]["identical_to_generate"] == 1.0, name
+        assert len(rows[name]["repeats"]) == 2
+    assert rows["multiguess tree"]["mean_accepted_length"] >= 1.0
+    doc = (out / "BENCHMARKS.md").read_text()
+    assert "Hand-written notes stay." in doc and "| multiguess tree |" in doc
+    assert (out / "img" / "bench.png").stat().st_size > 1000
