@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from multiguess.commands.engine_args import add_engine_args
+from multiguess.commands.engine_args import add_engine_args, configure_threads
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
@@ -23,7 +23,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="passes over the prompt set")
     parser.add_argument("--prompts", type=int, default=0, help="use only the first N prompts (0: all)")
     parser.add_argument("--chain-depth", type=int, default=None, help="depth for the chain run")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     parser.add_argument("--skip-assisted", action="store_true", help="leave out HF assisted generation")
     parser.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled run")
     parser.add_argument("--out", type=Path, default=Path("docs"), help="where results go")
@@ -39,8 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from multiguess.llm import load_pair
     from multiguess.models.loading import load_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    configure_threads(args.threads)
     target, draft = load_pair(
         args.target, args.draft, args.dtype, args.device, args.draft_device, args.draft_quantization
     )

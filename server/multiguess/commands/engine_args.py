@@ -8,6 +8,7 @@ command line wins.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from typing import Any
 
@@ -40,12 +41,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--max-nodes", 16, int, help="drafted nodes per tree at most")
     add_flag(parser, "--max-batch", 8, int, help="sequences decoded together at most")
     add_flag(parser, "--max-model-len", 2048, int, help="context length (prompt + output)")
+    add_flag(parser, "--threads", 0, int, help="CPU threads for torch (0: the cores this process may use)")
+
+
+def configure_threads(threads: int) -> int:
+    """Intra-op threads = usable cores (or ``threads``); one inter-op thread, since the engine
+    runs one forward at a time. Set before the first torch op, as torch requires."""
+    import torch
+
+    count = threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(count)
+    with contextlib.suppress(RuntimeError):  # inter-op threads can be set once per process
+        torch.set_num_interop_threads(1)
+    return count
 
 
 def build_llm(args: argparse.Namespace) -> Any:
     """An ``LLM`` from parsed engine flags."""
     from multiguess.llm import LLM
 
+    configure_threads(args.threads)
     if args.target is not None and args.drafter == "model" and args.draft is None:
         raise SystemExit("--target needs --draft (or --drafter ngram|none)")
     return LLM(

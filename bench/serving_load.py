@@ -1,0 +1,225 @@
+"""Load benchmark over HTTP: throughput and latency against concurrency, three server setups.
+
+Starts real ``multiguess serve`` processes on 127.0.0.1 with the embedded pair, one setup at a
+time, and drives each with an async streaming client (the ``openai`` package) at several
+concurrency levels:
+
+    (a) batched + adaptive speculation  (--max-batch 16)
+    (b) batched, no speculation         (--max-batch 16 --drafter none)
+    (c) unbatched speculation           (--max-batch 1)
+
+Reports generated tokens/s, requests/s, p50/p95 end-to-end latency and time to first token,
+writes JSON and a plot under docs/, and the table into docs/BENCHMARKS.md between
+``<!-- load:start -->`` markers. Run: ``.venv/bin/python bench/serving_load.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from openai import AsyncOpenAI
+
+SETUPS = {
+    "a: batched + adaptive speculation": ["--max-batch", "16"],
+    "b: batched, no speculation": ["--max-batch", "16", "--drafter", "none"],
+    "c: unbatched speculation": ["--max-batch", "1"],
+}
+START, END = "<!-- load:start -->", "<!-- load:end -->"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(extra: list[str], port: int, threads: int) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    cmd = [
+        sys.executable,
+        "-m",
+        "multiguess.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *extra,
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(cmd)}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise RuntimeError("server did not become ready in 10 minutes")
+
+
+async def one_request(client: AsyncOpenAI, prompt: str, max_tokens: int) -> dict:
+    start = time.perf_counter()
+    first = None
+    tokens = 0
+    stream = await client.chat.completions.create(
+        model="multiguess-default",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    async for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter() - start
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    total = time.perf_counter() - start
+    return {"ttft": first if first is not None else total, "e2e": total, "tokens": tokens}
+
+
+async def run_level(
+    base_url: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int
+) -> dict:
+    client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
+    queue = [prompts[i % len(prompts)] for i in range(requests)]
+    results: list[dict] = []
+
+    async def worker() -> None:
+        while queue:
+            results.append(await one_request(client, queue.pop(), max_tokens))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    await client.close()
+
+    def pct(key: str, q: float) -> float:
+        values = sorted(r[key] for r in results)
+        return round(values[min(len(values) - 1, int(q * len(values)))], 3)
+
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "tokens_per_second": round(sum(r["tokens"] for r in results) / wall, 2),
+        "requests_per_second": round(len(results) / wall, 3),
+        "e2e_p50": round(statistics.median(r["e2e"] for r in results), 3),
+        "e2e_p95": pct("e2e", 0.95),
+        "ttft_p50": round(statistics.median(r["ttft"] for r in results), 3),
+        "ttft_p95": pct("ttft", 0.95),
+    }
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "| setup | concurrency | tokens/s | requests/s | e2e p50 s | e2e p95 s | TTFT p50 s | TTFT p95 s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for setup, levels in report["setups"].items():
+        for r in levels:
+            lines.append(
+                f"| {setup} | {r['concurrency']} | {r['tokens_per_second']} | {r['requests_per_second']} | "
+                f"{r['e2e_p50']} | {r['e2e_p95']} | {r['ttft_p50']} | {r['ttft_p95']} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for setup, levels in report["setups"].items():
+        conc = [r["concurrency"] for r in levels]
+        left.plot(conc, [r["tokens_per_second"] for r in levels], marker="o", label=setup)
+        right.plot(conc, [r["e2e_p95"] for r in levels], marker="o", label=setup)
+    for ax, label in ((left, "generated tokens/s"), (right, "p95 end-to-end latency (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_section(doc: Path, report: dict) -> None:
+    section = "\n".join(
+        [
+            START,
+            f"Run of {report['date']}: {report['max_tokens']} tokens per request, "
+            f"{report['rounds']} requests per client, embedded pair, greedy, chat prompts from the bench set.",
+            "",
+            markdown(report),
+            "",
+            "![load](img/load.png)",
+            END,
+        ]
+    )
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    if START not in text:
+        text += "\n" + START + "\n" + END + "\n"
+    doc.write_text(re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: section, text, flags=re.S))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", default="1,2,4,8,16")
+    parser.add_argument("--rounds", type=int, default=2, help="requests per client at each level")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--setups", default="a,b,c", help="which setups to run (letters)")
+    parser.add_argument("--out", type=Path, default=Path("docs"))
+    args = parser.parse_args()
+    from multiguess.benchmark import load_prompts
+
+    prompts = [p["text"] for p in load_prompts()[1]]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    wanted = set(args.setups.split(","))
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "max_tokens": args.max_tokens}
+    report |= {"rounds": args.rounds, "setups": {}}
+    for name, extra in SETUPS.items():
+        if name[0] not in wanted:
+            continue
+        port = free_port()
+        print(f"starting {name} ...", file=sys.stderr)
+        server = start_server(extra, port, args.threads)
+        try:
+            report["setups"][name] = []
+            for c in levels:
+                result = asyncio.run(
+                    run_level(f"http://127.0.0.1:{port}/v1", prompts, c, c * args.rounds, args.max_tokens)
+                )
+                report["setups"][name].append(result)
+                print(f"  {name} c={c}: {result}", file=sys.stderr)
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    (args.out / "bench").mkdir(parents=True, exist_ok=True)
+    (args.out / "img").mkdir(parents=True, exist_ok=True)
+    (args.out / "bench" / "load.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, args.out / "img" / "load.png")
+    write_section(args.out / "BENCHMARKS.md", report)
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
