@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.drafter import DraftRequest, Proposal, TreeBudget
@@ -94,3 +96,19 @@ def test_a_failing_commit_is_contained() -> None:
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="step_timeout"):
         GuardedDrafter(ChainDrafter(), step_timeout=0)
+
+
+def test_paused_steps_do_not_flood_the_engine_log(caplog: pytest.LogCaptureFixture) -> None:
+    inner, clock = ChainDrafter(), Clock()
+    guard = GuardedDrafter(inner, cooldown=10.0, clock=clock)
+    inner.fail = True
+    engine_log = logging.getLogger("multiguess.engine.engine")
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            try:
+                guard.propose(requests(0))
+            except Exception as exc:  # what the engine does with it
+                engine_log.warning("drafter failed, decoding this step without it: %s", exc)
+    engine_lines = [r for r in caplog.records if r.name == engine_log.name]
+    assert len(engine_lines) == 1 and "boom" in engine_lines[0].getMessage()
+    assert sum("unavailable" in r.getMessage() for r in caplog.records) == 1

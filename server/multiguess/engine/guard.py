@@ -27,6 +27,18 @@ class DrafterUnavailable(RuntimeError):
     """Raised from ``propose`` while speculation is paused."""
 
 
+class _PausedStepFilter(logging.Filter):
+    """Drops the engine's per-step fallback warning while paused: the guard already logged the
+    cause once, and a cool-down would otherwise log a line for every step."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not any(isinstance(arg, DrafterUnavailable) for arg in args)
+
+
+_ENGINE_LOG = logging.getLogger("multiguess.engine.engine")
+
+
 class GuardedDrafter:
     def __init__(
         self,
@@ -45,6 +57,8 @@ class GuardedDrafter:
         self.reason: str | None = None
         self.failures = 0
         self._paused_until = 0.0
+        if not any(isinstance(f, _PausedStepFilter) for f in _ENGINE_LOG.filters):
+            _ENGINE_LOG.addFilter(_PausedStepFilter())
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         if self.clock() < self._paused_until:
