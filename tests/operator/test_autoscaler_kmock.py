@@ -94,8 +94,7 @@ async def test_queue_latency_scales_up_and_back_down(cluster: Cluster, operator:
     assert "ScaleDownStabilized" in reasons and "ScaleDown" in reasons
     assert reasons.index("ScaleDownStabilized") < reasons.index("ScaleDown")  # waited for the window
     assert status["lastScaleTime"]
-    kinds = {e["reason"] for e in cluster_events(cluster)}
-    assert {"ScaledUp", "ScaledDown"} <= kinds
+    await eventually(lambda: {"ScaledUp", "ScaledDown"} <= {e["reason"] for e in cluster_events(cluster)})
 
 
 async def test_unreachable_pods_are_reported_and_block_scale_down(

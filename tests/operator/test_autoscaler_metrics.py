@@ -181,3 +181,17 @@ def test_autoscaler_state_survives_a_restart_through_the_status() -> None:
     restored = Autoscaler.restore({"autoscaling": status})
     assert restored.window == scaler.window and restored.capacity == 1.5
     assert restored.history == scaler.history
+
+
+def test_the_serving_images_own_metrics_parse() -> None:
+    """Contract check against the real server registry (names, buckets, waiting gauge)."""
+    server_metrics = pytest.importorskip("multiguess.metrics", reason="serving package not installed")
+    from prometheus_client import generate_latest
+
+    metrics = server_metrics.Metrics()
+    for seconds in (0.02, 0.3, 0.3, 4.0):
+        metrics.queue.observe(seconds)
+    metrics.waiting.set(3)
+    parsed = parse(generate_latest(metrics.registry).decode())
+    assert parsed.count == 4 and parsed.waiting == 3 and parsed.total == pytest.approx(4.62)
+    assert quantile(0.5, parsed) <= 0.5 < quantile(0.95, parsed)

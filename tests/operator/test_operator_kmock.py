@@ -122,8 +122,7 @@ async def test_status_follows_the_children(cluster: Cluster, operator: KopfRunne
     assert status["endpoint"] == "http://demo.default.svc:8000"
     assert "app.kubernetes.io/instance=demo" in status["selector"]
     assert condition(cluster, "default", "demo", "Progressing")["status"] == "False"  # type: ignore[index]
-    reasons = {e["reason"] for e in cluster_events(cluster)}
-    assert "Created" in reasons
+    await eventually(lambda: "Created" in {e["reason"] for e in cluster_events(cluster)}, what="events")
 
 
 def cluster_events(cluster: Cluster) -> list[dict[str, Any]]:
@@ -166,8 +165,12 @@ async def test_invalid_spec_is_a_condition_and_others_keep_working(
     assert "minReplicas must not exceed" in ready["message"]
     await eventually(lambda: cluster.get(DEPLOYMENTS, "default", "good-target"), what="good target")
     assert cluster.get(DEPLOYMENTS, "default", "bad-target") is None
-    warnings = [e for e in cluster_events(cluster) if e.get("type") == "Warning"]
-    assert any("minReplicas" in e["message"] for e in warnings)
+    await eventually(  # kopf posts events from a queue, a moment after the handler
+        lambda: any(
+            "minReplicas" in e["message"] for e in cluster_events(cluster) if e.get("type") == "Warning"
+        ),
+        what="warning event",
+    )
     # Fixing the spec recovers.
     await cluster.patch(SPECDEPLOYS, "default", "bad", {"spec": {"autoscaling": {"minReplicas": 1}}})
     await eventually(lambda: cluster.get(DEPLOYMENTS, "default", "bad-target"), what="fixed target")
