@@ -47,9 +47,7 @@ def converge(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) ->
     run_pass(Kube(), body, memo.config, logger)
 
 
-def _on_child_event(
-    event: Mapping[str, Any], meta: kopf.Meta, memo: kopf.Memo, logger: kopf.Logger, **_: Any
-) -> None:
+def _on_child_event(meta: kopf.Meta, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     """A child appeared, changed or vanished: converge its owner (which restores the child)."""
     owner = meta.get("labels", {}).get(INSTANCE_LABEL)
     if not owner or not meta.get("namespace"):

@@ -169,7 +169,7 @@ def kubeconfig(cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 async def operator(kubeconfig: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KopfRunner]:
     """The real operator (``kopf run -m multiguess_operator``) against the emulator."""
     monkeypatch.setenv("MULTIGUESS_OPERATOR_IMAGE", "registry.test/multiguess-server:test")
-    runner = KopfRunner(["run", "-A", "--standalone", "-m", "multiguess_operator"], timeout=30)
+    runner = KopfRunner(["run", "-A", "--standalone", "-m", "multiguess_operator"], timeout=60)
     runner.__enter__()
     try:
         yield runner
