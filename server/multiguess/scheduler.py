@@ -227,7 +227,7 @@ class Scheduler:
             engine = self._load()
             if self._warmup:
                 warm_up(engine)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # SystemExit: a flag check in the loader
             log.exception("loading the models failed")
             self.state, self.reason = "failed", f"loading the models failed: {type(exc).__name__}: {exc}"
             return
