@@ -271,7 +271,8 @@ def _p95(values: list[float]) -> float | None:
 
 
 def summarize(records: list[Interval], scenario: Scenario, target: float) -> dict[str, Any]:
-    """Scale events, direction changes, and how long p95 stays above target after each load increase."""
+    """Scale events, direction changes, and for each load increase: when p95 got back under target
+    (after its peak) and how often a 15 s interval's p95 still went over it for the rest of the phase."""
     desired = [r.desired for r in records]
     changes = [(a, b) for a, b in itertools.pairwise(desired) if a != b]
     directions = [1 if b > a else -1 for a, b in changes]
@@ -282,18 +283,21 @@ def summarize(records: list[Interval], scenario: Scenario, target: float) -> dic
         t0 += previous[0]
         if load <= previous[1]:
             continue
-        phase = [r for r in records if t0 <= r.time < t0 + duration]
-        over = [r.time for r in phase if r.p95_true is not None and r.p95_true > target]
+        phase = [r for r in records if t0 <= r.time < t0 + duration and r.p95_true is not None]
+        peak = max(range(len(phase)), key=lambda i: phase[i].p95_true or 0.0)
+        back = next((i for i in range(peak, len(phase)) if (phase[i].p95_true or 0.0) <= target), len(phase))
+        rest = phase[back:]
         recoveries.append(
             {
                 "step_at_s": t0,
                 "load_from": previous[1],
                 "load_to": load,
-                "seconds_over_target": (max(over) - t0 + records[1].time - records[0].time) if over else 0.0,
-                "peak_p95_s": max((r.p95_true or 0.0) for r in phase),
-                "p95_last_10min_max_s": max(
-                    (r.p95_true or 0.0) for r in phase if r.time >= t0 + duration - 600
+                "peak_p95_s": round(phase[peak].p95_true or 0.0, 2),
+                "back_under_target_after_s": phase[back].time - t0 if rest else None,
+                "over_target_afterwards_pct": round(
+                    100 * sum((r.p95_true or 0.0) > target for r in rest) / max(1, len(rest)), 1
                 ),
+                "max_p95_afterwards_s": round(max(((r.p95_true or 0.0) for r in rest), default=0.0), 2),
             }
         )
     steady = [r for r in records if r.p95_true is not None]
