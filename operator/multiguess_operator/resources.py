@@ -175,7 +175,7 @@ def _target_env(name: str, spec: DeploymentSpec) -> list[dict[str, Any]]:
         "MULTIGUESS_TARGET": spec.target.model,
         "MULTIGUESS_MODEL_NAME": spec.target.model,
         "MULTIGUESS_DTYPE": spec.target.dtype,
-        "MULTIGUESS_DEVICE": "cuda",  # the pod is pinned to a GPU; the server's default is the CPU
+        "MULTIGUESS_DEVICE": "auto",  # the GPU the pod is pinned to, when the image's torch has CUDA
         "MULTIGUESS_DRAFTER": s.drafter,
         "MULTIGUESS_NUM_CANDIDATES": str(s.num_candidates),
         "MULTIGUESS_DEPTH": str(s.depth),

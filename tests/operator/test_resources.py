@@ -107,7 +107,7 @@ def test_target_env_carries_the_speculation_settings() -> None:
         "MULTIGUESS_REQUEST_TIMEOUT": "2.5",
         "MULTIGUESS_DRAFTER": "model",
         "MULTIGUESS_CACHE_DIR": "/models",
-        "MULTIGUESS_DEVICE": "cuda",
+        "MULTIGUESS_DEVICE": "auto",
     }.items() <= got.items()
 
 
