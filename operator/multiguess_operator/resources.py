@@ -16,6 +16,7 @@ DRAFT_PORT = 8001
 CACHE_DIR = "/models"
 HASH_ANNOTATION = "multiguess.io/desired-hash"
 HF_TOKEN_KEY = "token"
+HF_HOME = f"{CACHE_DIR}/hf"
 
 Manifest = dict[str, Any]
 
@@ -202,6 +203,8 @@ def _container(
 ) -> Manifest:
     """A serving container; the user's ``serving.env`` overrides ours by name, then the HF token."""
     merged = {e["name"]: e for e in env}
+    # Hub downloads land in the mounted cache whatever the image's own default.
+    merged["HF_HOME"] = {"name": "HF_HOME", "value": HF_HOME}
     merged.update({e["name"]: dict(e) for e in spec.serving.env})
     if spec.hf_token_secret:
         merged["HF_TOKEN"] = {

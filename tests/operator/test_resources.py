@@ -108,6 +108,7 @@ def test_target_env_carries_the_speculation_settings() -> None:
         "MULTIGUESS_DRAFTER": "model",
         "MULTIGUESS_CACHE_DIR": "/models",
         "MULTIGUESS_DEVICE": "auto",
+        "HF_HOME": "/models/hf",
     }.items() <= got.items()
 
 
