@@ -47,11 +47,29 @@ def served_name(args: argparse.Namespace) -> str:
     return Path(args.target.rstrip("/")).name if args.target else "multiguess-default"
 
 
-def build_engine(args: argparse.Namespace) -> Any:
-    """Load the pair and wrap the drafter in the guard (runs on the engine's worker thread)."""
+def build_engine(args: argparse.Namespace, registry: Any = None) -> Any:
+    """Load the models and wrap the drafter in the guard (runs on the engine's worker thread).
+
+    With ``--draft-url`` no draft is loaded here: a remote drafter asks the draft server
+    (``multiguess serve-draft``), bounding each step by ``--draft-step-timeout`` itself; its
+    metrics go to ``registry``, the server's own.
+    """
     from multiguess.engine.guard import GuardedDrafter
 
-    engine = build_llm(args).engine
+    if args.draft_url:
+        from multiguess.engine.engine import EngineConfig
+        from multiguess.llm import build_engine as build_local
+        from multiguess.remote.client import RemoteDrafter
+
+        config = EngineConfig(
+            args.num_candidates, args.depth, args.max_nodes, args.max_batch, args.max_model_len
+        )
+        engine = build_local(config, args.target, None, "none", args.dtype, args.device)
+        engine.drafter = RemoteDrafter(
+            args.draft_url, engine.tokenizer, step_timeout=args.draft_step_timeout, registry=registry
+        )
+    else:
+        engine = build_llm(args).engine
     if engine.drafter is not None:
         engine.drafter = GuardedDrafter(engine.drafter, args.draft_step_timeout, args.draft_cooldown)
     return engine
@@ -63,7 +81,7 @@ def make_server(args: argparse.Namespace) -> Any:
     from multiguess.api import ServerSettings, create_app
 
     settings = ServerSettings(served_name(args), args.max_queue, args.request_timeout)
-    app = create_app(lambda: build_engine(args), settings)
+    app = create_app(lambda: build_engine(args, app.state.metrics.registry), settings)
 
     class DrainingServer(uvicorn.Server):
         """On SIGTERM/SIGINT: readiness fails and new requests get 503 at once, in-flight ones
@@ -116,6 +134,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "Without --target: the embedded default pair.",
     )
     add_engine_args(parser)
+    add(parser, "--draft-url", str, None, "draft server (multiguess serve-draft) instead of a local draft")
     add(parser, "--host", str, "0.0.0.0", "address to listen on")
     add(parser, "--port", int, 8000, "port to listen on")
     add(parser, "--max-queue", int, 64, "waiting samples beyond the batch before 429")
