@@ -94,6 +94,9 @@ class RemoteDrafter:
         self.clock = clock
         self.metrics = ClientMetrics(registry or CollectorRegistry())
         self.info: ServerInfo | None = None
+        # The last successful step: (round trip, the server's own compute), in seconds.
+        self.last_timing: tuple[float, float] = (0.0, 0.0)
+        self._server_seconds = 0.0
         self._conn: ClientConnection | None = None
         self._next_attempt = 0.0
         self._delay = backoff[0]
@@ -126,7 +129,9 @@ class RemoteDrafter:
         except ServerRefused:
             self.metrics.failures.labels(kind="server").inc()  # the connection itself is fine
             raise
-        self.metrics.round_trip.observe(self.clock() - started)
+        self.last_timing = (self.clock() - started, self._server_seconds)
+        self.metrics.round_trip.observe(self.last_timing[0])
+        self.metrics.server_time.observe(self._server_seconds)
         return proposals
 
     def commit(self, slot: int, proposal: Proposal, acceptance: Acceptance) -> None:
@@ -152,6 +157,7 @@ class RemoteDrafter:
         step fail.
         """
         conn = self._connection(deadline)
+        self._server_seconds = 0.0
         sampling = [self._sampling(r) for r in requests]  # drawn once: a resend reuses the seed
         starts = [min(self._sent.get(r.slot, 0), len(r.token_ids) - 1) for r in requests]
         message = StepMessage(
@@ -219,7 +225,7 @@ class RemoteDrafter:
         reply = decode_reply(data, self.info.vocab_size)
         if len(reply.results) != len(message.requests):
             raise ProtocolError(f"{len(reply.results)} results for {len(message.requests)} requests")
-        self.metrics.server_time.observe(reply.server_seconds)
+        self._server_seconds += reply.server_seconds
         return reply.results
 
     def _connection(self, deadline: float) -> ClientConnection:
