@@ -83,6 +83,8 @@ def test_bad_prompts_fail_alone(tiny_llama: Path) -> None:
         llm.generate([[5] * 60], SamplingParams(max_tokens=8))
     with pytest.raises(InvalidRequestError, match="token ids must be in"):
         llm.generate([[5, 10_000]])
+    with pytest.raises(InvalidRequestError, match="at most the server's"):
+        llm.generate([[5, 6]], SamplingParams(depth=9))
     # A batch with one bad prompt fails whole and leaves nothing behind in the engine.
     with pytest.raises(InvalidRequestError):
         llm.generate([[5, 6], []])

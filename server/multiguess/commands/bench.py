@@ -59,8 +59,11 @@ def run(args: argparse.Namespace) -> int:
         for p in prompt_set
     ]
     n = args.max_tokens
-    tree_cfg = EngineConfig(args.num_candidates, args.depth, args.max_nodes, 1, args.max_model_len)
-    chain_cfg = EngineConfig(1, args.chain_depth or args.depth, args.max_nodes, 1, args.max_model_len)
+    common = {"adaptive": not args.no_adaptive}
+    tree_cfg = EngineConfig(args.num_candidates, args.depth, args.max_nodes, 1, args.max_model_len, **common)
+    chain_cfg = EngineConfig(
+        1, args.chain_depth or args.depth, args.max_nodes, 1, args.max_model_len, **common
+    )
     results = {name: bm.MethodResult(name, sampled="sampled" in name) for name in bm.METHODS}
     tree_engine = Engine(target, draft, tree_cfg)
     generators = {
@@ -107,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         "draft_quantization": args.draft_quantization,
         "tree": {"num_candidates": args.num_candidates, "depth": args.depth, "max_nodes": args.max_nodes},
         "chain_depth": chain_cfg.depth,
+        "adaptive": tree_cfg.adaptive,
         "machine": platform.processor() or platform.machine(),
         "commit": git_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

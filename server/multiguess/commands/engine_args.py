@@ -10,21 +10,29 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 from multiguess.options import DRAFTERS, DTYPE_NAMES, QUANTIZATIONS
 
 
-def env_default(flag: str, default: Any, kind: type = str) -> Any:
-    value = os.environ.get("MULTIGUESS_" + flag.lstrip("-").replace("-", "_").upper())
-    return default if value is None else kind(value)
+def env_name(flag: str) -> str:
+    return "MULTIGUESS_" + flag.lstrip("-").replace("-", "_").upper()
 
 
-def add_flag(parser: argparse.ArgumentParser, flag: str, default: Any, kind: type = str, **kw: Any) -> None:
-    env = "MULTIGUESS_" + flag.lstrip("-").replace("-", "_").upper()
+def add_flag(
+    parser: argparse.ArgumentParser, flag: str, default: Any, kind: Callable[[str], Any] = str, **kw: Any
+) -> None:
+    """A flag whose default comes from ``MULTIGUESS_<FLAG>`` when that is set. argparse converts
+    a string default with ``type`` as if typed, so a bad environment value fails like a bad flag."""
+    raw = os.environ.get(env_name(flag))
     help_text = kw.pop("help", "")
     parser.add_argument(
-        flag, default=env_default(flag, default, kind), type=kind, help=f"{help_text} [env {env}]", **kw
+        flag,
+        default=default if raw in (None, "") else raw,
+        type=kind,
+        help=f"{help_text} [env {env_name(flag)}]",
+        **kw,
     )
 
 
@@ -42,6 +50,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--max-batch", 8, int, help="sequences decoded together at most")
     add_flag(parser, "--max-model-len", 2048, int, help="context length (prompt + output)")
     add_flag(parser, "--threads", 0, int, help="CPU threads for torch (0: the cores this process may use)")
+    add_switch(parser, "--no-adaptive", "always draft the full tree budget")
+
+
+def add_switch(parser: argparse.ArgumentParser, flag: str, help_text: str) -> None:
+    """An on/off flag; the environment turns it on with 1, true or yes."""
+    default = os.environ.get(env_name(flag), "").lower() in ("1", "true", "yes")
+    parser.add_argument(
+        flag, action="store_true", default=default, help=f"{help_text} [env {env_name(flag)}]"
+    )
 
 
 def configure_threads(threads: int) -> int:
@@ -76,4 +93,5 @@ def build_llm(args: argparse.Namespace) -> Any:
         max_batch=args.max_batch,
         max_model_len=args.max_model_len,
         drafter=args.drafter,
+        adaptive=not args.no_adaptive,
     )

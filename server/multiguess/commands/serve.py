@@ -2,8 +2,8 @@
 
 Pods are configured through environment variables (the operator sets them), people through
 flags; a flag on the command line wins. Engine and model flags are the ones ``generate`` and
-``bench`` share (``engine_args``); the server's own flags use ``add`` (also used by
-``serve-draft``), which reports a bad environment value as a bad flag.
+``bench`` share; all flags are declared with ``engine_args.add_flag``, which reports a bad
+environment value as a bad flag.
 """
 
 from __future__ import annotations
@@ -11,28 +11,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from multiguess.commands.engine_args import add_engine_args, build_llm, configure_threads
+from multiguess.commands.engine_args import add_engine_args, add_flag, build_llm, configure_threads
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-def add(
-    parser: argparse.ArgumentParser, flag: str, kind: Callable[[str], Any], default: Any, text: str
-) -> None:
-    """A flag whose default comes from ``MULTIGUESS_<FLAG>``. argparse converts a string default
-    with ``type`` as if typed, so a bad value in the environment fails with the flag's message."""
-    env = "MULTIGUESS_" + flag.lstrip("-").replace("-", "_").upper()
-    raw = os.environ.get(env)
-    parser.add_argument(
-        flag, type=kind, default=default if raw in (None, "") else raw, help=f"{text} [env {env}]"
-    )
 
 
 def log_level(text: str) -> str:
@@ -134,14 +121,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "Without --target: the embedded default pair.",
     )
     add_engine_args(parser)
-    add(parser, "--draft-url", str, None, "draft server (multiguess serve-draft) instead of a local draft")
-    add(parser, "--host", str, "0.0.0.0", "address to listen on")
-    add(parser, "--port", int, 8000, "port to listen on")
-    add(parser, "--max-queue", int, 64, "waiting samples beyond the batch before 429")
-    add(parser, "--request-timeout", positive_float, 600.0, "seconds per request, queue + generation")
-    add(parser, "--shutdown-grace", positive_float, 30.0, "seconds in-flight requests get after SIGTERM")
-    add(parser, "--draft-step-timeout", positive_float, 2.0, "seconds one draft step may take")
-    add(parser, "--draft-cooldown", float, 30.0, "seconds speculation pauses after a draft failure")
-    add(parser, "--model-name", str, None, "served model name (default: the target folder's name)")
-    add(parser, "--log-level", log_level, "info", "debug, info, warning or error")
+    add_flag(
+        parser,
+        "--draft-url",
+        None,
+        str,
+        help="draft server (multiguess serve-draft) instead of a local draft",
+    )
+    add_flag(parser, "--host", "0.0.0.0", str, help="address to listen on")
+    add_flag(parser, "--port", 8000, int, help="port to listen on")
+    add_flag(parser, "--max-queue", 64, int, help="waiting samples beyond the batch before 429")
+    add_flag(
+        parser, "--request-timeout", 600.0, positive_float, help="seconds per request, queue + generation"
+    )
+    add_flag(
+        parser, "--shutdown-grace", 30.0, positive_float, help="seconds in-flight requests get after SIGTERM"
+    )
+    add_flag(parser, "--draft-step-timeout", 2.0, positive_float, help="seconds one draft step may take")
+    add_flag(parser, "--draft-cooldown", 30.0, float, help="seconds speculation pauses after a draft failure")
+    add_flag(parser, "--model-name", None, str, help="served model name (default: the target folder's name)")
+    add_flag(parser, "--log-level", "info", log_level, help="debug, info, warning or error")
     parser.set_defaults(func=run)

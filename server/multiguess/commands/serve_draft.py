@@ -11,7 +11,8 @@ import logging
 import signal
 from typing import Any
 
-from multiguess.commands.serve import LOG_FORMAT, add, log_level, positive_float
+from multiguess.commands.engine_args import add_flag
+from multiguess.commands.serve import LOG_FORMAT, log_level, positive_float
 
 
 def load_draft(args: argparse.Namespace) -> Any:
@@ -66,15 +67,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Draft trees for target servers over a WebSocket (/v1/draft); /health/*, /metrics. "
         "Without --draft: the embedded pair's draft.",
     )
-    add(parser, "--draft", str, None, "draft model folder or hub id")
-    add(parser, "--draft-quantization", str, None, "draft quantization: none or int8")
-    add(parser, "--dtype", str, "auto", "auto, bfloat16, float16 or float32")
-    add(parser, "--device", str, "cpu", "cpu or cuda[:N]")
-    add(parser, "--host", str, "0.0.0.0", "address to listen on")
-    add(parser, "--port", int, 8001, "port to listen on")
-    add(parser, "--max-sessions", positive_int, 16, "sequences (of all clients) with a draft cache slot")
-    add(parser, "--session-idle-timeout", positive_float, 300.0, "seconds before an idle session is evicted")
-    add(parser, "--max-model-len", positive_int, 2048, "longest sequence a session may hold")
-    add(parser, "--max-tree-nodes", positive_int, 64, "largest tree: max(max_nodes, candidates x depth)")
-    add(parser, "--log-level", log_level, "info", "debug, info, warning or error")
+    add_flag(parser, "--draft", None, str, help="draft model folder or hub id")
+    add_flag(parser, "--draft-quantization", None, str, help="draft quantization: none or int8")
+    add_flag(parser, "--dtype", "auto", str, help="auto, bfloat16, float16 or float32")
+    add_flag(parser, "--device", "auto", str, help="auto, cpu or cuda[:N]")
+    add_flag(parser, "--host", "0.0.0.0", str, help="address to listen on")
+    add_flag(parser, "--port", 8001, int, help="port to listen on")
+    add_flag(
+        parser, "--max-sessions", 16, positive_int, help="sequences (of all clients) with a draft cache slot"
+    )
+    add_flag(
+        parser,
+        "--session-idle-timeout",
+        300.0,
+        positive_float,
+        help="seconds before an idle session is evicted",
+    )
+    add_flag(parser, "--max-model-len", 2048, positive_int, help="longest sequence a session may hold")
+    add_flag(
+        parser, "--max-tree-nodes", 64, positive_int, help="largest tree: max(max_nodes, candidates x depth)"
+    )
+    add_flag(parser, "--log-level", "info", log_level, help="debug, info, warning or error")
     parser.set_defaults(func=run)

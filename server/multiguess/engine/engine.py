@@ -106,6 +106,11 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"context length of {limit} tokens"
             )
+        cfg = self.config
+        if (params.num_candidates or 0) > cfg.num_candidates or (params.depth or 0) > cfg.depth:
+            raise InvalidRequestError(
+                f"num_candidates and depth may be at most the server's ({cfg.num_candidates}, {cfg.depth})"
+            )
         vocab = self.target.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")

@@ -34,8 +34,9 @@ class EmbeddedModels:
 
 
 def cache_root() -> Path:
-    """Where converted models live: ``$MULTIGUESS_CACHE`` or ``~/.cache/multiguess``."""
-    configured = os.environ.get("MULTIGUESS_CACHE")
+    """Where converted models live: ``$MULTIGUESS_CACHE_DIR`` (what the operator sets on pods),
+    ``$MULTIGUESS_CACHE``, or ``~/.cache/multiguess``."""
+    configured = os.environ.get("MULTIGUESS_CACHE_DIR") or os.environ.get("MULTIGUESS_CACHE")
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "multiguess"
 
 
