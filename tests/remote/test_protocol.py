@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from multiguess.engine.drafter import TreeBudget
 from multiguess.engine.tree import TokenTree
 from multiguess.remote.protocol import (
@@ -134,3 +138,35 @@ def test_hellos() -> None:
     assert parse_client_hello('{"client": "pod-1", "version": 1}') == "pod-1"
     with pytest.raises(ProtocolError):
         parse_client_hello('{"version": 1}')
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_any_bytes_decode_or_fail_with_a_protocol_error(data: bytes) -> None:
+    for decode in (decode_step, lambda d: decode_reply(d, VOCAB)):
+        with contextlib.suppress(ProtocolError):
+            decode(data)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=40), st.integers(0, 200))
+def test_corrupted_valid_frames_fail_cleanly(noise: bytes, at: int) -> None:
+    frame = encode_step(
+        StepMessage(
+            (1,), (Commit(2, (0, 1)),), (Request(2, 3, (5, 6), TreeBudget(), Sampling(1.0, 0.9, 5, 3)),)
+        )
+    )
+    corrupted = frame[: at % len(frame)] + noise + frame[at % len(frame) + len(noise) :]
+    with contextlib.suppress(ProtocolError):
+        decode_step(corrupted)
+
+
+def test_values_too_large_for_the_wire_are_refused() -> None:
+    with pytest.raises(ProtocolError, match="does not fit"):
+        encode_step(StepMessage(requests=(Request(0, 0, (5,), TreeBudget(3, 300, 16)),)))
+
+
+def test_bad_sampling_settings_are_refused() -> None:
+    frame = encode_step(StepMessage(requests=(Request(0, 0, (5,), TreeBudget(), Sampling(1.0, -0.5, 0, 1)),)))
+    with pytest.raises(ProtocolError, match="top_p"):
+        decode_step(frame)

@@ -144,6 +144,13 @@ def _check_kind(kind: int, version: int, expected: int) -> None:
 
 
 def encode_step(message: StepMessage) -> bytes:
+    try:
+        return _encode_step(message)
+    except (struct.error, OverflowError) as exc:  # a value too large for its field
+        raise ProtocolError(f"message does not fit the wire format: {exc}") from None
+
+
+def _encode_step(message: StepMessage) -> bytes:
     parts = [_HEAD.pack(STEP, VERSION, len(message.releases), len(message.commits), len(message.requests))]
     parts.append(np.asarray(message.releases, dtype="<u4").tobytes())
     for commit in message.commits:
@@ -182,8 +189,8 @@ def decode_step(data: bytes) -> StepMessage:
     for _ in range(n_requests):
         slot, start, n_tokens, num_candidates, depth, max_nodes, sampled = reader.unpack(_REQUEST)
         sampling = Sampling(*reader.unpack(_SAMPLING)) if sampled else None
-        if sampling is not None and not sampling.temperature > 0:
-            raise ProtocolError(f"sampled request with temperature {sampling.temperature}")
+        if sampling is not None and not (sampling.temperature > 0 and 0 < sampling.top_p <= 1):
+            raise ProtocolError(f"bad sampling settings {sampling}: need temperature > 0, 0 < top_p <= 1")
         tokens = tuple(reader.array("<u4", n_tokens).tolist())
         try:
             budget = TreeBudget(num_candidates, depth, max_nodes)
