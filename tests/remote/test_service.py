@@ -107,6 +107,7 @@ def test_bad_requests_fail_alone(draft: LoadedModel) -> None:
             Request(1, 0, tuple([5] * 101), BUDGET),
             Request(2, 0, (5, 9), TreeBudget(8, 8, 16)),
             Request(3, 0, (5, 9), BUDGET),
+            Request(3, 0, (5, 9, 10), BUDGET),
         )
     )
     (reply,), _ = remote.handle([("a", message)])
@@ -114,6 +115,7 @@ def test_bad_requests_fail_alone(draft: LoadedModel) -> None:
     assert isinstance(reply.results[1], Failed) and "max model length" in reply.results[1].reason
     assert isinstance(reply.results[2], Failed) and "tree budget" in reply.results[2].reason
     assert isinstance(reply.results[3], Drafted)
+    assert isinstance(reply.results[4], Failed) and "twice" in reply.results[4].reason
 
 
 def test_sampled_rows_are_what_children_were_drawn_from(draft: LoadedModel) -> None:

@@ -100,9 +100,15 @@ class DraftService:
         pinned = {(client, r.slot) for client, m in batch for r in m.requests}
         results: list[list[Result | None]] = [[None] * len(m.requests) for _, m in batch]
         todo: list[tuple[int, int, Session, DraftRequest]] = []
+        seen: set[Key] = set()
         for i, (client, message) in enumerate(batch):
             for j, req in enumerate(message.requests):
-                outcome = self._prepare((client, req.slot), req, pinned, events)
+                key = (client, req.slot)
+                if key in seen:  # one draft-cache slot cannot grow two trees at once
+                    results[i][j] = Failed(f"slot {req.slot} requested twice in one step")
+                    continue
+                seen.add(key)
+                outcome = self._prepare(key, req, pinned, events)
                 if isinstance(outcome, tuple):
                     todo.append((i, j, *outcome))
                 else:
