@@ -116,6 +116,13 @@ class DraftWorker:
                 jobs.append(job)
             self._serve(service, jobs)
         self.state = "stopped"
+        while True:  # whatever queued behind the stop gets an answer: its client falls back
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job[2].set_exception(RuntimeError("draft server stopped"))
 
     def _build(self) -> DraftService:
         loaded = self._load()
