@@ -70,6 +70,8 @@ def test_remote_greedy_output_equals_the_target_alone(
     assert 0 < steps <= engine.totals.verify_steps
     assert client_metric(drafter, "multiguess_remote_draft_connects_total") == 1
     assert server.metric("multiguess_draft_requests_total") > 0
+    # every commit was valid and every session stayed: nothing had to be sent twice
+    assert client_metric(drafter, "multiguess_remote_draft_resends_total") == 0
 
 
 def test_seeded_sampling_through_the_server_is_reproducible(
