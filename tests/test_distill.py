@@ -233,6 +233,7 @@ def test_pipeline_trains_resumes_and_exports_an_evaluated_draft(
     assert metrics["chain4_tokens_per_step"] >= 1
     provenance = json.loads((out / "provenance.json").read_text())
     assert provenance["command"].startswith("multiguess distill") and provenance["trained_steps"] == 5
+    assert len(provenance["commands"]) == 2 and "--stages data,train" in provenance["commands"][0]
     assert "## Reproduce" in (out / "PROVENANCE.md").read_text()
     draft = AutoModelForCausalLM.from_pretrained(str(out))
     assert draft.config.model_type == "llama" and draft.dtype == torch.bfloat16

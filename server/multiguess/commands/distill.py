@@ -33,6 +33,23 @@ def positive_float(value: str) -> float:
     return number
 
 
+def canonical_command(args: argparse.Namespace) -> str:
+    """The command with every option spelled out, so provenance stays exact if defaults change."""
+    words = ["multiguess", "distill"]
+    for name, value in vars(args).items():
+        if name in ("command", "func") or value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name == "stages":
+            words += [flag, ",".join(value)]
+        elif isinstance(value, list):
+            for item in value:
+                words += [flag, str(item)]
+        else:
+            words += [flag, str(value)]
+    return shlex.join(words)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -72,9 +89,7 @@ def run(args: argparse.Namespace) -> int:
         reply_weight=args.reply_weight,
         text_roots=tuple(args.text_root) if args.text_root else None,
     )
-    command = (
-        "multiguess " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["distill"] else "multiguess distill"
-    )
+    command = canonical_command(args)
     provenance = run_pipeline(plan, args.stages, command)
     if provenance is not None:
         print(json.dumps(provenance["metrics"], indent=2))

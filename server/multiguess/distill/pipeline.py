@@ -104,6 +104,7 @@ def export(plan: DistillPlan, command: str) -> dict:
     checkpoint = torch.load(plan.work / "train" / "checkpoint.pt", weights_only=False)
     provenance = {
         "command": command,
+        "commands": (plan.work / "commands.txt").read_text().splitlines(),
         "git_commit": git_commit(),
         "target": str(plan.target),
         "data": counts,
@@ -146,7 +147,9 @@ def provenance_markdown(p: dict) -> str:
         f"Distilled from `{Path(p['target']).name}` by `multiguess distill` at commit `{p['git_commit']}` "
         f"({p['created']}).\n\n"
         "## Reproduce\n\n"
-        f"```\n{p['command']}\n```\n\n"
+        "The commands that made it, in order (later runs resume from the earlier ones' shards and "
+        "checkpoints in the same work folder):\n\n"
+        "```\n" + "\n".join(p["commands"]) + "\n```\n\n"
         "## Data (the target as teacher, top-k log-probabilities per position)\n\n"
         f"- target's greedy replies to training prompts: {d['reply_sequences']} replies, "
         f"{d['reply_tokens']} tokens (weighted x{p['reply_weight']})\n"
@@ -168,7 +171,14 @@ def provenance_markdown(p: dict) -> str:
 
 
 def run(plan: DistillPlan, stages: tuple[str, ...], command: str) -> dict | None:
-    """Run the requested stages in order (data, train, export)."""
+    """Run the requested stages in order (data, train, export).
+
+    Each invocation is appended to ``work/commands.txt``: a draft is often made by several resumed
+    runs, and its provenance must list all of them to be reproducible.
+    """
+    plan.work.mkdir(parents=True, exist_ok=True)
+    with (plan.work / "commands.txt").open("a") as log:
+        log.write(command + "\n")
     if "data" in stages:
         run_data_job(plan.target, plan.work, plan.data, plan.dtype, plan.data_minutes, plan.text_roots)
     if "train" in stages:
