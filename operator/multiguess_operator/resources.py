@@ -91,6 +91,15 @@ def target_deployment(name: str, namespace: str, spec: DeploymentSpec, image: st
     return _deployment(name, namespace, f"{name}-target", "target", spec.replicas, pod, spec.serving.port)
 
 
+TARGET_MAX_BATCH = 8  # the serving image's default --max-batch
+
+
+def draft_sessions(spec: DeploymentSpec, draft: DraftSpec) -> int:
+    """Sequences one draft pod may hold: its share of the most target pods, each a full batch."""
+    targets = spec.autoscaling.max_replicas if spec.autoscaling.enabled else spec.replicas
+    return -(-targets // draft.replicas) * TARGET_MAX_BATCH
+
+
 def draft_deployment(
     name: str, namespace: str, spec: DeploymentSpec, draft: DraftSpec, image: str
 ) -> Manifest:
@@ -104,6 +113,8 @@ def draft_deployment(
         {"name": "MULTIGUESS_PORT", "value": str(DRAFT_PORT)},
         # The draft server refuses trees larger than this; the target asks for up to these.
         {"name": "MULTIGUESS_MAX_TREE_NODES", "value": str(max(s.max_nodes, s.num_candidates * s.depth))},
+        # One session per running sequence of every target pod this draft pod may serve.
+        {"name": "MULTIGUESS_MAX_SESSIONS", "value": str(draft_sessions(spec, draft))},
         {"name": "MULTIGUESS_CACHE_DIR", "value": CACHE_DIR},
     ]
     container = _container("draft", image, ["multiguess", "serve-draft"], DRAFT_PORT, env, spec)

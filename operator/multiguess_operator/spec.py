@@ -151,6 +151,12 @@ def check_rules(spec: DeploymentSpec) -> None:
             raise SpecError("InvalidSpec", "draft.gpu is only allowed with placement: separate")
         if spec.draft.replicas != 1:
             raise SpecError("InvalidSpec", "draft.replicas is only allowed with placement: separate")
+    draft = spec.draft
+    if draft is not None and draft.quantization == "int8" and draft.gpu is not None:
+        raise SpecError(
+            "InvalidSpec",
+            "draft.quantization int8 runs on CPUs only: not with draft.gpu",
+        )
     if spec.speculation.max_nodes < spec.speculation.depth:
         raise SpecError("InvalidSpec", "speculation.maxNodes must be at least speculation.depth")
     if spec.autoscaling.min_replicas > spec.autoscaling.max_replicas:

@@ -42,7 +42,6 @@ SEPARATE = {
         "placement": "separate",
         "gpu": {"product": V100},
         "replicas": 3,
-        "quantization": "int8",
     },
     "replicas": 2,
 }
@@ -75,10 +74,11 @@ def test_separate_draft_gets_its_own_pinned_pods_and_the_target_points_at_them()
     assert pod(draft)["containers"][0]["command"] == ["multiguess", "serve-draft"]
     wanted = {
         "MULTIGUESS_DRAFT": "org/d",
-        "MULTIGUESS_DRAFT_QUANTIZATION": "int8",
+        "MULTIGUESS_DRAFT_QUANTIZATION": "none",
         "MULTIGUESS_PORT": "8001",
         "MULTIGUESS_DEVICE": "cuda",
         "MULTIGUESS_MAX_TREE_NODES": "16",  # max(maxNodes 16, 3 candidates × depth 4)
+        "MULTIGUESS_MAX_SESSIONS": "8",  # ceil(2 target pods / 3 draft pods) × a batch of 8
     }
     assert wanted.items() <= env(draft).items()
     service = made["Service/demo-draft"]
