@@ -68,6 +68,18 @@ class Metrics:
                 ("fallback_steps", "Sample-steps decoded without the drafter because it failed or paused."),
             )
         }
+        self.batch_size = Histogram(
+            "multiguess_batch_size",
+            "Sequences verified together in one engine step.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=reg,
+        )
+        self.tree_nodes = Histogram(
+            "multiguess_spec_tree_nodes",
+            "Drafted nodes per sequence per step: the effective tree size after adaptation (0: none).",
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64),
+            registry=reg,
+        )
         self.rejected = Counter(
             "multiguess_requests_rejected",
             "Requests refused before generation, by reason.",
@@ -83,6 +95,13 @@ class Metrics:
             delta = getattr(after, name) - getattr(before, name)
             if delta > 0:
                 self.spec[name].inc(delta)
+
+    def observe_step(self, tree_sizes: list[int]) -> None:
+        """One engine step's batch size and each sequence's tree size."""
+        if tree_sizes:
+            self.batch_size.observe(len(tree_sizes))
+        for size in tree_sizes:
+            self.tree_nodes.observe(size)
 
     def observe_gap(self, seconds: float, tokens: int) -> None:
         """One step's gap, spread evenly over the tokens it produced."""

@@ -178,6 +178,8 @@ METRICS = [
     "multiguess_spec_accepted_tokens_total",
     "multiguess_spec_fallback_steps_total",
     "multiguess_requests_rejected_total",
+    "multiguess_batch_size",
+    "multiguess_spec_tree_nodes",
     "process_cpu_seconds_total",
     "process_resident_memory_bytes",
 ]
@@ -197,6 +199,8 @@ def test_metrics_are_exposed_and_move(server: LiveServer) -> None:
             "multiguess_time_to_first_token_seconds_count",
             "multiguess_request_queue_seconds_count",
             "multiguess_inter_token_latency_seconds_count",
+            "multiguess_batch_size_count",
+            "multiguess_spec_tree_nodes_sum",
         ]
         before = {name: metric(client, name) for name in moving}
         resp = client.post(

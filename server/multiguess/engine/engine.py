@@ -94,6 +94,7 @@ class Engine:
         self.free_slots = list(range(self.config.max_batch))
         self.totals = SpecStats()
         self.last_draft_error: str | None = None
+        self.last_tree_sizes: list[int] = []  # drafted nodes per sequence in the last step
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -138,6 +139,7 @@ class Engine:
             return []
         batch = list(self.running)
         proposals = self._propose(batch)
+        self.last_tree_sizes = [len(p.tree) - 1 for p in proposals]
         logits = self.target.forward_trees(
             [s.slot for s in batch], [s.cache_len for s in batch], [p.tree for p in proposals]
         )
