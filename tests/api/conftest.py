@@ -104,7 +104,11 @@ def wait_ready(url: str, timeout: float = 60.0) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_config() -> EngineConfig:
-    return EngineConfig(num_candidates=3, depth=4, max_nodes=16, max_batch=8, max_model_len=256)
+    # Fixed trees: with tiny models the draft costs as much as the target, and the adaptive
+    # policy would (rightly) stop drafting; these tests need the speculative path exercised.
+    return EngineConfig(
+        num_candidates=3, depth=4, max_nodes=16, max_batch=8, max_model_len=256, adaptive=False
+    )
 
 
 @pytest.fixture(scope="session")

@@ -4,39 +4,58 @@ from pathlib import Path
 
 import pytest
 from multiguess import LLM, SamplingParams
-from multiguess.engine.adaptive import AdaptivePolicy
+from multiguess.engine.adaptive import AdaptivePolicy, CostMeter, expected_speedup
 from multiguess.engine.drafter import TreeBudget
 
 from tests.engine.test_lossless import random_prompts, reference
 
 BASE = TreeBudget(num_candidates=3, depth=6, max_nodes=16)
-POLICY = AdaptivePolicy(token_budget=64, min_gain=0.1, probe_every=8)
+POLICY = AdaptivePolicy(token_budget=64, min_speedup=1.05, probe_every=8)
 
 
 @pytest.mark.parametrize(
-    ("acceptance", "batch", "step", "expected"),
+    ("acceptance", "cost", "batch", "step", "expected"),
     [
-        (0.95, 1, 1, TreeBudget(3, 6, 16)),  # drafts pay, batch small: the whole budget
-        (0.5, 1, 1, TreeBudget(3, 3, 16)),  # 0.5^4 < 0.1: three levels
-        (0.2, 1, 1, TreeBudget(3, 1, 16)),  # one level still adds 0.2 tokens
-        (0.05, 1, 1, TreeBudget(1, 0, 16)),  # drafting does not pay: off ...
-        (0.05, 1, 8, TreeBudget(1, 1, 16)),  # ... but a one-token probe every 8 steps
-        (0.95, 8, 1, TreeBudget(1, 6, 7)),  # 8 sequences share 64 nodes: 7 each, a chain
-        (0.95, 16, 1, TreeBudget(1, 3, 3)),  # 16 sequences: 3 nodes each
-        (0.95, 32, 1, TreeBudget(1, 1, 1)),
-        (0.95, 64, 1, TreeBudget(3, 0, 16)),  # the budget is all roots: plain decoding
+        (0.95, 0.1, 1, 1, TreeBudget(3, 6, 16)),  # drafts pay, batch small: the whole budget
+        (0.5, 0.1, 1, 1, TreeBudget(3, 2, 16)),  # 1.75 tokens for 1.2 forwards beats 1 or 3 levels
+        (0.2, 0.1, 1, 1, TreeBudget(3, 1, 16)),  # one level still wins 9%
+        (0.05, 0.1, 1, 1, TreeBudget(1, 0, 16)),  # drafting does not pay: off ...
+        (0.05, 0.1, 1, 8, TreeBudget(1, 1, 16)),  # ... but a one-token probe every 8 steps
+        (0.8, 0.6, 1, 1, TreeBudget(3, 1, 16)),  # an expensive draft: one level only
+        (0.5, 0.6, 1, 1, TreeBudget(1, 0, 16)),  # expensive and poor: off
+        (0.95, 0.1, 8, 1, TreeBudget(1, 6, 7)),  # 8 sequences share 64 nodes: 7 each, a chain
+        (0.95, 0.1, 16, 1, TreeBudget(1, 3, 3)),  # 16 sequences: 3 nodes each
+        (0.95, 0.1, 32, 1, TreeBudget(1, 1, 1)),
+        (0.95, 0.1, 64, 1, TreeBudget(3, 0, 16)),  # the budget is all roots: plain decoding
     ],
 )
-def test_plan(acceptance: float, batch: int, step: int, expected: TreeBudget) -> None:
-    assert POLICY.plan(BASE, acceptance, batch, step) == expected
+def test_plan(acceptance: float, cost: float, batch: int, step: int, expected: TreeBudget) -> None:
+    assert POLICY.plan(BASE, acceptance, batch, step, cost) == expected
+
+
+def test_expected_speedup() -> None:
+    assert expected_speedup(0.0, 0, 0.5) == 1.0
+    assert expected_speedup(1.0, 4, 0.0) == 5.0
+    assert expected_speedup(0.5, 2, 0.25) == pytest.approx(1.75 / 1.5)
 
 
 def test_plan_never_exceeds_the_base_budget() -> None:
     for acceptance in (0.0, 0.3, 0.7, 1.0):
         for batch in (1, 2, 5, 40):
-            plan = POLICY.plan(BASE, acceptance, batch, 0)
+            plan = POLICY.plan(BASE, acceptance, batch, 0, 0.1)
             assert plan.depth <= BASE.depth and plan.num_candidates <= BASE.num_candidates
             assert plan.max_nodes <= BASE.max_nodes
+
+
+def test_cost_meter_ratio() -> None:
+    meter = CostMeter(smoothing=0.5, prior_ratio=0.1)
+    assert meter.ratio == 0.1
+    meter.record(draft_seconds=0.0, levels=0, verify_seconds=0.04)  # a plain step: no draft cost
+    assert meter.ratio == 0.1
+    meter.record(draft_seconds=0.012, levels=3, verify_seconds=0.04)
+    assert meter.ratio == pytest.approx(0.004 / 0.04)
+    meter.record(draft_seconds=0.024, levels=3, verify_seconds=0.04)
+    assert meter.ratio == pytest.approx(0.006 / 0.04)
 
 
 def test_update_estimates_the_per_level_rate() -> None:

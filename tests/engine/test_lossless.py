@@ -59,9 +59,7 @@ def test_tree_speculation_is_lossless(
 ) -> None:
     target = request.getfixturevalue(f"tiny_{family}")
     draft = request.getfixturevalue(f"tiny_{family}_draft")
-    llm = LLM(
-        str(target), str(draft), num_candidates=num_candidates, depth=depth, dtype="float32", max_batch=4
-    )
+    llm = LLM(str(target), str(draft), num_candidates, depth, dtype="float32", max_batch=4, adaptive=False)
     for seed, lengths in [(num_candidates * 10 + depth, (1, 2, 9, 33)), (depth, (64, 117))]:
         prompts, expected = references(target, seed, lengths)
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))

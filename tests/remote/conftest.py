@@ -19,7 +19,8 @@ from multiguess.remote.client import RemoteDrafter
 from multiguess.remote.server import DraftServerSettings, create_draft_app
 from prometheus_client import generate_latest
 
-CONFIG = EngineConfig(num_candidates=3, depth=4, max_nodes=16, max_batch=4, max_model_len=256)
+# Fixed trees: these tests need every step to draft, whatever the adaptive policy would decide.
+CONFIG = EngineConfig(num_candidates=3, depth=4, max_nodes=16, max_batch=4, max_model_len=256, adaptive=False)
 COOLDOWN = 0.2
 
 

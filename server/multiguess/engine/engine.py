@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from multiguess.engine.acceptance import Acceptance, accept_greedy, accept_sampled
-from multiguess.engine.adaptive import AdaptivePolicy
+from multiguess.engine.adaptive import AdaptivePolicy, CostMeter
 from multiguess.engine.drafter import Drafter, DraftRequest, ModelDrafter, Proposal, SampleSpec, TreeBudget
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.sampling import Processing, processed_probs
@@ -95,6 +96,7 @@ class Engine:
         self.totals = SpecStats()
         self.last_draft_error: str | None = None
         self.last_tree_sizes: list[int] = []  # drafted nodes per sequence in the last step
+        self.costs = CostMeter()
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -138,11 +140,15 @@ class Engine:
         if not self.running:
             return []
         batch = list(self.running)
+        started = time.perf_counter()
         proposals = self._propose(batch)
+        drafted = time.perf_counter()
         self.last_tree_sizes = [len(p.tree) - 1 for p in proposals]
         logits = self.target.forward_trees(
             [s.slot for s in batch], [s.cache_len for s in batch], [p.tree for p in proposals]
         )
+        levels = max(p.tree.max_depth for p in proposals)
+        self.costs.record(drafted - started, levels, time.perf_counter() - drafted)
         outputs = []
         target_probs = target_distributions(batch, proposals, logits)
         for b, (seq, proposal) in enumerate(zip(batch, proposals, strict=True)):
@@ -209,8 +215,12 @@ class Engine:
             cfg.depth if params.depth is None else params.depth,
             cfg.max_nodes,
         )
-        if cfg.adaptive and not overridden:
-            budget = cfg.policy.plan(budget, seq.acceptance, batch_size, seq.stats.verify_steps)
+        # A seeded sample must not depend on timing or on the batch it shares: fixed trees.
+        reproducible = params.seed is not None and not params.greedy
+        if cfg.adaptive and not overridden and not reproducible:
+            budget = cfg.policy.plan(
+                budget, seq.acceptance, batch_size, seq.stats.verify_steps, self.costs.ratio
+            )
         room = min(seq.remaining, cfg.max_model_len - len(seq.token_ids)) - 1
         return replace(budget, depth=max(0, min(budget.depth, room)))
 
