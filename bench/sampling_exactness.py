@@ -1,0 +1,74 @@
+"""Report the sampling-exactness test's statistics: p-values and total-variation distances.
+
+Runs the same cases as ``tests/engine/test_sampling_exact.py`` (tiny 8-token-vocabulary models,
+every 3-token continuation enumerated) and prints, per tree shape and setting, the chi-square
+p-value and the total-variation distance between the empirical and the exact distribution,
+plus the same for plain sampling from the draft (which must be rejected). Run from the repo
+root: ``.venv/bin/python bench/sampling_exactness.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from multiguess import LLM, SamplingParams
+
+from tests.engine import test_sampling_exact as case
+
+
+def total_variation(samples: list[tuple[int, ...]], dist: dict[tuple[int, ...], float]) -> float:
+    counts = Counter(samples)
+    n = len(samples)
+    return 0.5 * sum(abs(counts[o] / n - p) for o, p in dist.items())
+
+
+def build_pair(folder: Path) -> tuple[Path, Path]:
+    tokenizer = case.build_tokenizer([f"w{i}" for i in range(4)])
+    target = case.save_model(folder / "target", case.model_config("llama", len(tokenizer)), 5, tokenizer)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        model = AutoModelForCausalLM.from_pretrained(target)
+        model.lm_head.weight.mul_(0.25)
+        model.save_pretrained(target)
+    return target, case.save_noisy_copy(target, folder / "draft", noise=1.0, seed=6)
+
+
+def main() -> int:
+    target, draft = build_pair(Path(tempfile.mkdtemp()))
+    print("| case | samples | chi-square p | total variation | mean accepted length |")
+    print("|---|---:|---:|---:|---:|")
+    for shape, setting in case.CASES:
+        k, depth = case.SHAPES[shape]
+        params = SamplingParams(
+            max_tokens=case.LENGTH, ignore_eos=True, n=case.SAMPLES, seed=17, **case.SETTINGS[setting]
+        )
+        drafter, draft_dir = ("ngram", None) if shape == "ngram" else ("model", str(draft))
+        llm = LLM(str(target), draft_dir, k, depth, dtype="float32", max_batch=256, drafter=drafter)
+        out = llm.generate([case.PROMPT], params)[0]
+        samples = [tuple(o.token_ids) for o in out.outputs]
+        exact = case.exact_distribution(target, params)
+        mal = sum(o.stats["mean_accepted_length"] for o in out.outputs) / len(out.outputs)
+        print(
+            f"| {shape} (k={k}, depth={depth}), {setting} | {len(samples)} | "
+            f"{case.chi_square_pvalue(samples, exact):.3g} | {total_variation(samples, exact):.4f} | {mal:.2f} |"
+        )
+    params = SamplingParams(max_tokens=case.LENGTH, ignore_eos=True, n=case.SAMPLES, seed=17, temperature=1.0)
+    plain_draft = LLM(str(draft), None, dtype="float32", max_batch=256)
+    samples = [tuple(o.token_ids) for o in plain_draft.generate([case.PROMPT], params)[0].outputs]
+    exact = case.exact_distribution(target, params)
+    print(
+        f"| the draft's own distribution (must be rejected), t1 | {len(samples)} | "
+        f"{case.chi_square_pvalue(samples, exact):.3g} | {total_variation(samples, exact):.4f} | |"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
