@@ -12,6 +12,7 @@ import importlib
 import os
 import sys
 
+SERVING_COMMANDS = ("serve", "serve-draft")
 COMMANDS: tuple[str, ...] = ("embedded", "generate", "serve", "serve_draft", "distill", "bench")
 
 
@@ -26,11 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # OpenMP threads that spin while waiting make every parallel region wait for a descheduled
-    # sibling when the CPU is shared (other pods, CPU limits): measured 16x slower decoding on a
-    # busy 2-core machine, against ~1.2x slower than one thread with passive waiting. Must be set
-    # before torch loads its OpenMP runtime; an explicit setting wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    words = sys.argv[1:] if argv is None else argv
+    if words and words[0] in SERVING_COMMANDS:
+        # A server's HTTP threads share the cores with torch's OpenMP threads. OpenMP threads
+        # that spin while waiting then wait for a preempted sibling in every parallel region:
+        # measured 16x slower decoding on a busy 2-core machine, against 1.2x with passive
+        # waiting (which costs ~1.5x on an idle machine, hence servers only). Set before torch
+        # loads its OpenMP runtime; an explicit setting wins.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -28,6 +28,8 @@ def processed_probs(logits: torch.Tensor, rows: list[Processing]) -> torch.Tenso
     vocab = logits.shape[-1]
     temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float64)[:, None]
     scores = logits.double() / temperature
+    if all(r.top_p >= 1.0 and not 0 < r.top_k < vocab for r in rows):
+        return torch.softmax(scores, dim=-1)  # nothing to truncate: skip the sort
     top_k = torch.tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows])
     top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float64)[:, None]
     sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
