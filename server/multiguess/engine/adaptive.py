@@ -27,7 +27,7 @@ def expected_speedup(acceptance: float, depth: int, cost_ratio: float) -> float:
 
 @dataclass(frozen=True)
 class AdaptivePolicy:
-    token_budget: int = 64  # tree nodes (roots included) one target forward verifies at most
+    token_budget: int = 32  # tree nodes (roots included) one target forward verifies at most
     min_speedup: float = 1.05  # speculate only when the best depth is expected to win this much
     smoothing: float = 0.3  # weight of the newest observation in the acceptance average
     prior: float = 0.5  # acceptance assumed before a sequence has any history

@@ -97,6 +97,7 @@ class Engine:
         self.last_draft_error: str | None = None
         self.last_tree_sizes: list[int] = []  # drafted nodes per sequence in the last step
         self.costs = CostMeter()
+        self.steps = 0
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -140,6 +141,7 @@ class Engine:
         if not self.running:
             return []
         batch = list(self.running)
+        self.steps += 1
         started = time.perf_counter()
         proposals = self._propose(batch)
         drafted = time.perf_counter()
@@ -205,9 +207,13 @@ class Engine:
             seq.cache_len = len(seq.prompt_ids) - 1
         self.running.extend(admitted)
 
-    def _budget(self, seq: Sequence, batch_size: int) -> TreeBudget:
+    def _budget(self, seq: Sequence, batch_size: int, acceptance: float) -> TreeBudget:
         """This step's tree for ``seq``: the engine's budget, or the request's own override,
-        shaped by the adaptive policy (unless overridden) and clipped to what is left."""
+        shaped by the adaptive policy (unless overridden) and clipped to what is left.
+
+        The policy sees the batch's mean ``acceptance``, so adaptive sequences share one tree
+        shape: trees are padded to the widest in the batch, and one deep tree would make every
+        sequence pay for its width and its draft forwards."""
         cfg, params = self.config, seq.params
         overridden = params.depth is not None or params.num_candidates is not None
         budget = TreeBudget(
@@ -218,9 +224,7 @@ class Engine:
         # A seeded sample must not depend on timing or on the batch it shares: fixed trees.
         reproducible = params.seed is not None and not params.greedy
         if cfg.adaptive and not overridden and not reproducible:
-            budget = cfg.policy.plan(
-                budget, seq.acceptance, batch_size, seq.stats.verify_steps, self.costs.ratio
-            )
+            budget = cfg.policy.plan(budget, acceptance, batch_size, self.steps, self.costs.ratio)
         room = min(seq.remaining, cfg.max_model_len - len(seq.token_ids)) - 1
         return replace(budget, depth=max(0, min(budget.depth, room)))
 
@@ -229,8 +233,9 @@ class Engine:
         if self.drafter is None:
             return proposals
         requests = []
+        acceptance = sum(s.acceptance for s in batch) / len(batch)
         for i, seq in enumerate(batch):
-            budget = self._budget(seq, len(batch))
+            budget = self._budget(seq, len(batch), acceptance)
             if budget.depth > 0:
                 requests.append((i, DraftRequest(seq.slot, seq.token_ids, budget, sample_spec(seq))))
         if not requests:
