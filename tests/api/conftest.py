@@ -20,6 +20,7 @@ from multiguess.llm import load_pair
 from multiguess.scheduler import Scheduler
 
 from tests.api.faults import Faults, FaultyDrafter
+from tests.servers import wait_ready
 
 MODEL = "tiny"
 
@@ -88,18 +89,6 @@ def start_server() -> Iterator[Callable[..., LiveServer]]:
         server.should_exit = True
     for _, thread in running:
         thread.join(10)
-
-
-def wait_ready(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health/ready", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"{url} did not become ready within {timeout} s")
 
 
 @pytest.fixture(scope="session")

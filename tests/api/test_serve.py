@@ -15,8 +15,8 @@ import pytest
 from multiguess.cli import build_parser
 from multiguess.commands.serve import served_name
 
-from tests.api.conftest import wait_ready
 from tests.api.helpers import sse_events
+from tests.servers import wait_ready
 
 
 def parse(*argv: str) -> object:

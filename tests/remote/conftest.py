@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,6 +17,8 @@ from multiguess.params import SamplingParams
 from multiguess.remote.client import RemoteDrafter
 from multiguess.remote.server import DraftServerSettings, create_draft_app
 from prometheus_client import generate_latest
+
+from tests.servers import wait_ready
 
 # Fixed trees: these tests need every step to draft, whatever the adaptive policy would decide.
 CONFIG = EngineConfig(num_candidates=3, depth=4, max_nodes=16, max_batch=4, max_model_len=256, adaptive=False)
@@ -75,18 +76,6 @@ def metric_value(text: str, name: str, **labels: str) -> float:
 
 def client_metric(drafter: RemoteDrafter, name: str, **labels: str) -> float:
     return metric_value(generate_latest(drafter.metrics.registry).decode(), name, **labels)
-
-
-def wait_ready(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health/ready", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"{url} did not become ready within {timeout} s")
 
 
 @pytest.fixture

@@ -34,8 +34,8 @@ from tests.remote.conftest import (
     finish,
     metric_value,
     remote_engine,
-    wait_ready,
 )
+from tests.servers import wait_ready
 from tests.tiny_models import WORDS, build_tokenizer
 
 MAX_TOKENS = 40
