@@ -39,6 +39,21 @@ def readiness(scheduler: Scheduler) -> tuple[int, dict[str, str]]:
     return 200, {"status": "ready"}
 
 
+class JsonBodies:
+    """Read every POST body as JSON, whatever its content type: every body this API takes is
+    JSON, and ``curl -d '{"prompt": ...}' /generate`` (the original guide's call) sends it as a
+    form. Without this such a request fails with a puzzling validation error."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+            scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
+        await self.app(scope, receive, send)
+
+
 def create_app(load: Callable[[], Engine], settings: ServerSettings | None = None) -> FastAPI:
     """``load`` builds the engine; it runs on the engine's worker thread, after startup."""
     settings = settings or ServerSettings()
@@ -59,6 +74,7 @@ def create_app(load: Callable[[], Engine], settings: ServerSettings | None = Non
     app.state.settings = settings
     app.state.metrics = metrics
     errors.install(app)
+    app.add_middleware(JsonBodies)
     app.include_router(generation_router)
 
     @app.get("/health/live", responses={503: {"description": "the engine failed; restart"}})
