@@ -15,18 +15,8 @@ prepare_tools
 need kind
 private_kubeconfig
 
-finish() {
-  local status=$?
-  stop_port_forward
-  if (( status != 0 )); then diagnostics; fi
-  if [[ "${KEEP_CLUSTER:-0}" == 1 ]]; then
-    log "keeping cluster $CLUSTER (KUBECONFIG=$KUBECONFIG)"
-  else
-    kind delete cluster --name "$CLUSTER" || true
-    rm -rf "$KUBECONFIG_DIR"
-  fi
-  exit "$status"
-}
+CLUSTER_DESCRIPTION="kind cluster $CLUSTER"
+delete_cluster() { kind delete cluster --name "$CLUSTER" || true; }
 trap finish EXIT
 
 log "creating kind cluster $CLUSTER ($MODE mode)"

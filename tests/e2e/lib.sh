@@ -228,3 +228,18 @@ run_suite() {
   delete_and_uninstall
   log "PASSED ($MODE mode)"
 }
+
+# EXIT trap of both cluster scripts: diagnostics on failure, then the cluster goes unless
+# KEEP_CLUSTER=1. Each script sets CLUSTER_DESCRIPTION and defines delete_cluster.
+finish() {
+  local status=$?
+  stop_port_forward
+  if (( status != 0 )); then diagnostics; fi
+  if [[ "${KEEP_CLUSTER:-0}" == 1 ]]; then
+    log "keeping $CLUSTER_DESCRIPTION (KUBECONFIG=$KUBECONFIG)"
+  else
+    delete_cluster
+    rm -rf "$KUBECONFIG_DIR"
+  fi
+  exit "$status"
+}

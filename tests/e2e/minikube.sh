@@ -12,18 +12,8 @@ prepare_tools
 need minikube
 private_kubeconfig
 
-finish() {
-  local status=$?
-  stop_port_forward
-  if (( status != 0 )); then diagnostics; fi
-  if [[ "${KEEP_CLUSTER:-0}" == 1 ]]; then
-    log "keeping minikube profile $PROFILE (KUBECONFIG=$KUBECONFIG)"
-  else
-    minikube delete --profile "$PROFILE" || true
-    rm -rf "$KUBECONFIG_DIR"
-  fi
-  exit "$status"
-}
+CLUSTER_DESCRIPTION="minikube profile $PROFILE"
+delete_cluster() { minikube delete --profile "$PROFILE" || true; }
 trap finish EXIT
 
 log "starting minikube profile $PROFILE ($MODE mode)"
