@@ -10,7 +10,15 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 WORDS = [f"w{i}" for i in range(60)]
@@ -30,7 +38,7 @@ def build_tokenizer(words: list[str] = WORDS) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def model_config(family: str, vocab_size: int, **overrides: object) -> LlamaConfig | Qwen2Config:
+def model_config(family: str, vocab_size: int, **overrides: object) -> PretrainedConfig:
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -49,6 +57,10 @@ def model_config(family: str, vocab_size: int, **overrides: object) -> LlamaConf
         return LlamaConfig(**common)
     if family == "qwen2":
         return Qwen2Config(**common)
+    if family == "qwen3":
+        return Qwen3Config(head_dim=16, **common)
+    if family == "mistral":
+        return MistralConfig(**common)
     raise ValueError(family)
 
 

@@ -89,8 +89,11 @@ class LLM:
         max_model_len: int = 2048,
         drafter: str = "model",
         adaptive: bool = True,
+        eager: bool = False,
     ) -> None:
-        config = EngineConfig(num_candidates, depth, max_nodes, max_batch, max_model_len, adaptive)
+        config = EngineConfig(
+            num_candidates, depth, max_nodes, max_batch, max_model_len, adaptive, eager=eager
+        )
         self.engine = build_engine(
             config, target, draft, drafter, dtype, device, draft_device, draft_quantization
         )

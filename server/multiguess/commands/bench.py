@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         for p in prompt_set
     ]
     n = args.max_tokens
-    common = {"adaptive": not args.no_adaptive}
+    common = {"adaptive": not args.no_adaptive, "eager": args.eager}
     tree_cfg = EngineConfig(args.num_candidates, args.depth, args.max_nodes, 1, args.max_model_len, **common)
     chain_cfg = EngineConfig(
         1, args.chain_depth or args.depth, args.max_nodes, 1, args.max_model_len, **common
@@ -111,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         "tree": {"num_candidates": args.num_candidates, "depth": args.depth, "max_nodes": args.max_nodes},
         "chain_depth": chain_cfg.depth,
         "adaptive": tree_cfg.adaptive,
+        "kernels": "prepacked" if tree_engine.target.packed else "eager",
         "machine": platform.processor() or platform.machine(),
         "commit": git_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

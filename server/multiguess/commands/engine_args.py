@@ -51,6 +51,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--max-model-len", 2048, int, help="context length (prompt + output)")
     add_flag(parser, "--threads", 0, int, help="CPU threads for torch (0: the cores this process may use)")
     add_switch(parser, "--no-adaptive", "always draft the full tree budget")
+    add_switch(parser, "--eager", "plain PyTorch kernels, no prepacked CPU weights (escape hatch)")
 
 
 def add_switch(parser: argparse.ArgumentParser, flag: str, help_text: str) -> None:
@@ -94,4 +95,5 @@ def build_llm(args: argparse.Namespace) -> Any:
         max_model_len=args.max_model_len,
         drafter=args.drafter,
         adaptive=not args.no_adaptive,
+        eager=args.eager,
     )

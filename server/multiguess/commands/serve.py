@@ -49,7 +49,12 @@ def build_engine(args: argparse.Namespace, registry: Any = None) -> Any:
         from multiguess.remote.client import RemoteDrafter
 
         config = EngineConfig(
-            args.num_candidates, args.depth, args.max_nodes, args.max_batch, args.max_model_len
+            args.num_candidates,
+            args.depth,
+            args.max_nodes,
+            args.max_batch,
+            args.max_model_len,
+            eager=args.eager,
         )
         engine = build_local(config, args.target, None, "none", args.dtype, args.device)
         engine.drafter = RemoteDrafter(

@@ -11,7 +11,7 @@ import logging
 import signal
 from typing import Any
 
-from multiguess.commands.engine_args import add_flag
+from multiguess.commands.engine_args import add_flag, add_switch
 from multiguess.commands.serve import LOG_FORMAT, log_level, positive_float
 
 
@@ -36,7 +36,7 @@ def make_server(args: argparse.Namespace) -> Any:
     from multiguess.remote.server import DraftServerSettings, create_draft_app
 
     settings = DraftServerSettings(
-        args.max_sessions, args.session_idle_timeout, args.max_model_len, args.max_tree_nodes
+        args.max_sessions, args.session_idle_timeout, args.max_model_len, args.max_tree_nodes, args.eager
     )
     app = create_draft_app(lambda: load_draft(args), settings)
     return uvicorn.Server(
@@ -88,4 +88,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         parser, "--max-tree-nodes", 64, positive_int, help="largest tree: max(max_nodes, candidates x depth)"
     )
     add_flag(parser, "--log-level", "info", log_level, help="debug, info, warning or error")
+    add_switch(parser, "--eager", "plain PyTorch kernels, no prepacked CPU weights (escape hatch)")
     parser.set_defaults(func=run)

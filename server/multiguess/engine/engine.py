@@ -35,6 +35,7 @@ class EngineConfig:
 
     With ``adaptive`` on, each step's tree follows the sequence's acceptance and the batch
     size (see ``AdaptivePolicy``), never above the budget; off, every tree uses the budget.
+    ``eager`` runs plain PyTorch kernels (no prepacked weights): the escape hatch.
     """
 
     num_candidates: int = 3
@@ -44,6 +45,7 @@ class EngineConfig:
     max_model_len: int = 2048
     adaptive: bool = True
     policy: AdaptivePolicy = field(default_factory=AdaptivePolicy)
+    eager: bool = False
 
     def __post_init__(self) -> None:
         TreeBudget(self.num_candidates, self.depth, self.max_nodes)  # validates
@@ -85,9 +87,10 @@ class Engine:
         self.config = config or EngineConfig()
         self.tokenizer = target.tokenizer
         capacity = self.config.max_model_len + self.config.tree_slack
-        self.target = NativeRunner(target, self.config.max_batch, capacity)
+        eager = self.config.eager
+        self.target = NativeRunner(target, self.config.max_batch, capacity, eager)
         if drafter is None and draft is not None:
-            drafter = ModelDrafter(NativeRunner(draft, self.config.max_batch, capacity))
+            drafter = ModelDrafter(NativeRunner(draft, self.config.max_batch, capacity, eager))
         self.drafter = drafter
         self.eos_ids = frozenset(eos_token_ids(target))
         self.waiting: deque[Sequence] = deque()

@@ -1,6 +1,7 @@
 """A static (pre-allocated) KV cache with one slot per running sequence.
 
-Layout ``[layers, slots, kv_heads, capacity, head_dim]`` for keys and values. Verification
+Layout ``[layers, slots, 2 * kv_heads, capacity, head_dim]``: keys in the first ``kv_heads``,
+values in the rest, so one write and one compaction cover both. Verification
 writes a whole tree after a sequence's prefix; compaction then moves the accepted path's
 entries down to sit right after the prefix, in place, for every layer in one indexing op.
 Nothing is reallocated per step and accepted tokens are never recomputed.
@@ -22,23 +23,20 @@ class StaticKVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_layers, num_slots, num_kv_heads, capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (num_layers, num_slots, 2 * num_kv_heads, capacity, head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_kv_heads = num_kv_heads
         self.capacity = capacity
-        self._heads = torch.arange(num_kv_heads, device=device)
+        self._heads = torch.arange(2 * num_kv_heads, device=device)
 
     @property
     def num_slots(self) -> int:
-        return self.keys.shape[1]
+        return self.kv.shape[1]
 
-    def write(
-        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """Store ``k``/``v`` ``[B, H, T, D]`` of sequence b at cache positions ``positions[b]``."""
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor) -> None:
+        """Store keys and values ``[B, 2H, T, D]`` of sequence b at cache positions ``positions[b]``."""
         index = (slots[:, None, None], self._heads[None, :, None], positions[:, None, :])
-        self.keys[layer].index_put_(index, k)
-        self.values[layer].index_put_(index, v)
+        self.kv[layer].index_put_(index, kv)
 
     @staticmethod
     def selector(slots: list[int]) -> slice | list[int]:
@@ -49,14 +47,14 @@ class StaticKVCache:
 
     def read(self, layer: int, selector: slice | list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, H, length, D]`` of the selected slots."""
-        return self.keys[layer, selector, :, :length], self.values[layer, selector, :, :length]
+        kv = self.kv[layer, selector, :, :length]
+        return kv[:, : self.num_kv_heads], kv[:, self.num_kv_heads :]
 
     def compact(self, slot: int, start: int, nodes: list[int]) -> None:
         """Move the entries at ``start + nodes[i]`` to ``start + i`` in every layer."""
         if nodes == list(range(len(nodes))):
             return
-        device = self.keys.device
+        device = self.kv.device
         src = torch.tensor(nodes, device=device) + start
         dst = torch.arange(start, start + len(nodes), device=device)
-        for cache in (self.keys, self.values):
-            cache[:, slot, :, dst] = cache[:, slot, :, src]
+        self.kv[:, slot, :, dst] = self.kv[:, slot, :, src]

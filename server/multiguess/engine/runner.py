@@ -9,12 +9,11 @@ after its sequence's prefix, attends to prefix + its own ancestors in one forwar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from multiguess.engine.kv_cache import StaticKVCache
+from multiguess.engine.linear import Projection, packing_supported
 from multiguess.engine.tree import TokenTree, pack_trees
 from multiguess.models.loading import LoadedModel
 
@@ -38,41 +37,9 @@ def region_attention_mask(prefix_lens: torch.Tensor, visible: torch.Tensor, leng
     return ((rel < 0)[:, None, :] | (visible.gather(2, cols) & in_region[:, None, :]))[:, None]
 
 
-@dataclass
-class FusedProjection:
-    """Several Linear layers reading the same input, run as one matmul.
-
-    The fused weight is one tensor; each original layer's weight is re-pointed to a view of it,
-    so the model keeps working as a transformers module and no memory is duplicated.
-    """
-
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    sizes: list[int]
-
-    @classmethod
-    def of(cls, linears: list[torch.nn.Module]) -> FusedProjection | None:
-        if not all(type(m) is torch.nn.Linear for m in linears):
-            return None  # e.g. dynamically quantized layers: keep them as they are
-        with torch.no_grad():
-            weight = torch.cat([m.weight for m in linears])
-            has_bias = [m.bias is not None for m in linears]
-            bias = None
-            if any(has_bias):
-                bias = torch.cat(
-                    [m.bias if m.bias is not None else weight.new_zeros(m.out_features) for m in linears]
-                )
-            start = 0
-            for m in linears:
-                rows = m.out_features
-                m.weight = torch.nn.Parameter(weight[start : start + rows], requires_grad=False)
-                if m.bias is not None:
-                    m.bias = torch.nn.Parameter(bias[start : start + rows], requires_grad=False)
-                start += rows
-        return cls(weight, bias, [m.out_features for m in linears])
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+def apply(projection: Projection | None, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A layer through its projection, or the module itself where none could be built."""
+    return module(x) if projection is None else projection(x)
 
 
 class NativeRunner:
@@ -80,10 +47,11 @@ class NativeRunner:
 
     On CPUs attention runs in float32 over a float32 cache whatever the weights' dtype: the
     CPU kernels are several times faster in fp32 than in bf16 for decode-sized queries, and
-    the cache of a small model is small. q/k/v and gate/up projections run fused.
+    the cache of a small model is small. q/k/v and gate/up projections run fused, and on CPUs
+    every projection uses prepacked weights (``engine/linear.py``) unless ``eager``.
     """
 
-    def __init__(self, loaded: LoadedModel, num_slots: int, capacity: int) -> None:
+    def __init__(self, loaded: LoadedModel, num_slots: int, capacity: int, eager: bool = False) -> None:
         model = loaded.model
         config = model.config
         self.model = model
@@ -109,11 +77,16 @@ class NativeRunner:
             self.attn_dtype,
             self.device,
         )
+        pack = not eager and packing_supported(self.device, self.dtype)
+        self.packed = pack
         self.qkv = [
-            FusedProjection.of([la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj])
+            Projection.of([la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj], pack)
             for la in self.layers
         ]
-        self.gate_up = [FusedProjection.of([la.mlp.gate_proj, la.mlp.up_proj]) for la in self.layers]
+        self.o = [Projection.of([la.self_attn.o_proj], pack) for la in self.layers]
+        self.gate_up = [Projection.of([la.mlp.gate_proj, la.mlp.up_proj], pack) for la in self.layers]
+        self.down = [Projection.of([la.mlp.down_proj], pack) for la in self.layers]
+        self.head = Projection.of([self.lm_head], pack)
 
     @torch.inference_mode()
     def forward(
@@ -139,50 +112,65 @@ class NativeRunner:
         length = max(int(write_at.max()) + 1, max(prefix_lens) + visible.shape[2])
         if length > self.capacity:
             raise ValueError(f"sequence would exceed the cache capacity of {self.capacity} tokens")
-        mask = region_attention_mask(torch.tensor(prefix_lens, device=device), visible.to(device), length)
+        visible_mask = region_attention_mask(
+            torch.tensor(prefix_lens, device=device), visible.to(device), length
+        )
+        # Additive form once per forward: a bool mask is converted by the kernel in every layer.
+        mask = torch.zeros(visible_mask.shape, dtype=self.attn_dtype, device=device)
+        mask.masked_fill_(~visible_mask, float("-inf"))
         slot_index = torch.tensor(slots, device=device)
         selector = StaticKVCache.selector(slots)
 
         x = self.embed(tokens.to(device)).to(self.dtype)
         cos, sin = self.rotary(x, positions.to(device))
-        cos, sin = cos[:, None], sin[:, None]
+        rope = cos[:, :, None], sin[:, :, None]  # broadcast over heads of [B, T, H, D]
+        heads = self.num_heads
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            if self.qkv[i] is not None:
-                q, k, v = self.qkv[i](h)
-            else:
-                q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-            q = q.view(batch, width, -1, self.head_dim)
-            k = k.view(batch, width, -1, self.head_dim)
-            v = v.view(batch, width, -1, self.head_dim).transpose(1, 2)
-            if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            self.cache.write(i, slot_index, write_at, k.to(self.attn_dtype), v.to(self.attn_dtype))
+            qkv = self._rotated_qkv(i, layer.input_layernorm(x), rope)
+            self.cache.write(i, slot_index, write_at, qkv[:, :, heads:].transpose(1, 2))
             keys, values = self.cache.read(i, selector, length)
             out = F.scaled_dot_product_attention(
-                q.to(self.attn_dtype),
+                qkv[:, :, :heads].transpose(1, 2),
                 keys,
                 values,
                 attn_mask=mask,
                 scale=getattr(attn, "scaling", None),
                 enable_gqa=True,
             ).to(self.dtype)
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
+            x = x + apply(self.o[i], attn.o_proj, out.transpose(1, 2).reshape(batch, width, -1))
             x = x + self._mlp(i, layer.mlp, layer.post_attention_layernorm(x))
         x = self.norm(x)
         if logits_at is not None:
             x = x[torch.arange(batch, device=device), logits_at.to(device)]
-        return self.lm_head(x).float()
+        return apply(self.head, self.lm_head, x).float()
+
+    def _rotated_qkv(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Queries, keys and values ``[B, T, heads + 2 * kv_heads, D]`` in the attention dtype,
+        rotary applied to queries and keys together (the same elementwise math, half the ops)."""
+        attn = self.layers[i].self_attn
+        batch, width = h.shape[:2]
+        if self.qkv[i] is not None:
+            qkv = self.qkv[i](h).view(batch, width, -1, self.head_dim)
+        else:
+            qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], -1).view(
+                batch, width, -1, self.head_dim
+            )
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        if hasattr(attn, "q_norm"):
+            q, k = qkv[:, :, :heads], qkv[:, :, heads : heads + kv_heads]
+            qk = torch.cat([attn.q_norm(q), attn.k_norm(k)], 2)
+        else:
+            qk = qkv[:, :, : heads + kv_heads]
+        cos, sin = rope
+        qk = qk * cos + rotate_half(qk) * sin
+        return torch.cat([qk, qkv[:, :, heads + kv_heads :]], 2).to(self.attn_dtype)
 
     def _mlp(self, i: int, mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
         if self.gate_up[i] is None:
             return mlp(h)
-        gate, up = self.gate_up[i](h)
-        return mlp.down_proj(mlp.act_fn(gate) * up)
+        gate, up = self.gate_up[i].split(h)
+        return apply(self.down[i], mlp.down_proj, mlp.act_fn(gate) * up)
 
     def forward_trees(
         self, slots: list[int], prefix_lens: list[int], trees: list[TokenTree], last_only: bool = False

@@ -52,6 +52,7 @@ class DraftServerSettings:
     idle_seconds: float = 300.0
     max_model_len: int = 2048
     max_tree_nodes: int = 64  # room past a sequence for its tree: max(max_nodes, candidates x depth)
+    eager: bool = False  # plain PyTorch kernels, no prepacked CPU weights
 
     def __post_init__(self) -> None:
         if min(self.max_sessions, self.max_model_len, self.max_tree_nodes) < 1 or self.idle_seconds <= 0:
@@ -127,7 +128,7 @@ class DraftWorker:
     def _build(self) -> DraftService:
         loaded = self._load()
         s = self.settings
-        runner = NativeRunner(loaded, s.max_sessions, s.max_model_len + s.max_tree_nodes + 2)
+        runner = NativeRunner(loaded, s.max_sessions, s.max_model_len + s.max_tree_nodes + 2, s.eager)
         self.info = ServerInfo(
             model=loaded.name,
             fingerprint=tokenizer_fingerprint(loaded.tokenizer),
