@@ -54,3 +54,22 @@ def test_region_mask_sees_prefix_and_visible_region_only() -> None:
     assert mask.shape == (1, 1, 2, 6)
     assert mask[0, 0, 0].tolist() == [True, True, True, False, False, False]
     assert mask[0, 0, 1].tolist() == [True, True, True, True, False, False]
+
+
+def random_tree(generator: torch.Generator, size: int) -> TokenTree:
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, size)]
+    return TokenTree(tuple(range(100, 100 + size)), tuple(parents))
+
+
+def test_packed_masks_and_depths_agree_with_paths_for_random_trees() -> None:
+    generator = torch.Generator().manual_seed(0)
+    trees = [random_tree(generator, int(n)) for n in torch.randint(1, 33, (12,), generator=generator)]
+    tokens, depths, mask = pack_trees(trees)
+    for b, tree in enumerate(trees):
+        n = len(tree)
+        assert tokens[b, :n].tolist() == list(tree.tokens)
+        assert depths[b, :n].tolist() == list(tree.depths)
+        for node in range(n):
+            assert mask[b, node].nonzero().flatten().tolist() == sorted(tree.path_to(node))
+        assert torch.equal(mask[b, n:, n:], torch.eye(mask.shape[1] - n, dtype=torch.bool))
+        assert not mask[b, n:, :n].any()

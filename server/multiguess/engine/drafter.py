@@ -78,6 +78,8 @@ class _Candidate:
     score: float  # cumulative draft log-probability
     sibling_rank: int  # order among its siblings (draw order when sampled)
     spine: bool = False  # on the chain of first children: what chain speculation would draft
+    depth: int = 1  # levels below the root
+    sees: tuple[int, ...] = ()  # once fed to the draft: region offsets of its ancestors and itself
 
 
 def select_nodes(candidates: list[_Candidate], max_nodes: int) -> list[int]:
@@ -225,8 +227,9 @@ class ModelDrafter:
         for parent, (picks, scores) in zip(beam, choices, strict=True):
             base = 0.0 if parent == -1 else cands[parent].score
             on_spine = parent == -1 or cands[parent].spine
+            depth = 1 if parent == -1 else cands[parent].depth + 1
             for rank, (tok, lp) in enumerate(zip(picks, scores, strict=True)):
-                cands.append(_Candidate(tok, parent, base + lp, rank, on_spine and rank == 0))
+                cands.append(_Candidate(tok, parent, base + lp, rank, on_spine and rank == 0, depth))
                 new.append(len(cands) - 1)
         return new
 
@@ -238,30 +241,32 @@ class ModelDrafter:
         cands: list[list[_Candidate]],
         fed: list[dict[int, int]],
     ) -> list[torch.Tensor]:
-        """One draft forward over every sequence's beam; returns each beam's logits rows."""
+        """One draft forward over every sequence's beam; returns each beam's logits rows.
+
+        Row j of sequence b is written at region offset ``len(fed[b]) + j`` and sees the offsets
+        its node's ``sees`` lists (ancestors and itself); padding rows see only themselves."""
         width = max(1, max(len(beam) for beam in beams))
-        region = max(len(f) for f in fed) + width
+        used = torch.tensor([len(f) for f in fed])
+        region = int(used.max()) + width
         batch = len(requests)
         tokens = torch.zeros(batch, width, dtype=torch.long)
-        positions = torch.zeros(batch, width, dtype=torch.long)
-        write_at = torch.zeros(batch, width, dtype=torch.long)
+        depths = torch.zeros(batch, width, dtype=torch.long)
+        offsets = used[:, None] + torch.arange(width)
         visible = torch.zeros(batch, width, region, dtype=torch.bool)
+        visible.scatter_(2, offsets[..., None], True)
+        seen: list[tuple[int, int, int]] = []  # (b, j, offset) of every ancestor a row sees
         for b, beam in enumerate(beams):
-            used = len(fed[b])
-            for j in range(width):
-                visible[b, j, used + j] = True  # every row sees itself (padding rows too)
-                write_at[b, j] = prefixes[b] + used + j
-                positions[b, j] = prefixes[b]
             for j, c in enumerate(beam):
-                fed[b][c] = used + j
-                tokens[b, j] = cands[b][c].token
-                depth, node = 0, c
-                while node != -1:
-                    if node in fed[b]:
-                        visible[b, j, fed[b][node]] = True
-                    node = cands[b][node].parent
-                    depth += 1
-                positions[b, j] = prefixes[b] + depth - 1
+                node = cands[b][c]
+                fed[b][c] = int(offsets[b, j])
+                parent_sees = cands[b][node.parent].sees if node.parent != -1 else ()
+                node.sees = (*parent_sees, fed[b][c])
+                tokens[b, j], depths[b, j] = node.token, node.depth - 1
+                seen.extend((b, j, offset) for offset in parent_sees)
+        if seen:
+            visible[tuple(torch.tensor(seen).T)] = True
+        lens = torch.tensor(prefixes)[:, None]
+        positions, write_at = lens + depths, lens + offsets
         logits = self.runner.forward(
             [r.slot for r in requests], prefixes, tokens, positions, write_at, visible
         )

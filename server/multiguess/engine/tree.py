@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,19 @@ class TokenTree:
 
     def ancestor_mask(self) -> torch.Tensor:
         """[n, n] bool: entry (i, j) is True when node j is node i or one of its ancestors."""
-        n = len(self.tokens)
-        mask = torch.eye(n, dtype=torch.bool)
-        for i in range(1, n):
-            mask[i] |= mask[self.parents[i]]
-        return mask
+        return ancestor_masks(torch.tensor([0, *self.parents[1:]])[None], self.max_depth)[0]
+
+
+def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """``[B, T, T]`` ancestor-or-self masks from ``[B, T]`` parent indices (roots and padding
+    point to themselves): one gather per tree level, whatever the number of nodes."""
+    batch, width = parents.shape
+    mask = torch.eye(width, dtype=torch.bool).repeat(batch, 1, 1)
+    node = torch.arange(width).expand(batch, width)
+    for _ in range(max_depth):
+        node = parents.gather(1, node)
+        mask.scatter_(2, node[..., None], True)
+    return mask
 
 
 def pack_trees(trees: list[TokenTree], device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
@@ -71,13 +80,9 @@ def pack_trees(trees: list[TokenTree], device: torch.device | str = "cpu") -> tu
     Returns ``(tokens [B, T], depths [B, T], ancestor mask [B, T, T])``. Padding nodes are
     their own only ancestor (so attention rows never go empty) and are ignored by callers.
     """
-    width = max(len(t) for t in trees)
-    tokens = torch.zeros(len(trees), width, dtype=torch.long)
-    depths = torch.zeros(len(trees), width, dtype=torch.long)
-    mask = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)
-    for b, tree in enumerate(trees):
-        n = len(tree)
-        tokens[b, :n] = torch.tensor(tree.tokens)
-        depths[b, :n] = torch.tensor(tree.depths)
-        mask[b, :n, :n] = tree.ancestor_mask()
+    tokens = pad_sequence([torch.tensor(t.tokens) for t in trees], batch_first=True)
+    parents = pad_sequence([torch.tensor(t.parents) for t in trees], batch_first=True, padding_value=-1)
+    parents = torch.where(parents < 0, torch.arange(parents.shape[1]), parents)
+    mask = ancestor_masks(parents, max(t.max_depth for t in trees))
+    depths = mask.sum(-1) - 1  # a node's ancestors are one per level above it
     return tokens.to(device), depths.to(device), mask.to(device)
