@@ -19,10 +19,11 @@ POLICY = AdaptivePolicy(token_budget=64, min_speedup=1.05, probe_every=8)
         (0.95, 0.1, 1, 1, TreeBudget(3, 6, 16)),  # drafts pay, batch small: the whole budget
         (0.5, 0.1, 1, 1, TreeBudget(3, 2, 16)),  # 1.75 tokens for 1.2 forwards beats 1 or 3 levels
         (0.2, 0.1, 1, 1, TreeBudget(3, 1, 16)),  # one level still wins 9%
-        (0.05, 0.1, 1, 1, TreeBudget(1, 0, 16)),  # drafting does not pay: off ...
-        (0.05, 0.1, 1, 8, TreeBudget(1, 1, 16)),  # ... but a one-token probe every 8 steps
+        (0.05, 0.1, 1, 1, TreeBudget(3, 0, 16)),  # drafting does not pay: off ...
+        (0.05, 0.1, 1, 8, TreeBudget(3, 1, 16)),  # ... but a one-level probe every 8 steps
+        (0.05, 0.1, 32, 8, TreeBudget(1, 1, 16)),  # (a single node when the batch is large)
         (0.8, 0.6, 1, 1, TreeBudget(3, 1, 16)),  # an expensive draft: one level only
-        (0.5, 0.6, 1, 1, TreeBudget(1, 0, 16)),  # expensive and poor: off
+        (0.5, 0.6, 1, 1, TreeBudget(3, 0, 16)),  # expensive and poor: off
         (0.95, 0.1, 8, 1, TreeBudget(1, 6, 7)),  # 8 sequences share 64 nodes: 7 each, a chain
         (0.95, 0.1, 16, 1, TreeBudget(1, 3, 3)),  # 16 sequences: 3 nodes each
         (0.95, 0.1, 32, 1, TreeBudget(1, 1, 1)),

@@ -9,7 +9,9 @@ speculation) when no depth beats plain decoding by ``min_speedup``. *Load*: one 
 verifies every sequence's tree, and its cost grows with the total number of tree nodes once
 the batch is large, so ``token_budget`` nodes are shared by the batch: few sequences get bushy
 trees, many get chains, very many get none. A sequence that stopped drafting still probes
-with a one-token chain every ``probe_every`` steps, so its estimate can recover.
+with a one-level tree every ``probe_every`` steps, so its estimate can recover. The probe is
+as wide as the budget allows: width costs the draft nothing (one forward per level) and the
+target little, and a chain probe would measure a lower rate than the trees it stands for.
 """
 
 from __future__ import annotations
@@ -42,10 +44,10 @@ class AdaptivePolicy:
             return TreeBudget(base.num_candidates, 0, base.max_nodes)
         deepest = min(base.depth, nodes)
         depth = max(range(1, deepest + 1), key=lambda d: expected_speedup(acceptance, d, cost_ratio))
+        width = base.num_candidates if nodes >= 2 * depth else 1
         if expected_speedup(acceptance, depth, cost_ratio) < self.min_speedup:
             probe = step % self.probe_every == 0
-            return TreeBudget(1, 1 if probe else 0, base.max_nodes)
-        width = base.num_candidates if nodes >= 2 * depth else 1
+            return TreeBudget(min(base.num_candidates, nodes), 1 if probe else 0, base.max_nodes)
         return TreeBudget(width, depth, max(1, min(base.max_nodes, nodes)))
 
     def update(self, acceptance: float, accepted: int, drafted_depth: int) -> float:
