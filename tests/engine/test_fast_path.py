@@ -63,7 +63,9 @@ def test_fused_layers_keep_working_as_modules_and_runners_share_them(tiny_llama:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fast_path_equals_eager_path_token_for_token(tiny_llama: Path, tiny_llama_draft: Path, dtype: str) -> None:
+def test_fast_path_equals_eager_path_token_for_token(
+    tiny_llama: Path, tiny_llama_draft: Path, dtype: str
+) -> None:
     prompts = random_prompts(11, (1, 9, 40, 100))
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     outputs = {}
@@ -75,12 +77,16 @@ def test_fast_path_equals_eager_path_token_for_token(tiny_llama: Path, tiny_llam
 
 
 @pytest.fixture(scope="module")
-def family_pair(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> tuple[Path, Path]:
+def family_pair(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> tuple[Path, Path]:
     family = request.param
     folder = tmp_path_factory.mktemp(family)
     tokenizer = build_tokenizer()
     target = save_model(folder / "target", model_config(family, len(tokenizer)), 5, tokenizer)
-    draft = save_model(folder / "draft", model_config(family, len(tokenizer), num_hidden_layers=1), 6, tokenizer)
+    draft = save_model(
+        folder / "draft", model_config(family, len(tokenizer), num_hidden_layers=1), 6, tokenizer
+    )
     return target, draft
 
 
@@ -90,9 +96,27 @@ def test_qwen3_and_mistral_speculation_matches_transformers(family_pair: tuple[P
     prompts = random_prompts(12, (3, 30))
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     expected = [
-        model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=None)[0, len(p) :].tolist()
+        model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=None)[
+            0, len(p) :
+        ].tolist()
         for p in prompts
     ]
     llm = LLM(str(target), str(draft), 2, 3, dtype="float32", adaptive=False)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
+    got = [
+        o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    ]
     assert got == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_is_bitwise_transformers(dtype: torch.dtype) -> None:
+    from multiguess.engine.runner import apply_rotary, rotary_tables
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(3)
+    q, k = torch.randn(2, 5, 4, 16, dtype=dtype), torch.randn(2, 5, 2, 16, dtype=dtype)
+    cos, sin = torch.randn(2, 5, 16, dtype=dtype), torch.randn(2, 5, 16, dtype=dtype)
+    expected_q, expected_k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+    tables = rotary_tables(cos, sin)
+    assert torch.equal(apply_rotary(q, *tables), expected_q)
+    assert torch.equal(apply_rotary(k, *tables), expected_k)

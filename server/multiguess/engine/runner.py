@@ -18,9 +18,18 @@ from multiguess.engine.tree import TokenTree, pack_trees
 from multiguess.models.loading import LoadedModel
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and a sign-folded ``sin`` for ``apply_rotary``, broadcast over heads of [B, T, H, D]."""
+    half = sin.shape[-1] // 2
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return cos[:, :, None], signed[:, :, None]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin``, bitwise (``(-a) * s == a * (-s)``), with
+    the negation folded into the table once per forward instead of once per layer."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
 def region_attention_mask(prefix_lens: torch.Tensor, visible: torch.Tensor, length: int) -> torch.Tensor:
@@ -123,7 +132,7 @@ class NativeRunner:
 
         x = self.embed(tokens.to(device)).to(self.dtype)
         cos, sin = self.rotary(x, positions.to(device))
-        rope = cos[:, :, None], sin[:, :, None]  # broadcast over heads of [B, T, H, D]
+        rope = rotary_tables(cos, sin)
         heads = self.num_heads
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -162,8 +171,7 @@ class NativeRunner:
             qk = torch.cat([attn.q_norm(q), attn.k_norm(k)], 2)
         else:
             qk = qkv[:, :, : heads + kv_heads]
-        cos, sin = rope
-        qk = qk * cos + rotate_half(qk) * sin
+        qk = apply_rotary(qk, *rope)
         return torch.cat([qk, qkv[:, :, heads + kv_heads :]], 2).to(self.attn_dtype)
 
     def _mlp(self, i: int, mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
