@@ -165,7 +165,8 @@ def write_section(doc: Path, report: dict) -> None:
         [
             START,
             f"Run of {report['date']}: {report['max_tokens']} tokens per request, "
-            f"{report['rounds']} requests per client, embedded pair, greedy, chat prompts from the bench set.",
+            f"{report['rounds']} requests per client (at least {report['min_requests']} per level), "
+            "embedded pair, greedy, chat prompts from the bench set.",
             "",
             markdown(report),
             "",
@@ -183,6 +184,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", default="1,2,4,8,16")
     parser.add_argument("--rounds", type=int, default=2, help="requests per client at each level")
+    parser.add_argument(
+        "--min-requests", type=int, default=8, help="requests per level at least (low concurrency is noisy)"
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--setups", default="a,b,c", help="which setups to run (letters)")
@@ -194,7 +198,7 @@ def main() -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     wanted = set(args.setups.split(","))
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "max_tokens": args.max_tokens}
-    report |= {"rounds": args.rounds, "setups": {}}
+    report |= {"rounds": args.rounds, "min_requests": args.min_requests, "setups": {}}
     for name, extra in SETUPS.items():
         if name[0] not in wanted:
             continue
@@ -205,7 +209,13 @@ def main() -> int:
             report["setups"][name] = []
             for c in levels:
                 result = asyncio.run(
-                    run_level(f"http://127.0.0.1:{port}/v1", prompts, c, c * args.rounds, args.max_tokens)
+                    run_level(
+                        f"http://127.0.0.1:{port}/v1",
+                        prompts,
+                        c,
+                        max(c * args.rounds, args.min_requests),
+                        args.max_tokens,
+                    )
                 )
                 report["setups"][name].append(result)
                 print(f"  {name} c={c}: {result}", file=sys.stderr)

@@ -149,7 +149,8 @@ def write_report(report: dict, out: Path) -> None:
             START,
             f"Run of {report['date']} at commit `{report['commit']}`: {report['prompts']} prompts "
             f"(set v{report['prompt_set_version']}), {report['max_tokens']} tokens each, "
-            f"{report['repeats']} repeats, {report['threads']} threads, {report['dtype']}; target "
+            f"{report['repeats']} repeats, {report['threads']} threads, {report['dtype']}, "
+            f"{report['kernels']} kernels; target "
             f"`{report['target']}`, draft `{report['draft']}`; tree {report['tree']}, chain depth "
             f"{report['chain_depth']}.",
             "",
