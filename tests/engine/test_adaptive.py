@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 from multiguess import LLM, SamplingParams
-from multiguess.engine.adaptive import AdaptivePolicy, CostMeter, expected_speedup
+from multiguess.engine.adaptive import AdaptivePolicy, CostMeter, ForwardCost, expected_speedup
 from multiguess.engine.drafter import TreeBudget
 
 from tests.engine.test_lossless import random_prompts, reference
@@ -17,14 +17,14 @@ POLICY = AdaptivePolicy(token_budget=64, min_speedup=1.05, probe_every=8)
     ("acceptance", "cost", "batch", "step", "expected"),
     [
         (0.95, 0.1, 1, 1, TreeBudget(3, 6, 16)),  # drafts pay, batch small: the whole budget
-        (0.5, 0.1, 1, 1, TreeBudget(3, 2, 16)),  # 1.75 tokens for 1.2 forwards beats 1 or 3 levels
-        (0.2, 0.1, 1, 1, TreeBudget(3, 1, 16)),  # one level still wins 9%
+        (0.5, 0.1, 1, 1, TreeBudget(3, 2, 12)),  # 1.75 tokens for 1.2 forwards beats 1 or 3 levels
+        (0.2, 0.1, 1, 1, TreeBudget(3, 1, 3)),  # one level still wins 9%
         (0.05, 0.1, 1, 1, TreeBudget(3, 0, 16)),  # drafting does not pay: off ...
         (0.05, 0.1, 1, 8, TreeBudget(3, 1, 16)),  # ... but a one-level probe every 8 steps
         (0.05, 0.1, 32, 8, TreeBudget(1, 1, 16)),  # (a single node when the batch is large)
-        (0.8, 0.6, 1, 1, TreeBudget(3, 1, 16)),  # an expensive draft: one level only
+        (0.8, 0.6, 1, 1, TreeBudget(3, 1, 3)),  # an expensive draft: one level only
         (0.5, 0.6, 1, 1, TreeBudget(3, 0, 16)),  # expensive and poor: off
-        (0.95, 0.1, 8, 1, TreeBudget(1, 6, 7)),  # 8 sequences share 64 nodes: 7 each, a chain
+        (0.95, 0.1, 8, 1, TreeBudget(1, 6, 6)),  # 8 sequences share 64 nodes: 7 each, a chain
         (0.95, 0.1, 16, 1, TreeBudget(1, 3, 3)),  # 16 sequences: 3 nodes each
         (0.95, 0.1, 32, 1, TreeBudget(1, 1, 1)),
         (0.95, 0.1, 64, 1, TreeBudget(3, 0, 16)),  # the budget is all roots: plain decoding
@@ -50,13 +50,37 @@ def test_plan_never_exceeds_the_base_budget() -> None:
 
 def test_cost_meter_ratio() -> None:
     meter = CostMeter(smoothing=0.5, prior_ratio=0.1)
-    assert meter.ratio == 0.1
+    assert meter.ratio() == 0.1
     meter.record(draft_seconds=0.0, levels=0, verify_seconds=0.04)  # a plain step: no draft cost
-    assert meter.ratio == 0.1
+    assert meter.ratio() == 0.1
     meter.record(draft_seconds=0.012, levels=3, verify_seconds=0.04)
-    assert meter.ratio == pytest.approx(0.004 / 0.04)
+    assert meter.ratio() == pytest.approx(0.004 / 0.04)
     meter.record(draft_seconds=0.024, levels=3, verify_seconds=0.04)
-    assert meter.ratio == pytest.approx(0.006 / 0.04)
+    assert meter.ratio() == pytest.approx(0.006 / 0.04)
+    assert meter.ratio(plain_step=0.03) == pytest.approx(0.006 / 0.03)  # against the plain step
+
+
+# Target forward seconds by tokens: this CPU's shape (flat, then compute-bound) and a flat one.
+CPU_COST = ForwardCost((1, 2, 4, 8, 16, 32), (0.026, 0.027, 0.026, 0.028, 0.033, 0.046))
+FLAT_COST = ForwardCost((1, 32), (0.010, 0.010))
+
+
+def test_forward_cost_interpolates_and_extrapolates() -> None:
+    assert CPU_COST(8) == 0.028
+    assert CPU_COST(12) == pytest.approx(0.0305)
+    assert CPU_COST(64) == pytest.approx(0.072)  # linear beyond the last two points
+    assert CPU_COST.growth(8, 4) == pytest.approx(0.046 / 0.028)
+    assert ForwardCost().growth(8, 4) == 1.0  # unmeasured: every forward costs the same
+
+
+def test_verification_cost_turns_speculation_off_where_it_does_not_pay() -> None:
+    policy = AdaptivePolicy(token_budget=32)
+    # Batch 1: verifying a few nodes is nearly free on either machine: speculate.
+    assert policy.plan(BASE, 0.4, 1, 1, 0.1, CPU_COST).depth >= 1
+    # Batch 8 with this draft: 4 nodes each make the CPU forward 1.6x a plain step, which
+    # 1 + 0.4 + ... tokens do not repay; with a flat cost curve the same step pays.
+    assert policy.plan(BASE, 0.4, 8, 1, 0.1, CPU_COST).depth == 0
+    assert policy.plan(BASE, 0.4, 8, 1, 0.1, FLAT_COST).depth >= 1
 
 
 def test_update_estimates_the_per_level_rate() -> None:

@@ -1,14 +1,17 @@
 """Adaptive speculation: how big a tree each sequence gets this step (a pure policy).
 
-Three signals decide. *Acceptance*: level i of a tree is reached with probability about a^i
+Four signals decide. *Acceptance*: level i of a tree is reached with probability about a^i
 (a = the sequence's per-level acceptance rate, a running estimate), so drafting d levels
-yields ``1 + a + … + a^d`` tokens per step. *Draft cost*: each level costs ``r`` target
-forwards (r = measured draft time per level / measured verification time, for the current
-batch), so the step costs ``1 + d·r``. The depth maximises tokens per cost, and is 0 (no
-speculation) when no depth beats plain decoding by ``min_speedup``. *Load*: one target forward
-verifies every sequence's tree, and its cost grows with the total number of tree nodes once
-the batch is large, so ``token_budget`` nodes are shared by the batch: few sequences get bushy
-trees, many get chains, very many get none. A sequence that stopped drafting still probes
+yields ``1 + a + … + a^d`` tokens per step. *Draft cost*: each level costs ``r`` plain target
+steps (r = measured draft time per level / the target's plain step at this batch size).
+*Verification cost*: verifying n nodes per sequence costs ``g`` plain steps, read from the
+target's forward time by tokens in the forward (``ForwardCost``, measured when the engine
+starts): nearly 1 while the forward is memory-bound, growing once it is compute-bound, which
+on a CPU happens at a few dozen tokens, so a batch of 8 verifying 4 nodes each can cost 1.7×
+its plain step. The step costs ``g + d·r``; the tree maximises tokens per cost, and nothing is
+drafted when no tree beats plain decoding by ``min_speedup``. *Load*: ``token_budget`` nodes
+are shared by the batch at most: few sequences get bushy trees, many get chains, very many get
+none. A sequence that stopped drafting still probes
 with a one-level tree every ``probe_every`` steps, so its estimate can recover. The probe is
 as wide as the budget allows: width costs the draft nothing (one forward per level) and the
 target little, and a chain probe would measure a lower rate than the trees it stands for.
@@ -16,15 +19,39 @@ target little, and a chain probe would measure a lower rate than the trees it st
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from multiguess.engine.drafter import TreeBudget
 
 
-def expected_speedup(acceptance: float, depth: int, cost_ratio: float) -> float:
-    """Tokens per target-forward-equivalent for a ``depth``-level draft (1.0 = plain decoding)."""
+def expected_speedup(acceptance: float, depth: int, cost_ratio: float, verify_growth: float = 1.0) -> float:
+    """Tokens per plain-step-equivalent for a ``depth``-level draft (1.0 = plain decoding)."""
     tokens = sum(acceptance**i for i in range(depth + 1))
-    return tokens / (1 + depth * cost_ratio)
+    return tokens / (verify_growth + depth * cost_ratio)
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    """Target forward time by the number of tokens in it (piecewise linear between measured
+    points, linear beyond the last two). Without measurements every forward costs the same."""
+
+    tokens: tuple[int, ...] = (1,)
+    seconds: tuple[float, ...] = (1.0,)
+
+    def __call__(self, count: int) -> float:
+        i = bisect.bisect_left(self.tokens, count)
+        if i < len(self.tokens) and self.tokens[i] == count:
+            return self.seconds[i]
+        if len(self.tokens) == 1:
+            return self.seconds[0]
+        i = min(max(i, 1), len(self.tokens) - 1)
+        (t0, t1), (s0, s1) = self.tokens[i - 1 : i + 1], self.seconds[i - 1 : i + 1]
+        return max(s0 + (s1 - s0) * (count - t0) / (t1 - t0), min(self.seconds))
+
+    def growth(self, batch: int, nodes: int) -> float:
+        """Cost of verifying ``nodes`` per sequence (root included) relative to a plain step."""
+        return self(batch * nodes) / self(batch)
 
 
 @dataclass(frozen=True)
@@ -36,19 +63,39 @@ class AdaptivePolicy:
     probe_every: int = 8  # steps between one-token probes when drafting does not pay
 
     def plan(
-        self, base: TreeBudget, acceptance: float, batch_size: int, step: int, cost_ratio: float
+        self,
+        base: TreeBudget,
+        acceptance: float,
+        batch_size: int,
+        step: int,
+        cost_ratio: float,
+        forward_cost: ForwardCost | None = None,
     ) -> TreeBudget:
         """The tree budget for one sequence, at most ``base``."""
-        nodes = self.token_budget // max(1, batch_size) - 1
+        batch = max(1, batch_size)
+        nodes = self.token_budget // batch - 1
         if nodes < 1 or base.depth == 0:
             return TreeBudget(base.num_candidates, 0, base.max_nodes)
-        deepest = min(base.depth, nodes)
-        depth = max(range(1, deepest + 1), key=lambda d: expected_speedup(acceptance, d, cost_ratio))
-        width = base.num_candidates if nodes >= 2 * depth else 1
-        if expected_speedup(acceptance, depth, cost_ratio) < self.min_speedup:
+        cost = forward_cost or ForwardCost()
+        trees = [self._tree(base, nodes, depth) for depth in range(1, min(base.depth, nodes) + 1)]
+
+        def speedup(tree: TreeBudget) -> float:
+            growth = cost.growth(batch, 1 + tree.max_nodes)
+            return expected_speedup(acceptance, tree.depth, cost_ratio, growth)
+
+        best = max(trees, key=speedup)
+        if speedup(best) < self.min_speedup:
             probe = step % self.probe_every == 0
             return TreeBudget(min(base.num_candidates, nodes), 1 if probe else 0, base.max_nodes)
-        return TreeBudget(width, depth, max(1, min(base.max_nodes, nodes)))
+        return best
+
+    @staticmethod
+    def _tree(base: TreeBudget, nodes: int, depth: int) -> TreeBudget:
+        """The ``depth``-level tree within ``nodes``: as wide as room allows, as big as the
+        drafter can fill (``width`` children at the first level, ``width²`` at each next)."""
+        width = base.num_candidates if nodes >= 2 * depth else 1
+        size = min(base.max_nodes, nodes, width + (depth - 1) * width * width)
+        return TreeBudget(width, depth, size)
 
     def update(self, acceptance: float, accepted: int, drafted_depth: int) -> float:
         """Fold one step (``accepted`` levels of a ``drafted_depth``-deep tree) into the estimate.
@@ -79,8 +126,9 @@ class CostMeter:
     def _blend(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
 
-    @property
-    def ratio(self) -> float:
-        if self.draft_per_level is None or not self.verify:
+    def ratio(self, plain_step: float | None = None) -> float:
+        """Draft time per level in units of ``plain_step`` (default: the measured verification)."""
+        reference = plain_step or self.verify
+        if self.draft_per_level is None or not reference:
             return self.prior_ratio
-        return self.draft_per_level / self.verify
+        return self.draft_per_level / reference

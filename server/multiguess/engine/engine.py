@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from multiguess.engine.acceptance import Acceptance, accept_greedy, accept_sampled
-from multiguess.engine.adaptive import AdaptivePolicy, CostMeter
+from multiguess.engine.adaptive import AdaptivePolicy, CostMeter, ForwardCost
 from multiguess.engine.drafter import Drafter, DraftRequest, ModelDrafter, Proposal, SampleSpec, TreeBudget
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.sampling import Processing, processed_probs
@@ -66,6 +66,29 @@ class EngineConfig:
         return max(self.max_nodes, self.num_candidates * self.depth) + 2
 
 
+def measure_forward_cost(runner: NativeRunner, limit: int) -> ForwardCost:
+    """The target's forward time for 1, 2, 4, … ``limit`` tokens (best of two), as one chain on
+    slot 0 before any request runs (admission overwrites it). A batch of single tokens costs
+    about the same as a chain of as many: both are one matmul over that many rows."""
+    counts = sorted({min(2**i, limit) for i in range(limit.bit_length() + 1)})
+    seconds = []
+    for count in counts:
+        tree = TokenTree.chain([0] * count)
+        best = float("inf")
+        for _ in range(2):
+            start = time.perf_counter()
+            runner.forward_trees([0], [0], [tree])
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
+            best = min(best, time.perf_counter() - start)
+        seconds.append(best)
+    log.info(
+        "target forward ms by tokens: %s",
+        {c: round(s * 1000, 2) for c, s in zip(counts, seconds, strict=True)},
+    )
+    return ForwardCost(tuple(counts), tuple(seconds))
+
+
 @dataclass
 class StepOutput:
     request_id: str
@@ -100,6 +123,10 @@ class Engine:
         self.last_draft_error: str | None = None
         self.last_tree_sizes: list[int] = []  # drafted nodes per sequence in the last step
         self.costs = CostMeter()
+        self.forward_cost: ForwardCost | None = None
+        if self.config.adaptive and drafter is not None:
+            limit = max(self.config.policy.token_budget, self.config.max_batch)
+            self.forward_cost = measure_forward_cost(self.target, limit)
         self.steps = 0
 
     # -- requests ---------------------------------------------------------------------------
@@ -227,7 +254,9 @@ class Engine:
         # A seeded sample must not depend on timing or on the batch it shares: fixed trees.
         reproducible = params.seed is not None and not params.greedy
         if cfg.adaptive and not overridden and not reproducible:
-            budget = cfg.policy.plan(budget, acceptance, batch_size, self.steps, self.costs.ratio)
+            cost = self.forward_cost
+            ratio = self.costs.ratio(cost(batch_size) if cost else None)
+            budget = cfg.policy.plan(budget, acceptance, batch_size, self.steps, ratio, cost)
         room = min(seq.remaining, cfg.max_model_len - len(seq.token_ids)) - 1
         return replace(budget, depth=max(0, min(budget.depth, room)))
 
