@@ -20,8 +20,8 @@ POLICY = AdaptivePolicy(token_budget=64, min_speedup=1.05, probe_every=8)
         (0.5, 0.1, 1, 1, TreeBudget(3, 2, 12)),  # 1.75 tokens for 1.2 forwards beats 1 or 3 levels
         (0.2, 0.1, 1, 1, TreeBudget(3, 1, 3)),  # one level still wins 9%
         (0.05, 0.1, 1, 1, TreeBudget(3, 0, 16)),  # drafting does not pay: off ...
-        (0.05, 0.1, 1, 8, TreeBudget(3, 1, 16)),  # ... but a one-level probe every 8 steps
-        (0.05, 0.1, 32, 8, TreeBudget(1, 1, 16)),  # (a single node when the batch is large)
+        (0.05, 0.1, 1, 8, TreeBudget(3, 1, 3)),  # ... but a one-level probe every 8 steps
+        (0.05, 0.1, 32, 8, TreeBudget(1, 1, 1)),  # (a single node when the batch leaves no room)
         (0.8, 0.6, 1, 1, TreeBudget(3, 1, 3)),  # an expensive draft: one level only
         (0.5, 0.6, 1, 1, TreeBudget(3, 0, 16)),  # expensive and poor: off
         (0.95, 0.1, 8, 1, TreeBudget(1, 6, 6)),  # 8 sequences share 64 nodes: 7 each, a chain
@@ -81,6 +81,14 @@ def test_verification_cost_turns_speculation_off_where_it_does_not_pay() -> None
     # 1 + 0.4 + ... tokens do not repay; with a flat cost curve the same step pays.
     assert policy.plan(BASE, 0.4, 8, 1, 0.1, CPU_COST).depth == 0
     assert policy.plan(BASE, 0.4, 8, 1, 0.1, FLAT_COST).depth >= 1
+
+
+def test_probes_are_wide_only_where_width_is_nearly_free() -> None:
+    policy = AdaptivePolicy(token_budget=32, probe_every=8)
+    assert policy.plan(BASE, 0.05, 1, 8, 0.1, CPU_COST) == TreeBudget(3, 1, 3)
+    assert policy.plan(BASE, 0.05, 8, 8, 0.1, CPU_COST) == TreeBudget(1, 1, 1)  # 4 nodes: 1.6x
+    assert policy.plan(BASE, 0.05, 8, 8, 0.1, FLAT_COST) == TreeBudget(3, 1, 3)
+    assert policy.plan(BASE, 0.05, 8, 9, 0.1, CPU_COST).depth == 0  # between probes
 
 
 def test_update_estimates_the_per_level_rate() -> None:
