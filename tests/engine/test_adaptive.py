@@ -21,7 +21,8 @@ POLICY = AdaptivePolicy(token_budget=64, min_speedup=1.05, probe_every=8)
         (0.2, 0.1, 1, 1, TreeBudget(3, 1, 3)),  # one level still wins 9%
         (0.05, 0.1, 1, 1, TreeBudget(3, 0, 16)),  # drafting does not pay: off ...
         (0.05, 0.1, 1, 8, TreeBudget(3, 1, 3)),  # ... but a one-level probe every 8 steps
-        (0.05, 0.1, 32, 8, TreeBudget(1, 1, 1)),  # (a single node when the batch leaves no room)
+        (0.05, 0.1, 32, 256, TreeBudget(1, 1, 1)),  # (32 sequences: every 256 steps, one node)
+        (0.05, 0.1, 32, 8, TreeBudget(1, 0, 16)),
         (0.8, 0.6, 1, 1, TreeBudget(3, 1, 3)),  # an expensive draft: one level only
         (0.5, 0.6, 1, 1, TreeBudget(3, 0, 16)),  # expensive and poor: off
         (0.95, 0.1, 8, 1, TreeBudget(1, 6, 6)),  # 8 sequences share 64 nodes: 7 each, a chain
@@ -86,9 +87,9 @@ def test_verification_cost_turns_speculation_off_where_it_does_not_pay() -> None
 def test_probes_are_wide_only_where_width_is_nearly_free() -> None:
     policy = AdaptivePolicy(token_budget=32, probe_every=8)
     assert policy.plan(BASE, 0.05, 1, 8, 0.1, CPU_COST) == TreeBudget(3, 1, 3)
-    assert policy.plan(BASE, 0.05, 8, 8, 0.1, CPU_COST) == TreeBudget(1, 1, 1)  # 4 nodes: 1.6x
-    assert policy.plan(BASE, 0.05, 8, 8, 0.1, FLAT_COST) == TreeBudget(3, 1, 3)
-    assert policy.plan(BASE, 0.05, 8, 9, 0.1, CPU_COST).depth == 0  # between probes
+    assert policy.plan(BASE, 0.05, 8, 64, 0.1, CPU_COST) == TreeBudget(1, 1, 1)  # 4 nodes: 1.6x
+    assert policy.plan(BASE, 0.05, 8, 64, 0.1, FLAT_COST) == TreeBudget(3, 1, 3)
+    assert policy.plan(BASE, 0.05, 8, 8, 0.1, CPU_COST).depth == 0  # batch 8 probes every 64 steps
 
 
 def test_update_estimates_the_per_level_rate() -> None:

@@ -16,7 +16,8 @@ with a one-level tree every ``probe_every`` steps, so its estimate can recover. 
 as wide as the budget allows while that costs the target almost nothing (width costs the draft
 nothing, and a chain probe would measure a lower rate than the trees it stands for), a single
 node once the batch is big enough for width to cost: every sequence of the batch probes at
-once, and a wide probe at batch 8 made the whole step 1.6x as expensive.
+once, and a wide probe at batch 8 made the whole step 1.6x as expensive. For the same reason
+a batch of B probes every ``B · probe_every`` steps: each probe observes B sequences.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class AdaptivePolicy:
     min_speedup: float = 1.1  # speculate only when the best tree is expected to win this much
     smoothing: float = 0.3  # weight of the newest observation in the acceptance average
     prior: float = 0.5  # acceptance assumed before a sequence has any history
-    probe_every: int = 8  # steps between one-level probes when drafting does not pay
+    probe_every: int = 8  # steps between one-level probes when drafting does not pay, per sequence
     probe_growth: float = 1.05  # a probe is as wide as the budget if that forward costs this little
 
     def plan(
@@ -89,7 +90,7 @@ class AdaptivePolicy:
         best = max(trees, key=speedup)
         if speedup(best) >= self.min_speedup:
             return best
-        if step % self.probe_every:
+        if step % (self.probe_every * batch):  # a probe observes every sequence of the batch
             return TreeBudget(trees[0].num_candidates, 0, base.max_nodes)
         wide = cost.growth(batch, 1 + trees[0].max_nodes) <= self.probe_growth
         return trees[0] if wide else TreeBudget(1, 1, 1)
