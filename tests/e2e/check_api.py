@@ -89,6 +89,22 @@ def check_metrics(before: dict[str, float], after: dict[str, float], requests: i
     expect(grew("multiguess_spec_verify_steps_total", 1), "no speculative verify step was recorded")
 
 
+def settle_metrics(
+    client: httpx.Client, before: dict[str, float], requests: int, seconds: float = 5.0
+) -> None:
+    """``check_metrics``, retried briefly: a streamed response's last chunk reaches the client
+    before the server records the request's end-to-end time, so one scrape can race it."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            check_metrics(before, counters(client), requests)
+            return
+        except CheckFailed:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def run_load(base_url: str, seconds: float, concurrency: int) -> int:
     """/generate from `concurrency` clients for `seconds`; the number of successful requests."""
     deadline = time.monotonic() + seconds
@@ -126,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             before = counters(client)
             check_generate(client)
             check_openai(base_url)
-            check_metrics(before, counters(client), requests=3)
+            settle_metrics(client, before, requests=3)
             print("ok: /generate, /v1/completions, streamed /v1/chat/completions, /metrics")
         except (CheckFailed, httpx.HTTPError, OpenAIError) as error:
             print(f"check_api FAILED: {type(error).__name__}: {error}", file=sys.stderr)
