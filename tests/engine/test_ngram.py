@@ -34,7 +34,9 @@ def test_drafter_proposes_from_the_sequence() -> None:
 
 
 def test_ngram_speculation_is_lossless_and_accepts_on_repetitive_text(tiny_llama: Path) -> None:
-    llm = LLM(str(tiny_llama), None, drafter="ngram", dtype="float32", num_candidates=3, depth=5)
+    llm = LLM(
+        str(tiny_llama), None, drafter="ngram", dtype="float32", num_candidates=3, depth=5, adaptive=False
+    )
     prompts = [p * 3 for p in random_prompts(4, (5, 12, 30))] + random_prompts(8, (1, 50))
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
     assert [o.token_ids for o in outs] == reference(tiny_llama, prompts, 32, ignore_eos=True)
