@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from typing import Any
 import httpx
 import torch
 import uvicorn
+from local_server import free_port, start_ready
 from multiguess.engine.drafter import TreeBudget
 from multiguess.engine.engine import Engine, EngineConfig
 from multiguess.engine.tree import TokenTree
@@ -48,12 +48,6 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from websockets.sync.client import connect
 
 PROMPTS = Path(__file__).resolve().parents[1] / "server" / "multiguess" / "data" / "bench_prompts.json"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def sample_frames() -> tuple[bytes, bytes]:
@@ -151,17 +145,7 @@ def start_draft_server(port: int, threads: int) -> subprocess.Popen:
         "MULTIGUESS_LOG_LEVEL": "warning",
         "OMP_NUM_THREADS": str(threads),
     }
-    process = subprocess.Popen([sys.executable, "-m", "multiguess.cli", "serve-draft"], env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=5).status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise TimeoutError("draft server did not become ready")
+    return start_ready([sys.executable, "-m", "multiguess.cli", "serve-draft"], env, port, 300, quiet=False)
 
 
 def engine_comparison(args: argparse.Namespace) -> dict[str, Any]:

@@ -20,14 +20,13 @@ import asyncio
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
+from local_server import free_port, start_ready
 from openai import AsyncOpenAI
 
 SETUPS = {
@@ -36,12 +35,6 @@ SETUPS = {
     "c: unbatched speculation": ["--max-batch", "1"],
 }
 START, END = "<!-- load:start -->", "<!-- load:end -->"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(extra: list[str], port: int, threads: int) -> subprocess.Popen:
@@ -57,19 +50,7 @@ def start_server(extra: list[str], port: int, threads: int) -> subprocess.Popen:
         str(port),
         *extra,
     ]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(cmd)}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise RuntimeError("server did not become ready in 10 minutes")
+    return start_ready(cmd, env, port, timeout=600)
 
 
 async def one_request(client: AsyncOpenAI, prompt: str, max_tokens: int) -> dict:
