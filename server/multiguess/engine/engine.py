@@ -123,8 +123,9 @@ class Engine:
         self.last_draft_error: str | None = None
         self.last_tree_sizes: list[int] = []  # drafted nodes per sequence in the last step
         self.costs = CostMeter()
-        self.forward_cost: ForwardCost | None = None
-        if self.config.adaptive and drafter is not None:
+        # Measured whatever the drafter: a server attaches a remote drafter after construction.
+        self.forward_cost = ForwardCost()
+        if self.config.adaptive:
             limit = max(self.config.policy.token_budget, self.config.max_batch)
             self.forward_cost = measure_forward_cost(self.target, limit)
         self.steps = 0
@@ -237,26 +238,33 @@ class Engine:
             seq.cache_len = len(seq.prompt_ids) - 1
         self.running.extend(admitted)
 
-    def _budget(self, seq: Sequence, batch_size: int, acceptance: float) -> TreeBudget:
-        """This step's tree for ``seq``: the engine's budget, or the request's own override,
-        shaped by the adaptive policy (unless overridden) and clipped to what is left.
+    def _planned(self, batch: list[Sequence]) -> TreeBudget:
+        """The adaptive policy's tree for this step, one for the whole batch.
 
-        The policy sees the batch's mean ``acceptance``, so adaptive sequences share one tree
-        shape: trees are padded to the widest in the batch, and one deep tree would make every
-        sequence pay for its width and its draft forwards."""
+        The policy sees the batch's mean acceptance, so adaptive sequences share one tree shape:
+        trees are padded to the widest in the batch, and one deep tree would make every sequence
+        pay for its width and its draft forwards."""
+        cfg, cost = self.config, self.forward_cost
+        if not cfg.adaptive:
+            return cfg.budget
+        acceptance = sum(s.acceptance for s in batch) / len(batch)
+        ratio = self.costs.ratio(cost(len(batch)))
+        return cfg.policy.plan(cfg.budget, acceptance, len(batch), self.steps, ratio, cost)
+
+    def _budget(self, seq: Sequence, planned: TreeBudget) -> TreeBudget:
+        """This step's tree for ``seq``: the ``planned`` one, or the request's own override,
+        clipped to what is left."""
         cfg, params = self.config, seq.params
         overridden = params.depth is not None or params.num_candidates is not None
-        budget = TreeBudget(
-            params.num_candidates or cfg.num_candidates,
-            cfg.depth if params.depth is None else params.depth,
-            cfg.max_nodes,
-        )
         # A seeded sample must not depend on timing or on the batch it shares: fixed trees.
         reproducible = params.seed is not None and not params.greedy
-        if cfg.adaptive and not overridden and not reproducible:
-            cost = self.forward_cost
-            ratio = self.costs.ratio(cost(batch_size) if cost else None)
-            budget = cfg.policy.plan(budget, acceptance, batch_size, self.steps, ratio, cost)
+        budget = planned
+        if overridden or reproducible:
+            budget = TreeBudget(
+                params.num_candidates or cfg.num_candidates,
+                cfg.depth if params.depth is None else params.depth,
+                cfg.max_nodes,
+            )
         room = min(seq.remaining, cfg.max_model_len - len(seq.token_ids)) - 1
         return replace(budget, depth=max(0, min(budget.depth, room)))
 
@@ -265,9 +273,9 @@ class Engine:
         if self.drafter is None:
             return proposals
         requests = []
-        acceptance = sum(s.acceptance for s in batch) / len(batch)
+        planned = self._planned(batch)
         for i, seq in enumerate(batch):
-            budget = self._budget(seq, len(batch), acceptance)
+            budget = self._budget(seq, planned)
             if budget.depth > 0:
                 requests.append((i, DraftRequest(seq.slot, seq.token_ids, budget, sample_spec(seq))))
         if not requests:
