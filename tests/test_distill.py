@@ -14,7 +14,7 @@ from multiguess.distill.evaluate import chain_tokens_per_step
 from multiguess.distill.loss import sampled_topk_soft_cross_entropy, topk_soft_cross_entropy
 from multiguess.distill.shards import read_shards
 from multiguess.distill.student import projected_embeddings
-from multiguess.distill.teacher import Record, reply_length
+from multiguess.distill.teacher import Record
 from multiguess.distill.train import TrainConfig, epoch_batches, learning_rate
 
 CHAT_TEMPLATE = (
@@ -123,11 +123,6 @@ def test_split_chunks_packs_paragraphs() -> None:
     assert not corpus.looks_like_prose("0x1f 0x2e | 0x3c | --- | 0x00 0xff ;;; {}[]")
 
 
-def test_reply_length_stops_after_end_of_turn() -> None:
-    assert reply_length(torch.tensor([5, 6, 2, 9]), eos_id=2) == 3
-    assert reply_length(torch.tensor([5, 6, 7]), eos_id=2) == 3
-
-
 def tiny_target(folder: Path) -> Path:
     """A random 2-layer Llama with a small byte-level BPE tokenizer carrying the chat tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -169,6 +164,31 @@ def tiny_target(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_target(tmp_path_factory.mktemp("target"))
+
+
+def test_batched_replies_are_the_targets_own_greedy_replies(target: Path) -> None:
+    """Prompts of different lengths decoded together (fp32) match transformers alone, token for
+    token, with the teacher's top-k at every reply position."""
+    from multiguess.distill.dataset import DataPlan, load_teacher, teacher_runner
+    from multiguess.distill.teacher import chat_ids, reply_records
+
+    model, tokenizer = load_teacher(target, "float32")
+    plan = DataPlan(batch=4, max_new_tokens=8, k=5)
+    questions = ["Hi", "Explain how a hash map works in detail, please.", "Why?", "Write a poem about rain"]
+    records = reply_records(teacher_runner(model, tokenizer, target, plan), tokenizer, questions, 8, 5)
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for question, record in zip(questions, records, strict=True):
+        prompt = chat_ids(tokenizer, question)
+        assert record.ids[: record.start].tolist() == prompt
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=8, do_sample=False, output_logits=True,
+            return_dict_in_generate=True, eos_token_id=eos_id, pad_token_id=eos_id,
+        )  # fmt: skip
+        expected = out.sequences[0, len(prompt) :].tolist()
+        assert record.ids[record.start :].tolist() == expected
+        logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1).topk(5, dim=-1)
+        assert torch.equal(record.topk_ids, logprobs.indices.to(torch.int32))
+        torch.testing.assert_close(record.topk_logprobs.float(), logprobs.values, atol=2e-3, rtol=0)
 
 
 def text_root(folder: Path) -> Path:

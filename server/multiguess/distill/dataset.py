@@ -16,7 +16,7 @@ from pathlib import Path
 
 from multiguess.distill import corpus, prompts
 from multiguess.distill.shards import fill_shards
-from multiguess.distill.teacher import generate_records, teacher_forced_records
+from multiguess.distill.teacher import reply_records, teacher_forced_records
 
 TEXT_INSTRUCTIONS = (
     "Write a passage of technical documentation.",
@@ -24,6 +24,7 @@ TEXT_INSTRUCTIONS = (
     "Write the next part of the text.",
     "Tell me about it.",
 )
+MAX_PROMPT_TOKENS = 384
 CODE_INSTRUCTIONS = ("Write some Python code.", "Show me an example implementation in Python.")
 
 
@@ -70,6 +71,16 @@ def load_teacher(target: Path, dtype: str):
     return model, AutoTokenizer.from_pretrained(str(target))
 
 
+def teacher_runner(model, tokenizer, target: Path, plan: DataPlan):
+    """The engine's own forward over the teacher's weights, one cache slot per batch row."""
+    import torch
+    from multiguess.engine.runner import NativeRunner
+    from multiguess.models.loading import LoadedModel
+
+    loaded = LoadedModel(model, tokenizer, str(target), torch.device("cpu"), model.dtype)
+    return NativeRunner(loaded, plan.batch, MAX_PROMPT_TOKENS + plan.max_new_tokens)
+
+
 def run_data_job(
     target: Path, work: Path, plan: DataPlan, dtype: str, minutes: float, roots: Sequence[Path] | None = None
 ) -> None:
@@ -78,6 +89,7 @@ def run_data_job(
     ``roots`` are the folders searched for text (default: docs, licences, Python sources).
     """
     model, tokenizer = load_teacher(target, dtype)
+    runner = teacher_runner(model, tokenizer, target, plan)
     roots = roots or corpus.default_roots()
     prose = corpus.collect_chunks(roots, corpus.TEXT_SUFFIXES, prose_only=True)
     code = corpus.collect_chunks(roots, (".py",), prose_only=False)
@@ -87,7 +99,7 @@ def run_data_job(
     deadline = time.monotonic() + minutes * 60
 
     def replies(batch: list[str]) -> list:
-        return generate_records(model, tokenizer, batch, plan.max_new_tokens, plan.k)
+        return reply_records(runner, tokenizer, batch, plan.max_new_tokens, plan.k, MAX_PROMPT_TOKENS)
 
     def forced(batch: list[tuple[str, str]]) -> list:
         return teacher_forced_records(model, tokenizer, batch, plan.k)

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from multiguess.engine.runner import NativeRunner
+from multiguess.engine.tree import TokenTree
 
 
 @dataclass
@@ -23,19 +25,6 @@ class Record:
     topk_logprobs: torch.Tensor  # float16 [n - start, k]
 
 
-class TopKRecorder:
-    """A logits processor that records the teacher's top-k at each generation step, unchanged."""
-
-    def __init__(self, k: int) -> None:
-        self.k = k
-        self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        values, indices = torch.log_softmax(scores.float(), dim=-1).topk(self.k, dim=-1)
-        self.steps.append((indices.to(torch.int32), values.to(torch.float16)))
-        return scores
-
-
 def chat_ids(tokenizer, user: str, assistant: str | None = None) -> list[int]:
     """Token ids of a one-turn chat; without ``assistant``, ends at the generation prompt."""
     messages = [{"role": "user", "content": user}]
@@ -45,52 +34,52 @@ def chat_ids(tokenizer, user: str, assistant: str | None = None) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def left_pad(rows: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask) with rows right-aligned, as batched generation needs."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = torch.tensor(row)
-        mask[i, width - len(row) :] = 1
-    return ids, mask
-
-
-def reply_length(generated: torch.Tensor, eos_id: int) -> int:
-    """Tokens up to and including the first end-of-turn (the draft must predict the stop too)."""
-    hits = (generated == eos_id).nonzero()
-    return int(hits[0]) + 1 if len(hits) else len(generated)
-
-
 @torch.inference_mode()
-def generate_records(
-    model, tokenizer, prompts: Sequence[str], max_new_tokens: int, k: int, max_prompt_tokens: int = 384
+def reply_records(
+    runner: NativeRunner,
+    tokenizer,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    k: int,
+    max_prompt_tokens: int = 384,
 ) -> list[Record]:
-    """The target's greedy replies to a batch of prompts, with its top-k at every reply position."""
-    from transformers import LogitsProcessorList
+    """The target's greedy replies to a batch of prompts, with its top-k at every reply position.
 
+    Decoded by the engine's own runner, the forward it serves with (same kernels and dtype), so
+    the draft learns the very replies it will be asked to predict; on CPUs this is about twice as
+    fast as transformers' batched ``generate``. A reply ends after its end-of-turn token (the
+    draft must predict the stop too). Finished rows stay in the batch until every row is done:
+    the batch's slots then stay one contiguous run, which the cache reads without a copy.
+    """
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     rows = [chat_ids(tokenizer, p)[-max_prompt_tokens:] for p in prompts]
-    ids, mask = left_pad(rows, eos_id)
-    recorder = TopKRecorder(k)
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        logits_processor=LogitsProcessorList([recorder]),
-        pad_token_id=eos_id,
-        eos_token_id=eos_id,
-    )
-    generated = out[:, ids.shape[1] :]
-    top_ids = torch.stack([s[0] for s in recorder.steps], dim=1)
-    top_lp = torch.stack([s[1] for s in recorder.steps], dim=1)
-    records = []
-    for i, row in enumerate(rows):
-        n = reply_length(generated[i], eos_id)
-        sequence = torch.tensor(row + generated[i, :n].tolist(), dtype=torch.int32)
-        records.append(Record(sequence, len(row), top_ids[i, :n].clone(), top_lp[i, :n].clone()))
-    return records
+    if len(rows) > runner.cache.num_slots:
+        raise ValueError(f"{len(rows)} prompts but the runner has {runner.cache.num_slots} slots")
+    slots = list(range(len(rows)))
+    runner.forward_trees(slots, [0] * len(rows), [TokenTree.chain(r[:-1]) for r in rows], last_only=True)
+    replies: list[list[int]] = [[] for _ in rows]
+    tops: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in rows]
+    for step in range(max_new_tokens):
+        last = [reply[-1] if reply else row[-1] for row, reply in zip(rows, replies, strict=True)]
+        prefix_lens = [len(row) - 1 + step for row in rows]
+        logits = runner.forward_trees(slots, prefix_lens, [TokenTree.chain([t]) for t in last])
+        values, indices = torch.log_softmax(logits[:, 0], dim=-1).topk(k, dim=-1)
+        for i, reply in enumerate(replies):
+            if reply and reply[-1] == eos_id:
+                continue
+            reply.append(int(indices[i, 0]))
+            tops[i].append((indices[i].to(torch.int32), values[i].to(torch.float16)))
+        if all(reply[-1] == eos_id for reply in replies):
+            break
+    return [
+        Record(
+            torch.tensor(row + reply, dtype=torch.int32),
+            len(row),
+            torch.stack([t[0] for t in top]),
+            torch.stack([t[1] for t in top]),
+        )
+        for row, reply, top in zip(rows, replies, tops, strict=True)
+    ]
 
 
 @torch.inference_mode()
