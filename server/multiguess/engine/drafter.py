@@ -266,9 +266,8 @@ class ModelDrafter:
         if seen:
             visible[tuple(torch.tensor(seen).T)] = True
         lens = torch.tensor(prefixes)[:, None]
-        positions, write_at = lens + depths, lens + offsets
         logits = self.runner.forward(
-            [r.slot for r in requests], prefixes, tokens, positions, write_at, visible
+            [r.slot for r in requests], prefixes, tokens, lens + depths, lens[:, 0] + used, visible
         )
         return [logits[b, : len(beam)] for b, beam in enumerate(beams)]
 

@@ -33,10 +33,26 @@ class StaticKVCache:
     def num_slots(self) -> int:
         return self.kv.shape[1]
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor) -> None:
-        """Store keys and values ``[B, 2H, T, D]`` of sequence b at cache positions ``positions[b]``."""
-        index = (slots[:, None, None], self._heads[None, :, None], positions[:, None, :])
-        self.kv[layer].index_put_(index, kv)
+    def locate(self, slots: list[int], starts: torch.Tensor, width: int) -> tuple:
+        """Where a forward's ``width`` rows go (sequence b at ``starts[b] + 0..width-1``), found once
+        per forward for every layer's ``write``: one sequence is a plain slice, a batch an index."""
+        if len(slots) == 1:
+            start = int(starts[0])
+            return (slots[0], slice(None), slice(start, start + width))
+        device = self.kv.device
+        positions = starts.to(device)[:, None] + torch.arange(width, device=device)
+        return (
+            torch.tensor(slots, device=device)[:, None, None],
+            self._heads[None, :, None],
+            positions[:, None, :],
+        )
+
+    def write(self, layer: int, where: tuple, kv: torch.Tensor) -> None:
+        """Store keys and values ``[B, 2H, T, D]`` at ``where`` (from ``locate``)."""
+        if isinstance(where[0], int):
+            self.kv[layer][where] = kv[0]
+        else:
+            self.kv[layer].index_put_(where, kv)
 
     @staticmethod
     def selector(slots: list[int]) -> slice | list[int]:

@@ -46,6 +46,12 @@ def region_attention_mask(prefix_lens: torch.Tensor, visible: torch.Tensor, leng
     return ((rel < 0)[:, None, :] | (visible.gather(2, cols) & in_region[:, None, :]))[:, None]
 
 
+def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The supported families' RMSNorm, bitwise, in one fused call instead of eight module ops."""
+    normed = torch.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon)
+    return norm.weight * normed.to(x.dtype)
+
+
 def apply(projection: Projection | None, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A layer through its projection, or the module itself where none could be built."""
     return module(x) if projection is None else projection(x)
@@ -104,21 +110,20 @@ class NativeRunner:
         prefix_lens: list[int],
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        write_at: torch.Tensor,
+        write_from: torch.Tensor,
         visible: torch.Tensor,
         logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write a batch of token-tree nodes into the caches and return float32 logits.
 
-        ``tokens``, ``positions`` (rotary) and ``write_at`` (absolute cache index) are ``[B, T]``;
-        ``visible`` is ``[B, T, W]`` over the region after each prefix (see
-        ``region_attention_mask``). Logits are for every node ``[B, T, V]``, or for the
+        ``tokens`` and ``positions`` (rotary) are ``[B, T]``; row b is written to the cache at
+        ``write_from[b] + 0..T-1``; ``visible`` is ``[B, T, W]`` over the region after each
+        prefix (see ``region_attention_mask``). Logits are for every node ``[B, T, V]``, or for the
         ``logits_at`` column of each row only ``[B, V]`` (a prefill needs just the last one).
         """
         batch, width = tokens.shape
         device = self.device
-        write_at = write_at.to(device)
-        length = max(int(write_at.max()) + 1, max(prefix_lens) + visible.shape[2])
+        length = max(int(write_from.max()) + width, max(prefix_lens) + visible.shape[2])
         if length > self.capacity:
             raise ValueError(f"sequence would exceed the cache capacity of {self.capacity} tokens")
         visible_mask = region_attention_mask(
@@ -127,7 +132,7 @@ class NativeRunner:
         # Additive form once per forward: a bool mask is converted by the kernel in every layer.
         mask = torch.zeros(visible_mask.shape, dtype=self.attn_dtype, device=device)
         mask.masked_fill_(~visible_mask, float("-inf"))
-        slot_index = torch.tensor(slots, device=device)
+        where = self.cache.locate(slots, write_from, width)
         selector = StaticKVCache.selector(slots)
 
         x = self.embed(tokens.to(device)).to(self.dtype)
@@ -136,8 +141,8 @@ class NativeRunner:
         heads = self.num_heads
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            qkv = self._rotated_qkv(i, layer.input_layernorm(x), rope)
-            self.cache.write(i, slot_index, write_at, qkv[:, :, heads:].transpose(1, 2))
+            qkv = self._rotated_qkv(i, rms_norm(layer.input_layernorm, x), rope)
+            self.cache.write(i, where, qkv[:, :, heads:].transpose(1, 2))
             keys, values = self.cache.read(i, selector, length)
             out = F.scaled_dot_product_attention(
                 qkv[:, :, :heads].transpose(1, 2),
@@ -148,8 +153,8 @@ class NativeRunner:
                 enable_gqa=True,
             ).to(self.dtype)
             x = x + apply(self.o[i], attn.o_proj, out.transpose(1, 2).reshape(batch, width, -1))
-            x = x + self._mlp(i, layer.mlp, layer.post_attention_layernorm(x))
-        x = self.norm(x)
+            x = x + self._mlp(i, layer.mlp, rms_norm(layer.post_attention_layernorm, x))
+        x = rms_norm(self.norm, x)
         if logits_at is not None:
             x = x[torch.arange(batch, device=device), logits_at.to(device)]
         return apply(self.head, self.lm_head, x).float()
@@ -168,7 +173,7 @@ class NativeRunner:
         heads, kv_heads = self.num_heads, self.num_kv_heads
         if hasattr(attn, "q_norm"):
             q, k = qkv[:, :, :heads], qkv[:, :, heads : heads + kv_heads]
-            qk = torch.cat([attn.q_norm(q), attn.k_norm(k)], 2)
+            qk = torch.cat([rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)], 2)
         else:
             qk = qkv[:, :, : heads + kv_heads]
         qk = apply_rotary(qk, *rope)
@@ -186,8 +191,5 @@ class NativeRunner:
         """Each tree written right after its prefix, seeing prefix + ancestors (verify, prefill)."""
         tokens, depths, ancestors = pack_trees(trees)
         lens = torch.tensor(prefix_lens)
-        offsets = torch.arange(tokens.shape[1])
         logits_at = torch.tensor([len(t) - 1 for t in trees]) if last_only else None
-        return self.forward(
-            slots, prefix_lens, tokens, lens[:, None] + depths, lens[:, None] + offsets, ancestors, logits_at
-        )
+        return self.forward(slots, prefix_lens, tokens, lens[:, None] + depths, lens, ancestors, logits_at)
