@@ -1,16 +1,19 @@
 """Load benchmark over HTTP: throughput and latency against concurrency, three server setups.
 
-Starts real ``multiguess serve`` processes on 127.0.0.1 with the embedded pair, one setup at a
-time, and drives each with an async streaming client (the ``openai`` package) at several
-concurrency levels:
+Starts real ``multiguess serve`` processes on 127.0.0.1 with the embedded pair, all setups at
+once (an idle server uses no CPU), and drives them with an async streaming client (the ``openai``
+package) at several concurrency levels:
 
     (a) batched + adaptive speculation  (--max-batch 16)
     (b) batched, no speculation         (--max-batch 16 --drafter none)
     (c) unbatched speculation           (--max-batch 1)
 
-Reports generated tokens/s, requests/s, p50/p95 end-to-end latency and time to first token,
-writes JSON and a plot under docs/, and the table into docs/BENCHMARKS.md between
-``<!-- load:start -->`` markers. Run: ``.venv/bin/python bench/serving_load.py``.
+Machines are noisy (±5% between runs here), so each level is run ``--repeats`` times, the setups
+taking turns in a rotating order, and throughput is the median over repeats; latencies pool
+every request of a level. Reports generated tokens/s, requests/s, p50/p95 end-to-end latency and
+time to first token, (a) relative to (b) and (c), writes JSON and a plot under docs/, and the
+table into docs/BENCHMARKS.md between ``<!-- load:start -->`` markers.
+Run: ``.venv/bin/python bench/serving_load.py``.
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ async def one_request(client: AsyncOpenAI, prompt: str, max_tokens: int) -> dict
 
 async def run_level(
     base_url: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int
-) -> dict:
+) -> tuple[list[dict], float]:
+    """Every request's timings and the wall time of ``requests`` requests from ``concurrency`` clients."""
     client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
     queue = [prompts[i % len(prompts)] for i in range(requests)]
     results: list[dict] = []
@@ -89,21 +93,45 @@ async def run_level(
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - start
     await client.close()
+    return results, wall
+
+
+def summarise(concurrency: int, runs: list[tuple[list[dict], float]]) -> dict:
+    """Median throughput over repeated runs; latency percentiles over all their requests."""
+    results = [r for run, _ in runs for r in run]
 
     def pct(key: str, q: float) -> float:
         values = sorted(r[key] for r in results)
         return round(values[min(len(values) - 1, int(q * len(values)))], 3)
 
+    tokens = [sum(r["tokens"] for r in run) / wall for run, wall in runs]
     return {
         "concurrency": concurrency,
         "requests": len(results),
-        "tokens_per_second": round(sum(r["tokens"] for r in results) / wall, 2),
-        "requests_per_second": round(len(results) / wall, 3),
+        "repeats": len(runs),
+        "tokens_per_second": round(statistics.median(tokens), 2),
+        "tokens_per_second_runs": [round(t, 2) for t in tokens],
+        "requests_per_second": round(statistics.median(len(run) / wall for run, wall in runs), 3),
         "e2e_p50": round(statistics.median(r["e2e"] for r in results), 3),
         "e2e_p95": pct("e2e", 0.95),
         "ttft_p50": round(statistics.median(r["ttft"] for r in results), 3),
         "ttft_p95": pct("ttft", 0.95),
     }
+
+
+def ratios(report: dict) -> list[str]:
+    """(a) against (b) and (c) at each level, from the median throughputs."""
+    setups = {name[0]: levels for name, levels in report["setups"].items()}
+    lines = []
+    for other in ("b", "c"):
+        if "a" in setups and other in setups:
+            pairs = zip(setups["a"], setups[other], strict=True)
+            values = ", ".join(
+                f"c={a['concurrency']}: {a['tokens_per_second'] / o['tokens_per_second']:.3f}"
+                for a, o in pairs
+            )
+            lines.append(f"- (a) / ({other}) tokens/s: {values}")
+    return lines
 
 
 def markdown(report: dict) -> str:
@@ -147,9 +175,12 @@ def write_section(doc: Path, report: dict) -> None:
             START,
             f"Run of {report['date']}: {report['max_tokens']} tokens per request, "
             f"{report['rounds']} requests per client (at least {report['min_requests']} per level), "
-            "embedded pair, greedy, chat prompts from the bench set.",
+            f"{report['repeats']} repeats per level with the setups taking turns (tokens/s: median over "
+            "repeats; latency: all requests), embedded pair, greedy, chat prompts from the bench set.",
             "",
             markdown(report),
+            "",
+            *ratios(report),
             "",
             "![load](img/load.png)",
             END,
@@ -168,6 +199,7 @@ def main() -> int:
     parser.add_argument(
         "--min-requests", type=int, default=8, help="requests per level at least (low concurrency is noisy)"
     )
+    parser.add_argument("--repeats", type=int, default=3, help="runs per level and setup (median)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--setups", default="a,b,c", help="which setups to run (letters)")
@@ -177,38 +209,42 @@ def main() -> int:
 
     prompts = [p["text"] for p in load_prompts()[1]]
     levels = [int(c) for c in args.concurrency.split(",")]
-    wanted = set(args.setups.split(","))
+    names = [name for name in SETUPS if name[0] in set(args.setups.split(","))]
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "max_tokens": args.max_tokens}
-    report |= {"rounds": args.rounds, "min_requests": args.min_requests, "setups": {}}
-    for name, extra in SETUPS.items():
-        if name[0] not in wanted:
-            continue
-        port = free_port()
-        print(f"starting {name} ...", file=sys.stderr)
-        server = start_server(extra, port, args.threads)
-        try:
-            report["setups"][name] = []
-            for c in levels:
-                result = asyncio.run(
-                    run_level(
-                        f"http://127.0.0.1:{port}/v1",
-                        prompts,
-                        c,
-                        max(c * args.rounds, args.min_requests),
-                        args.max_tokens,
+    report |= {"rounds": args.rounds, "min_requests": args.min_requests, "repeats": args.repeats}
+    servers: dict[str, tuple[subprocess.Popen, int]] = {}
+    try:
+        for name in names:
+            port = free_port()
+            print(f"starting {name} ...", file=sys.stderr)
+            servers[name] = (start_server(SETUPS[name], port, args.threads), port)
+        runs: dict[str, list[list]] = {name: [[] for _ in levels] for name in names}
+        for li, c in enumerate(levels):
+            for repeat in range(args.repeats):
+                turn = names[repeat % len(names) :] + names[: repeat % len(names)]
+                for name in turn:
+                    port = servers[name][1]
+                    requests = max(c * args.rounds, args.min_requests)
+                    run = asyncio.run(
+                        run_level(f"http://127.0.0.1:{port}/v1", prompts, c, requests, args.max_tokens)
                     )
-                )
-                report["setups"][name].append(result)
-                print(f"  {name} c={c}: {result}", file=sys.stderr)
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
+                    runs[name][li].append(run)
+                    tps = sum(r["tokens"] for r in run[0]) / run[1]
+                    print(
+                        f"  c={c} repeat {repeat + 1}/{args.repeats} {name}: {tps:.1f} tokens/s",
+                        file=sys.stderr,
+                    )
+    finally:
+        for process, _ in servers.values():
+            process.terminate()
+            process.wait(timeout=60)
+    report["setups"] = {name: [summarise(c, runs[name][li]) for li, c in enumerate(levels)] for name in names}
     (args.out / "bench").mkdir(parents=True, exist_ok=True)
     (args.out / "img").mkdir(parents=True, exist_ok=True)
     (args.out / "bench" / "load.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(report, args.out / "img" / "load.png")
     write_section(args.out / "BENCHMARKS.md", report)
-    print(markdown(report))
+    print("\n".join([markdown(report), "", *ratios(report)]))
     return 0
 
 
