@@ -108,3 +108,29 @@ def test_int8_draft_is_lossless(tiny_llama: Path, tiny_llama_draft: Path) -> Non
     prompts = random_prompts(3, (2, 30))
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     assert [o.token_ids for o in outs] == reference(tiny_llama, prompts, MAX_TOKENS, ignore_eos=True)
+
+
+def test_sequences_leaving_in_any_order_keep_slots_contiguous_and_outputs_exact(
+    tiny_llama: Path, tiny_llama_draft: Path
+) -> None:
+    """Early finishers free low slots; the sequence in the highest slot moves down, with its cache."""
+    llm = LLM(str(tiny_llama), str(tiny_llama_draft), dtype="float32", max_batch=4)
+    engine = llm.engine
+    prompts = random_prompts(9, (5, 17, 3, 30, 11, 8))
+    lengths = (4, 30, 9, 22, 6, 15)
+    alone = [
+        llm.generate([p], SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids
+        for p, n in zip(prompts, lengths, strict=True)
+    ]
+    seqs = [
+        engine.add_request(str(i), p, SamplingParams(max_tokens=n, ignore_eos=True))
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+    ]
+    moved = set()
+    while engine.has_unfinished():
+        before = {s.request_id: s.slot for s in engine.running}
+        engine.step()
+        moved |= {s.request_id for s in engine.running if before.get(s.request_id, s.slot) != s.slot}
+        assert [s.slot for s in engine.running] == list(range(len(engine.running)))
+    assert moved, "no sequence changed slot: the test does not exercise moves"
+    assert [s.output_ids for s in seqs] == alone

@@ -216,8 +216,9 @@ class Engine:
                     seq,
                 )
             )
-            if seq.finished:
-                self._retire(seq)
+        # After every sequence's cache is compacted: retiring may move a sequence to another slot.
+        for seq in [s for s in batch if s.finished]:
+            self._retire(seq)
         return outputs
 
     def _admit(self) -> None:
@@ -310,10 +311,24 @@ class Engine:
             stats.accepted_tokens += acceptance.accepted_drafts
 
     def _retire(self, seq: Sequence) -> None:
+        """Free ``seq``'s slot, moving the sequence in the highest slot into it.
+
+        Running sequences thus always hold slots ``0..n-1`` in order, which the caches read as
+        one view; scattered slots would be gathered (copied) in every layer of every step. A
+        move copies one sequence's committed entries once; its draft state is released and the
+        drafter catches up from the sequence's tokens at its next proposal."""
         self.running.remove(seq)
         if self.drafter is not None:
             self.drafter.release(seq.slot)
-        self.free_slots.append(seq.slot)
+        freed = seq.slot
+        last = max(self.running, key=lambda s: s.slot, default=None)
+        if last is not None and last.slot > freed:
+            self.target.cache.move(last.slot, freed, last.cache_len)
+            if self.drafter is not None:
+                self.drafter.release(last.slot)
+            last.slot, freed = freed, last.slot
+            self.running.sort(key=lambda s: s.slot)
+        self.free_slots.append(freed)
         self.free_slots.sort()
 
 

@@ -66,6 +66,10 @@ class StaticKVCache:
         kv = self.kv[layer, selector, :, :length]
         return kv[:, : self.num_kv_heads], kv[:, self.num_kv_heads :]
 
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy slot ``src``'s first ``length`` entries (every layer) to slot ``dst``."""
+        self.kv[:, dst, :, :length] = self.kv[:, src, :, :length]
+
     def compact(self, slot: int, start: int, nodes: list[int]) -> None:
         """Move the entries at ``start + nodes[i]`` to ``start + i`` in every layer."""
         if nodes == list(range(len(nodes))):
