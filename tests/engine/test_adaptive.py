@@ -118,3 +118,25 @@ def test_request_override_disables_speculation(tiny_llama: Path, tiny_llama_draf
     llm = LLM(str(tiny_llama), str(tiny_llama_draft), dtype="float32")
     out = llm.generate(random_prompts(2, (9,)), SamplingParams(max_tokens=10, depth=0))[0]
     assert out.stats["draft_tokens"] == 0 and out.stats["verify_steps"] == 10
+
+
+def test_new_requests_start_from_the_rate_measured_on_earlier_ones(
+    tiny_llama: Path, tiny_llama_draft: Path
+) -> None:
+    """The starting estimate follows the draft: high for the target itself, lower for a noisy copy."""
+    measured = []
+    for draft in (tiny_llama, tiny_llama_draft):
+        engine = LLM(str(tiny_llama), str(draft), dtype="float32").engine
+        assert engine.add_request("first", [5, 6, 7], SamplingParams(max_tokens=1)).acceptance == 0.5
+        engine.abort("first")
+        for i, prompt in enumerate(random_prompts(4, (6, 12))):
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=24, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        assert (
+            engine.add_request("later", [5, 6, 7], SamplingParams(max_tokens=1)).acceptance
+            == engine.acceptance
+        )
+        measured.append(engine.acceptance)
+    perfect, noisy = measured
+    assert perfect > 0.8 and noisy < perfect - 0.1

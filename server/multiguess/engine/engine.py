@@ -123,6 +123,10 @@ class Engine:
         self.last_draft_error: str | None = None
         self.last_tree_sizes: list[int] = []  # drafted nodes per sequence in the last step
         self.costs = CostMeter()
+        # What a new sequence's estimate starts from: the policy's prior until anything was
+        # drafted, then the running rate over all sequences (the draft's, on this traffic), so a
+        # short request does not spend its first steps drafting on an optimistic guess.
+        self.acceptance = self.config.policy.prior
         # Measured whatever the drafter: a server attaches a remote drafter after construction.
         self.forward_cost = ForwardCost()
         if self.config.adaptive:
@@ -154,7 +158,7 @@ class Engine:
             generator = torch.Generator().manual_seed(
                 params.seed if params.seed is not None else random.getrandbits(63)
             )
-        seq = Sequence(request_id, list(prompt_ids), params, generator, self.config.policy.prior)
+        seq = Sequence(request_id, list(prompt_ids), params, generator, self.acceptance)
         self.waiting.append(seq)
         return seq
 
@@ -201,9 +205,9 @@ class Engine:
             if self.drafter is not None and len(proposal.tree) > 1:
                 self.drafter.commit(seq.slot, proposal, acceptance)
             self._record(seq, proposal, acceptance)
-            seq.acceptance = self.config.policy.update(
-                seq.acceptance, acceptance.accepted_drafts, proposal.tree.max_depth
-            )
+            policy, depth = self.config.policy, proposal.tree.max_depth
+            seq.acceptance = policy.update(seq.acceptance, acceptance.accepted_drafts, depth)
+            self.acceptance = policy.update(self.acceptance, acceptance.accepted_drafts, depth)
             before = len(seq.output_ids)
             seq.append(acceptance.tokens, self.eos_ids, self.tokenizer)
             outputs.append(
