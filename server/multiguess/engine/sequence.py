@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from multiguess.engine.detokenizer import IncrementalText
 from multiguess.params import SamplingParams
 
 
@@ -47,6 +48,7 @@ class Sequence:
     sent_text_len: int = 0
     finish_reason: str | None = None
     stats: SpecStats = field(default_factory=SpecStats)
+    decoded: IncrementalText = field(default_factory=IncrementalText)
 
     @property
     def token_ids(self) -> list[int]:
@@ -71,7 +73,7 @@ class Sequence:
                 break
         if not self.finished and self.remaining <= 0:
             self.finish_reason = "length"
-        self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        self.text = self.decoded.update(tokenizer, self.output_ids, self.finished)
         if self.params.stop:
             self._apply_stop_strings()
 
