@@ -264,6 +264,15 @@ def test_pipeline_trains_resumes_and_exports_an_evaluated_draft(
     )
 
 
+def test_replies_only_when_text_every_is_zero(target: Path, tmp_path: Path) -> None:
+    text_root(tmp_path / "text")
+    assert cli.main([*distill_args(target, tmp_path, "data", steps=1), "--text-every", "0"]) == 0
+    data = tmp_path / "work" / "data"
+    assert read_shards(data, "gen") and not read_shards(data, "text")
+    with pytest.raises(SystemExit):
+        cli.main(["distill", "--text-every", "-1"])
+
+
 def test_bad_arguments_are_rejected(target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cli.main(["distill", "--stages", "data,bake"])

@@ -26,6 +26,13 @@ def positive_int(value: str) -> int:
     return number
 
 
+def non_negative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return number
+
+
 def positive_float(value: str) -> float:
     number = float(value)
     if number <= 0:
@@ -75,7 +82,12 @@ def run(args: argparse.Namespace) -> int:
         target=target,
         work=args.work,
         out=args.out,
-        data=DataPlan(batch=args.gen_batch, max_new_tokens=args.max_new_tokens, heldout_prompts=args.heldout),
+        data=DataPlan(
+            batch=args.gen_batch,
+            max_new_tokens=args.max_new_tokens,
+            heldout_prompts=args.heldout,
+            text_every=args.text_every,
+        ),
         shape=DraftShape(
             hidden_size=args.width,
             num_hidden_layers=args.layers,
@@ -124,6 +136,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--gen-batch", type=positive_int, default=48, help="prompts per generation batch")
     parser.add_argument("--max-new-tokens", type=positive_int, default=192, help="reply length cap")
     parser.add_argument("--heldout", type=positive_int, default=96, help="held-out prompts for evaluation")
+    parser.add_argument(
+        "--text-every",
+        type=non_negative_int,
+        default=4,
+        help="text shards made after each reply shard (0: replies only; text is faster to make, "
+        "replies are what the draft is judged on)",
+    )
     parser.add_argument("--layers", type=positive_int, default=3)
     parser.add_argument("--width", type=positive_int, default=256)
     parser.add_argument("--heads", type=positive_int, default=4)
