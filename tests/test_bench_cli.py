@@ -15,7 +15,7 @@ def test_bench_writes_results_table_and_plot(
     argv = ["bench", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft), "--dtype", "float32"]
     argv += ["--prompts", "2", "--repeats", "2", "--max-tokens", "6", "--out", str(out)]
     assert main(argv) == 0
-    report = json.loads((out / "bench" / "results.json").read_text())
+    report = json.loads((out / "bench" / "results-float32.json").read_text())
     rows = {r["method"]: r for r in report["methods"]}
     assert set(rows) == {
         "transformers generate",
@@ -31,4 +31,4 @@ def test_bench_writes_results_table_and_plot(
     assert rows["multiguess tree"]["mean_accepted_length"] >= 1.0
     doc = (out / "BENCHMARKS.md").read_text()
     assert "Hand-written notes stay." in doc and "| multiguess tree |" in doc
-    assert (out / "img" / "bench.png").stat().st_size > 1000
+    assert (out / "img" / "bench-float32.png").stat().st_size > 1000

@@ -13,8 +13,6 @@ from pathlib import Path
 
 from multiguess.commands.engine_args import add_engine_args, configure_threads
 
-START, END = "<!-- bench:start -->", "<!-- bench:end -->"
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("bench", help="benchmark against plain and HF assisted generation")
@@ -137,16 +135,21 @@ def git_commit() -> str:
 
 
 def write_report(report: dict, out: Path) -> None:
-    """JSON and a plot under ``out``; the table replaces the marked section of BENCHMARKS.md."""
+    """JSON and a plot under ``out``; the table replaces the marked section of BENCHMARKS.md.
+
+    Each dtype has its own files and section, so a float32 run (bit-exact greedy output) and a
+    bfloat16 run (speed) are reported side by side."""
     from multiguess import benchmark as bm
 
+    dtype = report["dtype"]
+    start, end = f"<!-- bench:{dtype}:start -->", f"<!-- bench:{dtype}:end -->"
     (out / "bench").mkdir(parents=True, exist_ok=True)
     (out / "img").mkdir(parents=True, exist_ok=True)
-    (out / "bench" / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-    bm.plot_report(report, out / "img" / "bench.png")
+    (out / "bench" / f"results-{dtype}.json").write_text(json.dumps(report, indent=2) + "\n")
+    bm.plot_report(report, out / "img" / f"bench-{dtype}.png")
     section = "\n".join(
         [
-            START,
+            start,
             f"Run of {report['date']} at commit `{report['commit']}`: {report['prompts']} prompts "
             f"(set v{report['prompt_set_version']}), {report['max_tokens']} tokens each, "
             f"{report['repeats']} repeats, {report['threads']} threads, {report['dtype']}, "
@@ -163,13 +166,13 @@ def write_report(report: dict, out: Path) -> None:
             "Target forward cost (ms) by tree nodes verified: "
             + "; ".join(f"{d}: {c}" for d, c in report["verify_cost_ms"].items()),
             "",
-            "![benchmark](img/bench.png)",
-            END,
+            f"![benchmark, {dtype}](img/bench-{dtype}.png)",
+            end,
         ]
     )
     doc = out / "BENCHMARKS.md"
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n\n" + START + "\n" + END + "\n"
-    if START not in text:
-        text += "\n" + START + "\n" + END + "\n"
-    pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    if start not in text:
+        text += "\n" + start + "\n" + end + "\n"
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
     doc.write_text(pattern.sub(lambda _: section, text))
