@@ -40,3 +40,6 @@ class FaultyDrafter:
 
     def release(self, slot: int) -> None:
         self.inner.release(slot)
+
+    def move(self, src: int, dst: int) -> None:
+        self.inner.move(src, dst)

@@ -38,6 +38,9 @@ class ChainDrafter:
     def release(self, slot: int) -> None:
         self.released.append(slot)
 
+    def move(self, src: int, dst: int) -> None:
+        self.released.append(src)
+
 
 def requests(*slots: int) -> list[DraftRequest]:
     return [DraftRequest(slot, [1, 2, 3], TreeBudget(1, 1, 1)) for slot in slots]

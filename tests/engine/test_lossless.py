@@ -113,13 +113,14 @@ def test_int8_draft_is_lossless(tiny_llama: Path, tiny_llama_draft: Path) -> Non
 def test_sequences_leaving_in_any_order_keep_slots_contiguous_and_outputs_exact(
     tiny_llama: Path, tiny_llama_draft: Path
 ) -> None:
-    """Early finishers free low slots; the sequence in the highest slot moves down, with its cache."""
-    llm = LLM(str(tiny_llama), str(tiny_llama_draft), dtype="float32", max_batch=4)
+    """Early finishers free low slots; the sequence in the highest slot moves down with its target
+    and draft caches: outputs and what the draft proposed and got accepted match serving alone."""
+    llm = LLM(str(tiny_llama), str(tiny_llama_draft), 2, 3, dtype="float32", max_batch=4, adaptive=False)
     engine = llm.engine
     prompts = random_prompts(9, (5, 17, 3, 30, 11, 8))
     lengths = (4, 30, 9, 22, 6, 15)
     alone = [
-        llm.generate([p], SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids
+        llm.generate([p], SamplingParams(max_tokens=n, ignore_eos=True))[0]
         for p, n in zip(prompts, lengths, strict=True)
     ]
     seqs = [
@@ -133,4 +134,5 @@ def test_sequences_leaving_in_any_order_keep_slots_contiguous_and_outputs_exact(
         moved |= {s.request_id for s in engine.running if before.get(s.request_id, s.slot) != s.slot}
         assert [s.slot for s in engine.running] == list(range(len(engine.running)))
     assert moved, "no sequence changed slot: the test does not exercise moves"
-    assert [s.output_ids for s in seqs] == alone
+    assert [s.output_ids for s in seqs] == [o.token_ids for o in alone]
+    assert [s.stats.as_dict() for s in seqs] == [o.stats for o in alone]

@@ -68,6 +68,10 @@ class Drafter(Protocol):
 
     def release(self, slot: int) -> None: ...
 
+    def move(self, src: int, dst: int) -> None:
+        """The sequence in slot ``src`` now runs in the free slot ``dst``."""
+        ...
+
 
 @dataclass
 class _Candidate:
@@ -141,6 +145,15 @@ class ModelDrafter:
     def release(self, slot: int) -> None:
         self.cached.pop(slot, None)
         self._fed.pop(slot, None)
+
+    def move(self, src: int, dst: int) -> None:
+        """Carry the sequence's draft cache along (a catch-up from scratch would re-read it all)."""
+        self.release(dst)
+        if src in self.cached:
+            self.cached[dst] = self.cached.pop(src)
+            self.runner.cache.move(src, dst, self.cached[dst])
+        if src in self._fed:
+            self._fed[dst] = self._fed.pop(src)
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         slots = [r.slot for r in requests]

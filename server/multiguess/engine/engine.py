@@ -319,8 +319,7 @@ class Engine:
 
         Running sequences thus always hold slots ``0..n-1`` in order, which the caches read as
         one view; scattered slots would be gathered (copied) in every layer of every step. A
-        move copies one sequence's committed entries once; its draft state is released and the
-        drafter catches up from the sequence's tokens at its next proposal."""
+        move copies one sequence's committed entries once, in the draft's cache too."""
         self.running.remove(seq)
         if self.drafter is not None:
             self.drafter.release(seq.slot)
@@ -329,7 +328,7 @@ class Engine:
         if last is not None and last.slot > freed:
             self.target.cache.move(last.slot, freed, last.cache_len)
             if self.drafter is not None:
-                self.drafter.release(last.slot)
+                self.drafter.move(last.slot, freed)
             last.slot, freed = freed, last.slot
             self.running.sort(key=lambda s: s.slot)
         self.free_slots.append(freed)

@@ -91,6 +91,15 @@ class GuardedDrafter:
         except Exception as exc:
             self._trip(f"release failed: {type(exc).__name__}: {exc}")
 
+    def move(self, src: int, dst: int) -> None:
+        """A failing move leaves the inner drafter unsure of both slots: drop them."""
+        try:
+            self.inner.move(src, dst)
+        except Exception as exc:
+            self._trip(f"move failed: {type(exc).__name__}: {exc}")
+            self.release(src)
+            self.release(dst)
+
     def _trip(self, reason: str) -> None:
         self.failures += 1
         self.degraded, self.reason = True, reason

@@ -82,3 +82,6 @@ class NgramDrafter:
 
     def release(self, slot: int) -> None:
         """Nothing to free."""
+
+    def move(self, src: int, dst: int) -> None:
+        """Nothing to move."""

@@ -143,6 +143,10 @@ class RemoteDrafter:
         if self._sent.pop(slot, None) is not None:
             self._releases.add(slot)
 
+    def move(self, src: int, dst: int) -> None:
+        """The draft server keys sessions by slot: the sequence starts afresh under ``dst``."""
+        self.release(src)
+
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
