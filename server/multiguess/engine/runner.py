@@ -2,9 +2,10 @@
 
 transformers' generic forward spends most of a CPU decode step in framework overhead and has
 no notion of writing a token tree into a pre-allocated cache. The supported families share
-one layer layout, so this module calls the model's submodules (norms, projections, rotary
-embedding, MLP) directly and does the attention itself: a batch of token trees, each placed
-after its sequence's prefix, attends to prefix + its own ancestors in one forward.
+one layer layout, so this module drives the model's own weights and submodules (rotary
+embedding, activation) directly, runs RMSNorm as one fused call with each norm's weight and
+epsilon, and does the attention itself: a batch of token trees, each placed after its
+sequence's prefix, attends to prefix + its own ancestors in one forward.
 """
 
 from __future__ import annotations
