@@ -24,8 +24,8 @@ TEXT_INSTRUCTIONS = (
     "Write the next part of the text.",
     "Tell me about it.",
 )
-MAX_PROMPT_TOKENS = 384
 CODE_INSTRUCTIONS = ("Write some Python code.", "Show me an example implementation in Python.")
+MAX_PROMPT_TOKENS = 384  # a prompt's last tokens kept for replies; sizes the teacher's cache
 
 
 @dataclass(frozen=True)
