@@ -118,7 +118,6 @@ class Engine:
         self.eos_ids = frozenset(eos_token_ids(target))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.free_slots = list(range(self.config.max_batch))
         self.totals = SpecStats()
         self.last_draft_error: str | None = None
         self.last_tree_sizes: list[int] = []  # drafted nodes per sequence in the last step
@@ -227,9 +226,9 @@ class Engine:
 
     def _admit(self) -> None:
         admitted = []
-        while self.waiting and self.free_slots:
+        while self.waiting and len(self.running) + len(admitted) < self.config.max_batch:
             seq = self.waiting.popleft()
-            seq.slot = self.free_slots.pop(0)
+            seq.slot = len(self.running) + len(admitted)  # the lowest free slot (see _retire)
             admitted.append(seq)
         prefill = [s for s in admitted if len(s.prompt_ids) > 1]
         if prefill:
@@ -323,16 +322,13 @@ class Engine:
         self.running.remove(seq)
         if self.drafter is not None:
             self.drafter.release(seq.slot)
-        freed = seq.slot
         last = max(self.running, key=lambda s: s.slot, default=None)
-        if last is not None and last.slot > freed:
-            self.target.cache.move(last.slot, freed, last.cache_len)
+        if last is not None and last.slot > seq.slot:
+            self.target.cache.move(last.slot, seq.slot, last.cache_len)
             if self.drafter is not None:
-                self.drafter.move(last.slot, freed)
-            last.slot, freed = freed, last.slot
+                self.drafter.move(last.slot, seq.slot)
+            last.slot = seq.slot
             self.running.sort(key=lambda s: s.slot)
-        self.free_slots.append(freed)
-        self.free_slots.sort()
 
 
 def processing(params: SamplingParams) -> Processing:
