@@ -1,9 +1,12 @@
-"""Adaptive speculation: how big a tree each sequence gets this step (a pure policy).
+"""Adaptive speculation: how big a tree the batch's sequences get this step (a pure policy).
 
 Four signals decide. *Acceptance*: level i of a tree is reached with probability about a^i
-(a = the sequence's per-level acceptance rate, a running estimate), so drafting d levels
+(a = the draft's per-level acceptance rate on this traffic, a running estimate over every
+tree the engine drafted; one tree shape serves the whole batch), so drafting d levels
 yields ``1 + a + … + a^d`` tokens per step. *Draft cost*: each level costs ``r`` plain target
-steps (r = measured draft time per level / the target's plain step at this batch size).
+steps (r = measured draft time per level / the target's plain step at this batch size; steps
+in which a sequence's draft first caught up on tokens it had not seen are left out: that
+catch-up is paid once when drafting resumes, not per level).
 *Verification cost*: verifying n nodes per sequence costs ``g`` plain steps, read from the
 target's forward time by tokens in the forward (``ForwardCost``, measured when the engine
 starts): nearly 1 while the forward is memory-bound, growing once it is compute-bound, which
@@ -11,13 +14,17 @@ on a CPU happens at a few dozen tokens, so a batch of 8 verifying 4 nodes each c
 its plain step. The step costs ``g + d·r``; the tree maximises tokens per cost, and nothing is
 drafted when no tree beats plain decoding by ``min_speedup``. *Load*: ``token_budget`` nodes
 are shared by the batch at most: few sequences get bushy trees, many get chains, very many get
-none. A sequence that stopped drafting still probes
-with a one-level tree every ``probe_every`` steps, so its estimate can recover. The probe is
-as wide as the budget allows while that costs the target almost nothing (width costs the draft
-nothing, and a chain probe would measure a lower rate than the trees it stands for), a single
-node once the batch is big enough for width to cost: every sequence of the batch probes at
-once, and a wide probe at batch 8 made the whole step 1.6x as expensive. For the same reason
-a batch of B probes every ``B · probe_every`` steps: each probe observes B sequences.
+none.
+
+While nothing is drafted, one sequence at a time *probes* with a one-level tree, so the estimate
+can recover: the one observed longest ago, after ``probe_every`` steps, then at doubling
+intervals up to ``probe_every_max`` while probes keep finding that drafting does not pay (see
+``ProbeSchedule``). One sequence, because a probe makes the draft catch up on everything that
+sequence added since it last drafted — its whole prompt, for a new request: when the batch
+probed at once, a batch of 8 paid ~47 ms of draft catch-up every 64 steps (~2% of its
+throughput) for estimates that kept saying no. The probe is as wide as the budget allows while
+its extra tokens cost the target's forward almost nothing (width costs the draft nothing, and a
+chain probe would measure a lower rate than the trees it stands for), a single node otherwise.
 """
 
 from __future__ import annotations
@@ -63,7 +70,8 @@ class AdaptivePolicy:
     min_speedup: float = 1.1  # speculate only when the best tree is expected to win this much
     smoothing: float = 0.3  # weight of the newest observation in the acceptance average
     prior: float = 0.5  # acceptance assumed before a sequence has any history
-    probe_every: int = 8  # steps between one-level probes when drafting does not pay, per sequence
+    probe_every: int = 8  # steps from drafting stopping to the first probe
+    probe_every_max: int = 64  # longest interval between probes while they keep finding no gain
     probe_growth: float = 1.05  # a probe is as wide as the budget if that forward costs this little
 
     def plan(
@@ -71,15 +79,15 @@ class AdaptivePolicy:
         base: TreeBudget,
         acceptance: float,
         batch_size: int,
-        step: int,
         cost_ratio: float,
         forward_cost: ForwardCost | None = None,
     ) -> TreeBudget:
-        """The tree budget for one sequence, at most ``base``."""
+        """The tree every sequence of the batch drafts, at most ``base``; depth 0 when none pays."""
         batch = max(1, batch_size)
         nodes = self.token_budget // batch - 1
+        off = TreeBudget(base.num_candidates, 0, base.max_nodes)
         if nodes < 1 or base.depth == 0:
-            return TreeBudget(base.num_candidates, 0, base.max_nodes)
+            return off
         cost = forward_cost or ForwardCost()
         trees = [self._tree(base, nodes, depth) for depth in range(1, min(base.depth, nodes) + 1)]
 
@@ -88,12 +96,18 @@ class AdaptivePolicy:
             return expected_speedup(acceptance, tree.depth, cost_ratio, growth)
 
         best = max(trees, key=speedup)
-        if speedup(best) >= self.min_speedup:
-            return best
-        if step % (self.probe_every * batch):  # a probe observes every sequence of the batch
-            return TreeBudget(trees[0].num_candidates, 0, base.max_nodes)
-        wide = cost.growth(batch, 1 + trees[0].max_nodes) <= self.probe_growth
-        return trees[0] if wide else TreeBudget(1, 1, 1)
+        return best if speedup(best) >= self.min_speedup else off
+
+    def probe(self, base: TreeBudget, batch_size: int, forward_cost: ForwardCost | None = None) -> TreeBudget:
+        """The one-level tree one sequence of the batch probes with (depth 0: no tree fits)."""
+        batch = max(1, batch_size)
+        nodes = self.token_budget // batch - 1
+        if nodes < 1 or base.depth == 0:
+            return TreeBudget(base.num_candidates, 0, base.max_nodes)
+        level = self._tree(base, nodes, 1)
+        cost = forward_cost or ForwardCost()
+        wide = cost(batch + level.max_nodes) / cost(batch) <= self.probe_growth
+        return level if wide else TreeBudget(1, 1, 1)
 
     @staticmethod
     def _tree(base: TreeBudget, nodes: int, depth: int) -> TreeBudget:
@@ -103,16 +117,50 @@ class AdaptivePolicy:
         size = min(base.max_nodes, nodes, width + (depth - 1) * width * width)
         return TreeBudget(width, depth, size)
 
-    def update(self, acceptance: float, accepted: int, drafted_depth: int) -> float:
-        """Fold one step (``accepted`` levels of a ``drafted_depth``-deep tree) into the estimate.
+    @staticmethod
+    def observed(accepted: int, drafted_depth: int) -> float | None:
+        """The per-level rate one tree showed (``accepted`` of its ``drafted_depth`` levels).
 
         Levels are tried until one fails, so the step tried ``min(accepted + 1, depth)`` levels
         and ``accepted`` of them succeeded: their ratio estimates the per-level rate.
         """
         if drafted_depth <= 0:
+            return None
+        return accepted / min(accepted + 1, drafted_depth)
+
+    def update(self, acceptance: float, observed: list[float]) -> float:
+        """Fold one step's observations (one per drafted tree) into the estimate, as their mean:
+        a step of a big batch counts once, not once per sequence."""
+        if not observed:
             return acceptance
-        observed = accepted / min(accepted + 1, drafted_depth)
-        return (1 - self.smoothing) * acceptance + self.smoothing * observed
+        mean = sum(observed) / len(observed)
+        return (1 - self.smoothing) * acceptance + self.smoothing * mean
+
+
+@dataclass
+class ProbeSchedule:
+    """When the next probe runs while drafting is off: ``first`` steps after it stopped, then
+    at doubling intervals up to ``longest``; ``reset`` when drafting pays again."""
+
+    first: int
+    longest: int
+    interval: int = 0
+    wait: int = 0
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.interval = self.wait = self.first
+
+    def due(self) -> bool:
+        """Count one step without drafting; True when it is a probe's."""
+        self.wait -= 1
+        if self.wait > 0:
+            return False
+        self.interval = min(2 * self.interval, self.longest)
+        self.wait = self.interval
+        return True
 
 
 @dataclass

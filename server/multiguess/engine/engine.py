@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from multiguess.engine.acceptance import Acceptance, accept_greedy, accept_sampled
-from multiguess.engine.adaptive import AdaptivePolicy, CostMeter, ForwardCost
+from multiguess.engine.adaptive import AdaptivePolicy, CostMeter, ForwardCost, ProbeSchedule
 from multiguess.engine.drafter import Drafter, DraftRequest, ModelDrafter, Proposal, SampleSpec, TreeBudget
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.sampling import Processing, processed_probs
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 class EngineConfig:
     """Tree budget (the most a sequence drafts), batch and context limits, adaptivity.
 
-    With ``adaptive`` on, each step's tree follows the sequence's acceptance and the batch
+    With ``adaptive`` on, each step's tree follows the draft's measured acceptance and the batch
     size (see ``AdaptivePolicy``), never above the budget; off, every tree uses the budget.
     ``eager`` runs plain PyTorch kernels (no prepacked weights): the escape hatch.
     """
@@ -122,10 +122,12 @@ class Engine:
         self.last_draft_error: str | None = None
         self.last_tree_sizes: list[int] = []  # drafted nodes per sequence in the last step
         self.costs = CostMeter()
-        # What a new sequence's estimate starts from: the policy's prior until anything was
-        # drafted, then the running rate over all sequences (the draft's, on this traffic), so a
-        # short request does not spend its first steps drafting on an optimistic guess.
+        # The draft's per-level acceptance on this traffic: the policy's prior until anything
+        # was drafted, then the running rate over every drafted tree, so a new request does not
+        # spend its first steps drafting on an optimistic guess.
         self.acceptance = self.config.policy.prior
+        policy = self.config.policy
+        self.probes = ProbeSchedule(policy.probe_every, policy.probe_every_max)
         # Measured whatever the drafter: a server attaches a remote drafter after construction.
         self.forward_cost = ForwardCost()
         if self.config.adaptive:
@@ -157,7 +159,7 @@ class Engine:
             generator = torch.Generator().manual_seed(
                 params.seed if params.seed is not None else random.getrandbits(63)
             )
-        seq = Sequence(request_id, list(prompt_ids), params, generator, self.acceptance)
+        seq = Sequence(request_id, list(prompt_ids), params, generator)
         self.waiting.append(seq)
         return seq
 
@@ -183,9 +185,14 @@ class Engine:
         logits = self.target.forward_trees(
             [s.slot for s in batch], [s.cache_len for s in batch], [p.tree for p in proposals]
         )
-        levels = max(p.tree.max_depth for p in proposals)
+        # Draft time per level only from steps that drafted on caught-up caches (see CostMeter).
+        drafting = [s for s, p in zip(batch, proposals, strict=True) if len(p.tree) > 1]
+        steady = all(s.drafted_at == self.steps - 1 for s in drafting)
+        levels = max(p.tree.max_depth for p in proposals) if steady else 0
         self.costs.record(drafted - started, levels, time.perf_counter() - drafted)
-        outputs = []
+        for seq in drafting:
+            seq.drafted_at = self.steps
+        outputs, observed = [], []
         target_probs = target_distributions(batch, proposals, logits)
         for b, (seq, proposal) in enumerate(zip(batch, proposals, strict=True)):
             rows = logits[b, : len(proposal.tree)]
@@ -204,9 +211,9 @@ class Engine:
             if self.drafter is not None and len(proposal.tree) > 1:
                 self.drafter.commit(seq.slot, proposal, acceptance)
             self._record(seq, proposal, acceptance)
-            policy, depth = self.config.policy, proposal.tree.max_depth
-            seq.acceptance = policy.update(seq.acceptance, acceptance.accepted_drafts, depth)
-            self.acceptance = policy.update(self.acceptance, acceptance.accepted_drafts, depth)
+            rate = self.config.policy.observed(acceptance.accepted_drafts, proposal.tree.max_depth)
+            if rate is not None:
+                observed.append(rate)
             before = len(seq.output_ids)
             seq.append(acceptance.tokens, self.eos_ids, self.tokenizer)
             outputs.append(
@@ -219,6 +226,7 @@ class Engine:
                     seq,
                 )
             )
+        self.acceptance = self.config.policy.update(self.acceptance, observed)
         # After every sequence's cache is compacted: retiring may move a sequence to another slot.
         for seq in [s for s in batch if s.finished]:
             self._retire(seq)
@@ -242,28 +250,33 @@ class Engine:
             seq.cache_len = len(seq.prompt_ids) - 1
         self.running.extend(admitted)
 
-    def _planned(self, batch: list[Sequence]) -> TreeBudget:
-        """The adaptive policy's tree for this step, one for the whole batch.
+    def _planned(self, batch: list[Sequence]) -> dict[int, TreeBudget]:
+        """The adaptive policy's tree for each sequence this step, by position in ``batch``.
 
-        The policy sees the batch's mean acceptance, so adaptive sequences share one tree shape:
-        trees are padded to the widest in the batch, and one deep tree would make every sequence
-        pay for its width and its draft forwards."""
+        One tree serves the whole batch: trees are padded to the widest in the batch, and one
+        deep tree would make every sequence pay for its width and its draft forwards. While no
+        tree pays, the sequence observed longest ago probes when the schedule says so."""
         cfg, cost = self.config, self.forward_cost
         if not cfg.adaptive:
-            return cfg.budget
-        acceptance = sum(s.acceptance for s in batch) / len(batch)
+            return dict.fromkeys(range(len(batch)), cfg.budget)
         ratio = self.costs.ratio(cost(len(batch)))
-        return cfg.policy.plan(cfg.budget, acceptance, len(batch), self.steps, ratio, cost)
+        planned = cfg.policy.plan(cfg.budget, self.acceptance, len(batch), ratio, cost)
+        trees = dict.fromkeys(range(len(batch)), planned)
+        if planned.depth > 0:
+            self.probes.reset()
+        elif self.probes.due():
+            adaptive = [i for i, seq in enumerate(batch) if not fixed_tree(seq.params)]
+            if adaptive:
+                oldest = min(adaptive, key=lambda i: batch[i].drafted_at)
+                trees[oldest] = cfg.policy.probe(cfg.budget, len(batch), cost)
+        return trees
 
     def _budget(self, seq: Sequence, planned: TreeBudget) -> TreeBudget:
         """This step's tree for ``seq``: the ``planned`` one, or the request's own override,
         clipped to what is left."""
         cfg, params = self.config, seq.params
-        overridden = params.depth is not None or params.num_candidates is not None
-        # A seeded sample must not depend on timing or on the batch it shares: fixed trees.
-        reproducible = params.seed is not None and not params.greedy
         budget = planned
-        if overridden or reproducible:
+        if fixed_tree(params):
             budget = TreeBudget(
                 params.num_candidates or cfg.num_candidates,
                 cfg.depth if params.depth is None else params.depth,
@@ -279,7 +292,7 @@ class Engine:
         requests = []
         planned = self._planned(batch)
         for i, seq in enumerate(batch):
-            budget = self._budget(seq, planned)
+            budget = self._budget(seq, planned[i])
             if budget.depth > 0:
                 requests.append((i, DraftRequest(seq.slot, seq.token_ids, budget, sample_spec(seq))))
         if not requests:
@@ -297,15 +310,6 @@ class Engine:
         for (i, _), proposal in zip(requests, drafted, strict=True):
             proposals[i] = proposal
         return proposals
-
-    def _accept(self, seq: Sequence, proposal: Proposal, logits: torch.Tensor) -> Acceptance:
-        params = seq.params
-        if params.greedy:
-            return accept_greedy(proposal.tree, logits.argmax(dim=-1).tolist())
-        probs = processed_probs(logits, params.temperature, params.top_p, params.top_k)
-        return accept_sampled(
-            proposal.tree, probs, proposal.draft_probs, seq.generator, with_replacement=False
-        )
 
     def _record(self, seq: Sequence, proposal: Proposal, acceptance: Acceptance) -> None:
         for stats in (seq.stats, self.totals):
@@ -329,6 +333,13 @@ class Engine:
                 self.drafter.move(last.slot, seq.slot)
             last.slot = seq.slot
             self.running.sort(key=lambda s: s.slot)
+
+
+def fixed_tree(params: SamplingParams) -> bool:
+    """Whether a request drafts its own fixed tree instead of the policy's: it set one, or it
+    is a seeded sample, whose output must not depend on timing or on the batch it shares."""
+    overridden = params.depth is not None or params.num_candidates is not None
+    return overridden or (params.seed is not None and not params.greedy)
 
 
 def processing(params: SamplingParams) -> Processing:

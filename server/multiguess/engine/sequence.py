@@ -40,8 +40,8 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None
-    acceptance: float  # running per-level acceptance estimate (adaptive speculation)
     slot: int = -1
+    drafted_at: int = -1  # the last engine step it drafted in (probes go to the oldest)
     cache_len: int = 0  # target KV entries: every token but the last (the next tree's root)
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
