@@ -16,6 +16,7 @@ from multiguess.distill.shards import read_shards
 from multiguess.distill.student import projected_embeddings
 from multiguess.distill.teacher import Record
 from multiguess.distill.train import TrainConfig, epoch_batches, learning_rate
+from multiguess.models.draft_vocab import load_draft_vocab
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -255,6 +256,12 @@ def test_pipeline_trains_resumes_and_exports_an_evaluated_draft(
     assert provenance["command"].startswith("multiguess distill") and provenance["trained_steps"] == 5
     assert len(provenance["commands"]) == 2 and "--stages data,train" in provenance["commands"][0]
     assert "## Reproduce" in (out / "PROVENANCE.md").read_text()
+    # Its vocabulary: the reply tokens by frequency (the tiny target's vocabulary is smaller
+    # than the default 8192, so it is all the tokens the replies used).
+    reply_tokens = {t for r in replies for t in r.ids[r.start :].tolist()}
+    vocab = load_draft_vocab(str(out), metrics["draft_vocab"] + 1000)
+    assert set(vocab.tolist()) == reply_tokens and metrics["draft_vocab"] == len(reply_tokens)
+    assert "draft vocabulary of" in (out / "PROVENANCE.md").read_text()
     draft = AutoModelForCausalLM.from_pretrained(str(out))
     assert draft.config.model_type == "llama" and draft.dtype == torch.bfloat16
     assert draft.config.vocab_size == AutoModelForCausalLM.from_pretrained(str(target)).config.vocab_size

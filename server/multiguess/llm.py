@@ -90,9 +90,17 @@ class LLM:
         drafter: str = "model",
         adaptive: bool = True,
         eager: bool = False,
+        draft_vocab: bool = True,
     ) -> None:
         config = EngineConfig(
-            num_candidates, depth, max_nodes, max_batch, max_model_len, adaptive, eager=eager
+            num_candidates,
+            depth,
+            max_nodes,
+            max_batch,
+            max_model_len,
+            adaptive,
+            eager=eager,
+            draft_vocab=draft_vocab,
         )
         self.engine = build_engine(
             config, target, draft, drafter, dtype, device, draft_device, draft_quantization

@@ -19,6 +19,7 @@ from multiguess.engine.sampling import Processing, processed_probs
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
+from tests.engine.test_draft_vocab import with_draft_vocab
 from tests.tiny_models import build_tokenizer, model_config, save_model, save_noisy_copy
 
 LENGTH = 3
@@ -90,9 +91,10 @@ SETTINGS = {
     "t0.6-topk5": dict(temperature=0.6, top_k=5),
     "t1.3-topp0.8": dict(temperature=1.3, top_p=0.8),
 }
-# (num_candidates, depth); "wide" offers every token of the vocabulary as a child.
-SHAPES = {"chain": (1, 2), "wide": (8, 1), "tree": (3, 2), "bushy": (4, 2), "ngram": (3, 2)}
-CASES = [(shape, "t1") for shape in ("chain", "wide", "tree", "bushy")] + [
+# (num_candidates, depth); "wide" offers every token of the vocabulary as a child; "subset"
+# drafts over a draft vocabulary of half the tokens (q is zero on the others).
+SHAPES = {"chain": (1, 2), "wide": (8, 1), "tree": (3, 2), "bushy": (4, 2), "ngram": (3, 2), "subset": (3, 2)}
+CASES = [(shape, "t1") for shape in ("chain", "wide", "tree", "bushy", "subset")] + [
     ("tree", "t0.6-topk5"),
     ("tree", "t1.3-topp0.8"),
     ("ngram", "t1"),  # deterministic children: q is a point mass
@@ -107,6 +109,8 @@ def test_speculative_sampling_matches_the_target_exactly(
     num_candidates, depth = SHAPES[shape]
     params = SamplingParams(max_tokens=LENGTH, ignore_eos=True, n=SAMPLES, seed=17, **SETTINGS[setting])
     drafter, draft_dir = ("ngram", None) if shape == "ngram" else ("model", str(draft))
+    if shape == "subset":
+        draft_dir = str(with_draft_vocab(draft, [1, 4, 6, 7]))
     llm = LLM(str(target), draft_dir, num_candidates, depth, dtype="float32", max_batch=256, drafter=drafter)
     samples = draw(llm, params)
     pvalue = chi_square_pvalue(samples, exact_distribution(target, params))

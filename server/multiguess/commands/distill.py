@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         data_minutes=args.data_minutes,
         train_minutes=args.train_minutes,
         reply_weight=args.reply_weight,
+        draft_vocab=args.draft_vocab,
         text_roots=tuple(args.text_root) if args.text_root else None,
     )
     command = canonical_command(args)
@@ -158,5 +159,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--lr", type=positive_float, default=2e-3)
     parser.add_argument(
         "--reply-weight", type=positive_int, default=2, help="how often replies repeat per epoch"
+    )
+    parser.add_argument(
+        "--draft-vocab",
+        type=non_negative_int,
+        default=8192,
+        help="tokens the exported draft scores: the most frequent in the target's replies "
+        "(draft_vocab.json; 0: every token)",
     )
     parser.set_defaults(func=run)

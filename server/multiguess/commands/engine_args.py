@@ -52,6 +52,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--threads", 0, int, help="CPU threads for torch (0: the cores this process may use)")
     add_switch(parser, "--no-adaptive", "always draft the full tree budget")
     add_switch(parser, "--eager", "plain PyTorch kernels, no prepacked CPU weights (escape hatch)")
+    add_switch(parser, "--full-draft-vocab", "the draft scores every token, not only its draft_vocab.json")
 
 
 def add_switch(parser: argparse.ArgumentParser, flag: str, help_text: str) -> None:
@@ -96,4 +97,5 @@ def build_llm(args: argparse.Namespace) -> Any:
         drafter=args.drafter,
         adaptive=not args.no_adaptive,
         eager=args.eager,
+        draft_vocab=not args.full_draft_vocab,
     )

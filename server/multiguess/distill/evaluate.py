@@ -34,13 +34,23 @@ def chain_tokens_per_step(matches: Sequence[bool], depth: int) -> float:
 
 @torch.inference_mode()
 def quality(
-    model, records: Sequence[Record], pad_id: int, autocast: bool = False, tokens_per_batch: int = 4096
+    model,
+    records: Sequence[Record],
+    pad_id: int,
+    autocast: bool = False,
+    tokens_per_batch: int = 4096,
+    vocab: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Greedy acceptance, top-k coverage (k=1..4) and chain tokens/step (depth 4) on reply records.
 
     The label is the token the target actually emitted (its greedy choice), not the stored top-1,
-    which can differ from it on bf16 ties.
+    which can differ from it on bf16 ties. With ``vocab`` the draft ranks only those tokens, as
+    it does when serving with its draft vocabulary.
     """
+    outside = None
+    if vocab is not None:
+        outside = torch.full((model.config.vocab_size,), float("-inf"))
+        outside[vocab] = 0.0
     hits = torch.zeros(MAX_K)
     total = 0
     per_record: list[list[bool]] = []
@@ -51,7 +61,10 @@ def quality(
             labelled += len(records[end].topk_ids)
             end += 1
         batch = collate(records[start:end], pad_id)
-        draft_top = draft_logits(model, batch, autocast).float().topk(MAX_K, dim=-1).indices
+        logits = draft_logits(model, batch, autocast).float()
+        if outside is not None:
+            logits += outside
+        draft_top = logits.topk(MAX_K, dim=-1).indices
         target_top1 = batch.ids[batch.rows, batch.cols + 1][:, None]
         found = (draft_top == target_top1).cumsum(dim=1).clamp(max=1)
         hits += found.sum(dim=0).float()

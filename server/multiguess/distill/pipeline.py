@@ -20,6 +20,7 @@ from multiguess.distill.evaluate import cost_ratio, quality
 from multiguess.distill.shards import read_shards
 from multiguess.distill.student import DraftShape, build_draft
 from multiguess.distill.train import TrainConfig, train
+from multiguess.models.draft_vocab import count_tokens, most_frequent, write_draft_vocab
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -41,6 +42,7 @@ class DistillPlan:
     data_minutes: float = 30.0
     train_minutes: float | None = None
     reply_weight: int = 2
+    draft_vocab: int = 8192  # tokens the exported draft scores (0: all; models/draft_vocab.py)
     dtype: str = "bfloat16"
     text_roots: tuple[Path, ...] | None = None
 
@@ -98,9 +100,11 @@ def export(plan: DistillPlan, command: str) -> dict:
     for name in TOKENIZER_FILES:
         if (plan.target / name).is_file():
             shutil.copy(plan.target / name, staging / name)
+    vocab = export_draft_vocab(plan, staging)
     shipped = AutoModelForCausalLM.from_pretrained(str(staging), dtype=getattr(torch, plan.dtype)).eval()
     pad_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    metrics = {**quality(shipped, heldout, pad_id), **cost_ratio(shipped, target), "dtype": plan.dtype}
+    metrics = {**quality(shipped, heldout, pad_id, vocab=vocab), **cost_ratio(shipped, target)}
+    metrics |= {"dtype": plan.dtype, "draft_vocab": len(vocab) if vocab is not None else None}
     checkpoint = torch.load(plan.work / "train" / "checkpoint.pt", weights_only=False)
     provenance = {
         "command": command,
@@ -123,6 +127,20 @@ def export(plan: DistillPlan, command: str) -> dict:
     shutil.rmtree(plan.out, ignore_errors=True)
     staging.rename(plan.out)
     return provenance
+
+
+def export_draft_vocab(plan: DistillPlan, folder: Path) -> torch.Tensor | None:
+    """Write the draft's vocabulary: the tokens most frequent in the target's replies (what it
+    emits when serving), or in the text when there are no replies."""
+    if not plan.draft_vocab:
+        return None
+    data = plan.work / "data"
+    records = read_shards(data, "gen") or read_shards(data, "text")
+    counts = count_tokens(r.ids[r.start :].tolist() for r in records)
+    token_ids = most_frequent(counts, plan.draft_vocab)
+    source = f"the {len(token_ids)} most frequent of {sum(counts.values())} labelled tokens"
+    write_draft_vocab(folder, token_ids, source)
+    return torch.tensor(token_ids)
 
 
 def git_commit() -> str:
@@ -165,7 +183,12 @@ def provenance_markdown(p: dict) -> str:
         f"- greedy acceptance: {m['acceptance']:.3f}\n"
         f"- top-1..4 coverage: {coverage}\n"
         f"- chain (depth 4) tokens per verify step: {m['chain4_tokens_per_step']:.2f}\n"
-        f"- decode cost: draft {m['draft_ms_per_token']:.2f} ms vs target {m['target_ms_per_token']:.2f} ms "
+        + (
+            f"- scored over its draft vocabulary of {m['draft_vocab']} tokens\n"
+            if m.get("draft_vocab")
+            else ""
+        )
+        + f"- decode cost: draft {m['draft_ms_per_token']:.2f} ms vs target {m['target_ms_per_token']:.2f} ms "
         f"per token = {m['cost_ratio']:.3f} ({m['dtype']}, {m['threads']} thread(s))\n"
     )
 

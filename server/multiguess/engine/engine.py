@@ -36,6 +36,8 @@ class EngineConfig:
     With ``adaptive`` on, each step's tree follows the draft's measured acceptance and the batch
     size (see ``AdaptivePolicy``), never above the budget; off, every tree uses the budget.
     ``eager`` runs plain PyTorch kernels (no prepacked weights): the escape hatch.
+    ``draft_vocab`` lets a draft score only its own vocabulary when it ships one
+    (``models/draft_vocab.py``); off, it scores every token.
     """
 
     num_candidates: int = 3
@@ -46,6 +48,7 @@ class EngineConfig:
     adaptive: bool = True
     policy: AdaptivePolicy = field(default_factory=AdaptivePolicy)
     eager: bool = False
+    draft_vocab: bool = True
 
     def __post_init__(self) -> None:
         TreeBudget(self.num_candidates, self.depth, self.max_nodes)  # validates
@@ -113,7 +116,8 @@ class Engine:
         eager = self.config.eager
         self.target = NativeRunner(target, self.config.max_batch, capacity, eager)
         if drafter is None and draft is not None:
-            drafter = ModelDrafter(NativeRunner(draft, self.config.max_batch, capacity, eager))
+            vocab = draft.draft_vocab if self.config.draft_vocab else None
+            drafter = ModelDrafter(NativeRunner(draft, self.config.max_batch, capacity, eager, vocab))
         self.drafter = drafter
         self.eos_ids = frozenset(eos_token_ids(target))
         self.waiting: deque[Sequence] = deque()

@@ -56,6 +56,16 @@ class Projection:
         return projection
 
     @classmethod
+    def rows(cls, linear: torch.nn.Module, rows: torch.Tensor, pack: bool) -> Projection | None:
+        """Only some output rows of a Linear layer (a copy of them), e.g. an LM head over a
+        subset of the vocabulary; None when the layer is not a plain Linear."""
+        if type(linear) is not torch.nn.Linear:
+            return None
+        rows = rows.to(linear.weight.device)
+        bias = None if linear.bias is None else linear.bias.detach()[rows]
+        return cls(linear.weight.detach()[rows].contiguous(), bias, [len(rows)], pack)
+
+    @classmethod
     def _build(cls, linears: list[torch.nn.Module], pack: bool) -> Projection:
         if len(linears) == 1:
             (m,) = linears

@@ -67,7 +67,14 @@ class NativeRunner:
     every projection uses prepacked weights (``engine/linear.py``) unless ``eager``.
     """
 
-    def __init__(self, loaded: LoadedModel, num_slots: int, capacity: int, eager: bool = False) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_slots: int,
+        capacity: int,
+        eager: bool = False,
+        head_vocab: torch.Tensor | None = None,
+    ) -> None:
         model = loaded.model
         config = model.config
         self.model = model
@@ -103,6 +110,11 @@ class NativeRunner:
         self.gate_up = [Projection.of([la.mlp.gate_proj, la.mlp.up_proj], pack) for la in self.layers]
         self.down = [Projection.of([la.mlp.down_proj], pack) for la in self.layers]
         self.head = Projection.of([self.lm_head], pack)
+        # Scoring only ``head_vocab`` (a draft's vocabulary, models/draft_vocab.py); the others
+        # get -inf logits. Needs a plain Linear head: a quantized one scores every token.
+        self.head_vocab = None
+        if head_vocab is not None and (subset := Projection.rows(self.lm_head, head_vocab, pack)):
+            self.head, self.head_vocab = subset, head_vocab.to(self.device)
 
     @torch.inference_mode()
     def forward(
@@ -158,7 +170,11 @@ class NativeRunner:
         x = rms_norm(self.norm, x)
         if logits_at is not None:
             x = x[torch.arange(batch, device=device), logits_at.to(device)]
-        return apply(self.head, self.lm_head, x).float()
+        logits = apply(self.head, self.lm_head, x).float()
+        if self.head_vocab is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.head_vocab, logits)
 
     def _rotated_qkv(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Queries, keys and values ``[B, T, heads + 2 * kv_heads, D]`` in the attention dtype,

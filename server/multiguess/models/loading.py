@@ -10,6 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from multiguess.errors import IncompatibleDraftError, ModelLoadError, UnsupportedModelError
+from multiguess.models.draft_vocab import load_draft_vocab
 from multiguess.options import QUANTIZATIONS
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class LoadedModel:
     name: str
     device: torch.device
     dtype: torch.dtype  # activation dtype the runner feeds the model
+    draft_vocab: torch.Tensor | None = None  # the tokens its head scores as a draft (draft_vocab.py)
 
 
 def check_architecture(config: object, name: str) -> None:
@@ -99,7 +101,8 @@ def load_model(
     if quantization == "int8":
         model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
     log.info("loaded %s (%s, %s, quantization=%s)", name, config.model_type, torch_dtype, quantization)
-    return LoadedModel(model, tokenizer, name, torch.device(device), torch_dtype)
+    draft_vocab = load_draft_vocab(name, config.vocab_size)
+    return LoadedModel(model, tokenizer, name, torch.device(device), torch_dtype, draft_vocab)
 
 
 def check_draft_compatible(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:

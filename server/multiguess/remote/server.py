@@ -128,7 +128,8 @@ class DraftWorker:
     def _build(self) -> DraftService:
         loaded = self._load()
         s = self.settings
-        runner = NativeRunner(loaded, s.max_sessions, s.max_model_len + s.max_tree_nodes + 2, s.eager)
+        capacity = s.max_model_len + s.max_tree_nodes + 2
+        runner = NativeRunner(loaded, s.max_sessions, capacity, s.eager, loaded.draft_vocab)
         self.info = ServerInfo(
             model=loaded.name,
             fingerprint=tokenizer_fingerprint(loaded.tokenizer),
