@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         for p in prompt_set
     ]
     n = args.max_tokens
-    common = {"adaptive": not args.no_adaptive, "eager": args.eager}
+    common = {"adaptive": not args.no_adaptive, "eager": args.eager, "draft_vocab": not args.full_draft_vocab}
     tree_cfg = EngineConfig(args.num_candidates, args.depth, args.max_nodes, 1, args.max_model_len, **common)
     chain_cfg = EngineConfig(
         1, args.chain_depth or args.depth, args.max_nodes, 1, args.max_model_len, **common
