@@ -139,6 +139,9 @@ class ModelDrafter:
 
     def __init__(self, runner: NativeRunner) -> None:
         self.runner = runner
+        # The token of each logit column when the draft scores only its vocabulary: drafting
+        # then ranks and samples over those columns alone, 6x fewer for the embedded draft.
+        self.vocab = runner.head_vocab
         self.cached: dict[int, int] = {}  # slot -> how many of the sequence's tokens are cached
         self._fed: dict[int, tuple[int, dict[int, int]]] = {}  # slot -> (prefix, node -> offset)
 
@@ -228,15 +231,15 @@ class ModelDrafter:
         k = req.budget.num_candidates
         if dists is None:
             top = torch.topk(torch.log_softmax(rows, dim=-1), min(k, rows.shape[-1]))
-            choices = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+            choices = list(zip(self._tokens(top.indices).tolist(), top.values.tolist(), strict=True))
         else:
             assert req.sample is not None
             choices = []
             for parent, q in zip(beam, dists, strict=True):
-                probs[parent] = q
+                probs[parent] = self._over_vocabulary(q)
                 support = int((q > 0).sum())
                 picks = torch.multinomial(q, min(k, support), generator=req.sample.generator)
-                choices.append((picks.tolist(), torch.log(q[picks]).tolist()))
+                choices.append((self._tokens(picks).tolist(), torch.log(q[picks]).tolist()))
         for parent, (picks, scores) in zip(beam, choices, strict=True):
             base = 0.0 if parent == -1 else cands[parent].score
             on_spine = parent == -1 or cands[parent].spine
@@ -245,6 +248,16 @@ class ModelDrafter:
                 cands.append(_Candidate(tok, parent, base + lp, rank, on_spine and rank == 0, depth))
                 new.append(len(cands) - 1)
         return new
+
+    def _tokens(self, columns: torch.Tensor) -> torch.Tensor:
+        return columns if self.vocab is None else self.vocab[columns]
+
+    def _over_vocabulary(self, q: torch.Tensor) -> torch.Tensor:
+        """A distribution over the draft's columns as one over the whole vocabulary (zero on
+        tokens the draft does not score), which acceptance compares with the target's."""
+        if self.vocab is None:
+            return q
+        return q.new_zeros(self.runner.vocab_size).index_copy_(0, self.vocab, q)
 
     def _feed(
         self,

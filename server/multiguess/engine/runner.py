@@ -110,8 +110,8 @@ class NativeRunner:
         self.gate_up = [Projection.of([la.mlp.gate_proj, la.mlp.up_proj], pack) for la in self.layers]
         self.down = [Projection.of([la.mlp.down_proj], pack) for la in self.layers]
         self.head = Projection.of([self.lm_head], pack)
-        # Scoring only ``head_vocab`` (a draft's vocabulary, models/draft_vocab.py); the others
-        # get -inf logits. Needs a plain Linear head: a quantized one scores every token.
+        # Scoring only ``head_vocab`` (a draft's vocabulary, models/draft_vocab.py): logit column
+        # j is token head_vocab[j]. Needs a plain Linear head: a quantized one scores every token.
         self.head_vocab = None
         if head_vocab is not None and (subset := Projection.rows(self.lm_head, head_vocab, pack)):
             self.head, self.head_vocab = subset, head_vocab.to(self.device)
@@ -132,7 +132,8 @@ class NativeRunner:
         ``tokens`` and ``positions`` (rotary) are ``[B, T]``; row b is written to the cache at
         ``write_from[b] + 0..T-1``; ``visible`` is ``[B, T, W]`` over the region after each
         prefix (see ``region_attention_mask``). Logits are for every node ``[B, T, V]``, or for the
-        ``logits_at`` column of each row only ``[B, V]`` (a prefill needs just the last one).
+        ``logits_at`` column of each row only ``[B, V]`` (a prefill needs just the last one); V
+        is the vocabulary, or ``head_vocab`` when the runner scores only that.
         """
         batch, width = tokens.shape
         device = self.device
@@ -170,11 +171,7 @@ class NativeRunner:
         x = rms_norm(self.norm, x)
         if logits_at is not None:
             x = x[torch.arange(batch, device=device), logits_at.to(device)]
-        logits = apply(self.head, self.lm_head, x).float()
-        if self.head_vocab is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.head_vocab, logits)
+        return apply(self.head, self.lm_head, x).float()
 
     def _rotated_qkv(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Queries, keys and values ``[B, T, heads + 2 * kv_heads, D]`` in the attention dtype,
