@@ -100,11 +100,18 @@ def test_probes_are_wide_only_where_width_is_nearly_free() -> None:
 
 
 def test_probe_schedule_backs_off_while_drafting_does_not_pay() -> None:
-    schedule = ProbeSchedule(first=8, longest=32)
-    due = [step for step in range(1, 121) if schedule.due()]
+    schedule = ProbeSchedule(first=8)
+    due = [step for step in range(1, 121) if schedule.due(longest=32)]
     assert due == [8, 24, 56, 88, 120]  # intervals 8, 16, 32, 32, 32
     schedule.reset()  # drafting paid again: the next stop probes early
-    assert [step for step in range(1, 25) if schedule.due()] == [8, 24]
+    assert [step for step in range(1, 25) if schedule.due(longest=32)] == [8, 24]
+    alone = ProbeSchedule(first=8)
+    assert [step for step in range(1, 25) if alone.due(longest=8)] == [8, 16, 24]
+
+
+def test_a_lone_sequence_probes_at_the_first_interval_a_batch_backs_off_further() -> None:
+    policy = AdaptivePolicy(probe_every=8, probe_every_max=64)
+    assert [policy.probe_interval(b) for b in (1, 2, 4, 8, 16)] == [8, 16, 32, 64, 64]
 
 
 def test_update_estimates_the_per_level_rate() -> None:
@@ -160,7 +167,7 @@ def test_one_sequence_probes_at_a_time_the_one_observed_longest_ago(
 ) -> None:
     """While no tree pays, probes follow the schedule, one sequence each, in rotation; a
     request with its own fixed tree drafts every step and is never picked; outputs stay exact."""
-    policy = AdaptivePolicy(min_speedup=100.0, probe_every=2, probe_every_max=4)
+    policy = AdaptivePolicy(min_speedup=100.0, probe_every=2, probe_every_max=4)  # batch 4: 2, 4
     config = EngineConfig(3, 4, 16, max_batch=4, max_model_len=128, policy=policy)
     target, draft = (load_model(str(path), dtype="float32") for path in (tiny_llama, tiny_llama_draft))
     engine = Engine(target, draft, config)

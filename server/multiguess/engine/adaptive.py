@@ -18,8 +18,10 @@ none.
 
 While nothing is drafted, one sequence at a time *probes* with a one-level tree, so the estimate
 can recover: the one observed longest ago, after ``probe_every`` steps, then at doubling
-intervals up to ``probe_every_max`` while probes keep finding that drafting does not pay (see
-``ProbeSchedule``). One sequence, because a probe makes the draft catch up on everything that
+intervals up to ``probe_every`` × batch size (at most ``probe_every_max``) while probes keep
+finding that drafting does not pay (see ``ProbeSchedule``): alone, a sequence probes every
+``probe_every`` steps, because its probe's catch-up is short and a good stretch of text (code,
+a quote) should turn drafting back on within a few tokens. One sequence, because a probe makes the draft catch up on everything that
 sequence added since it last drafted — its whole prompt, for a new request: when the batch
 probed at once, a batch of 8 paid ~47 ms of draft catch-up every 64 steps (~2% of its
 throughput) for estimates that kept saying no. The probe is as wide as the budget allows while
@@ -72,6 +74,11 @@ class AdaptivePolicy:
     prior: float = 0.5  # acceptance assumed before a sequence has any history
     probe_every: int = 8  # steps from drafting stopping to the first probe
     probe_every_max: int = 64  # longest interval between probes while they keep finding no gain
+
+    def probe_interval(self, batch_size: int) -> int:
+        """The longest wait between probes at this batch size (see the module's docstring)."""
+        return min(self.probe_every_max, self.probe_every * max(1, batch_size))
+
     probe_growth: float = 1.05  # a probe is as wide as the budget if that forward costs this little
 
     def plan(
@@ -140,10 +147,9 @@ class AdaptivePolicy:
 @dataclass
 class ProbeSchedule:
     """When the next probe runs while drafting is off: ``first`` steps after it stopped, then
-    at doubling intervals up to ``longest``; ``reset`` when drafting pays again."""
+    at doubling intervals up to the caller's ``longest``; ``reset`` when drafting pays again."""
 
     first: int
-    longest: int
     interval: int = 0
     wait: int = 0
 
@@ -153,12 +159,12 @@ class ProbeSchedule:
     def reset(self) -> None:
         self.interval = self.wait = self.first
 
-    def due(self) -> bool:
+    def due(self, longest: int) -> bool:
         """Count one step without drafting; True when it is a probe's."""
         self.wait -= 1
         if self.wait > 0:
             return False
-        self.interval = min(2 * self.interval, self.longest)
+        self.interval = max(self.first, min(2 * self.interval, longest))
         self.wait = self.interval
         return True
 

@@ -136,7 +136,7 @@ class Engine:
         # spend its first steps drafting on an optimistic guess.
         self.acceptance = self.config.policy.prior
         policy = self.config.policy
-        self.probes = ProbeSchedule(policy.probe_every, policy.probe_every_max)
+        self.probes = ProbeSchedule(policy.probe_every)
         # Measured whatever the drafter: a server attaches a remote drafter after construction.
         self.forward_cost = ForwardCost()
         if self.config.adaptive:
@@ -273,7 +273,7 @@ class Engine:
         trees = dict.fromkeys(range(len(batch)), planned)
         if planned.depth > 0:
             self.probes.reset()
-        elif self.probes.due():
+        elif self.probes.due(cfg.policy.probe_interval(len(batch))):
             adaptive = [i for i, seq in enumerate(batch) if not fixed_tree(seq.params)]
             if adaptive:
                 oldest = min(adaptive, key=lambda i: batch[i].drafted_at)
