@@ -90,10 +90,9 @@ class AdaptivePolicy:
         forward_cost: ForwardCost | None = None,
     ) -> TreeBudget:
         """The tree every sequence of the batch drafts, at most ``base``; depth 0 when none pays."""
-        batch = max(1, batch_size)
-        nodes = self.token_budget // batch - 1
+        batch, nodes = max(1, batch_size), self.room(base, batch_size)
         off = TreeBudget(base.num_candidates, 0, base.max_nodes)
-        if nodes < 1 or base.depth == 0:
+        if nodes < 1:
             return off
         cost = forward_cost or ForwardCost()
         trees = [self._tree(base, nodes, depth) for depth in range(1, min(base.depth, nodes) + 1)]
@@ -107,14 +106,20 @@ class AdaptivePolicy:
 
     def probe(self, base: TreeBudget, batch_size: int, forward_cost: ForwardCost | None = None) -> TreeBudget:
         """The one-level tree one sequence of the batch probes with (depth 0: no tree fits)."""
-        batch = max(1, batch_size)
-        nodes = self.token_budget // batch - 1
-        if nodes < 1 or base.depth == 0:
+        batch, nodes = max(1, batch_size), self.room(base, batch_size)
+        if nodes < 1:
             return TreeBudget(base.num_candidates, 0, base.max_nodes)
         level = self._tree(base, nodes, 1)
         cost = forward_cost or ForwardCost()
         wide = cost(batch + level.max_nodes) / cost(batch) <= self.probe_growth
         return level if wide else TreeBudget(1, 1, 1)
+
+    def room(self, base: TreeBudget, batch_size: int) -> int:
+        """Drafted nodes each sequence may have: the batch's share of ``token_budget`` less its
+        root (0 when no tree fits or ``base`` drafts nothing)."""
+        if base.depth == 0:
+            return 0
+        return max(0, self.token_budget // max(1, batch_size) - 1)
 
     @staticmethod
     def _tree(base: TreeBudget, nodes: int, depth: int) -> TreeBudget:
