@@ -259,18 +259,18 @@ class Engine:
             seq.cache_len = len(seq.prompt_ids) - 1
         self.running.extend(admitted)
 
-    def _planned(self, batch: list[Sequence]) -> dict[int, TreeBudget]:
-        """The adaptive policy's tree for each sequence this step, by position in ``batch``.
+    def _planned(self, batch: list[Sequence]) -> list[TreeBudget]:
+        """The adaptive policy's tree for each sequence of ``batch`` this step.
 
         One tree serves the whole batch: trees are padded to the widest in the batch, and one
         deep tree would make every sequence pay for its width and its draft forwards. While no
         tree pays, the sequence observed longest ago probes when the schedule says so."""
         cfg, cost = self.config, self.forward_cost
         if not cfg.adaptive:
-            return dict.fromkeys(range(len(batch)), cfg.budget)
+            return [cfg.budget] * len(batch)
         ratio = self.costs.ratio(cost(len(batch)))
         planned = cfg.policy.plan(cfg.budget, self.acceptance, len(batch), ratio, cost)
-        trees = dict.fromkeys(range(len(batch)), planned)
+        trees = [planned] * len(batch)
         if planned.depth > 0:
             self.probes.reset()
         elif self.probes.due(cfg.policy.probe_interval(len(batch))):
