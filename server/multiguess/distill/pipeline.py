@@ -47,15 +47,19 @@ class DistillPlan:
     text_roots: tuple[Path, ...] | None = None
 
 
-def training_records(work: Path, reply_weight: int) -> tuple[list, list, dict[str, int]]:
-    """(training records, held-out records, counts): replies repeated ``reply_weight`` times."""
+def read_data(work: Path) -> tuple[list, list, list]:
+    """(reply records, text records, held-out records) from the data stage's shards."""
     data = work / "data"
     replies, text, heldout = read_shards(data, "gen"), read_shards(data, "text"), read_shards(data, "heldout")
     if not replies and not text:
         raise FileNotFoundError(f"no training shards in {data}: run the data stage first")
     if not heldout:
         raise FileNotFoundError(f"no held-out shards in {data}: run the data stage first")
-    counts = {
+    return replies, text, heldout
+
+
+def data_counts(replies: list, text: list, heldout: list) -> dict[str, int]:
+    return {
         "reply_sequences": len(replies),
         "reply_tokens": sum(len(r.topk_ids) for r in replies),
         "text_sequences": len(text),
@@ -63,13 +67,13 @@ def training_records(work: Path, reply_weight: int) -> tuple[list, list, dict[st
         "heldout_sequences": len(heldout),
         "heldout_tokens": sum(len(r.topk_ids) for r in heldout),
     }
-    return replies * reply_weight + text, heldout, counts
 
 
 def run_training(plan: DistillPlan) -> dict:
     """Train (or resume) the draft; returns the best checkpoint's held-out metrics."""
     target, tokenizer = load_teacher(plan.target, "float32")
-    records, heldout, _ = training_records(plan.work, plan.reply_weight)
+    replies, text, heldout = read_data(plan.work)
+    records = replies * plan.reply_weight + text  # replies repeated ``reply_weight`` times
     draft = build_draft(target, plan.shape, plan.training.seed)
     del target
     pad_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -91,7 +95,7 @@ def export(plan: DistillPlan, command: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     target, tokenizer = load_teacher(plan.target, plan.dtype)
-    _, heldout, counts = training_records(plan.work, plan.reply_weight)
+    replies, text, heldout = read_data(plan.work)
     draft = build_draft(target, plan.shape, plan.training.seed)
     draft.load_state_dict(torch.load(plan.work / "train" / "best.pt", weights_only=True))
     staging = plan.out.with_name(plan.out.name + ".tmp")
@@ -100,7 +104,7 @@ def export(plan: DistillPlan, command: str) -> dict:
     for name in TOKENIZER_FILES:
         if (plan.target / name).is_file():
             shutil.copy(plan.target / name, staging / name)
-    vocab = export_draft_vocab(plan, staging)
+    vocab = export_draft_vocab(plan.draft_vocab, replies or text, staging)
     shipped = AutoModelForCausalLM.from_pretrained(str(staging), dtype=getattr(torch, plan.dtype)).eval()
     pad_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     metrics = {**quality(shipped, heldout, pad_id, vocab=vocab), **cost_ratio(shipped, target)}
@@ -111,7 +115,7 @@ def export(plan: DistillPlan, command: str) -> dict:
         "commands": (plan.work / "commands.txt").read_text().splitlines(),
         "git_commit": git_commit(),
         "target": str(plan.target),
-        "data": counts,
+        "data": data_counts(replies, text, heldout),
         "data_plan": asdict(plan.data),
         "reply_weight": plan.reply_weight,
         "shape": asdict(plan.shape),
@@ -129,15 +133,13 @@ def export(plan: DistillPlan, command: str) -> dict:
     return provenance
 
 
-def export_draft_vocab(plan: DistillPlan, folder: Path) -> torch.Tensor | None:
-    """Write the draft's vocabulary: the tokens most frequent in the target's replies (what it
-    emits when serving), or in the text when there are no replies."""
-    if not plan.draft_vocab:
+def export_draft_vocab(size: int, records: list, folder: Path) -> torch.Tensor | None:
+    """Write the draft's vocabulary: the ``size`` tokens most frequent in ``records``' labels
+    (the target's replies, what it emits when serving, or the text when there are none)."""
+    if not size:
         return None
-    data = plan.work / "data"
-    records = read_shards(data, "gen") or read_shards(data, "text")
     counts = count_tokens(r.ids[r.start :].tolist() for r in records)
-    token_ids = most_frequent(counts, plan.draft_vocab)
+    token_ids = most_frequent(counts, size)
     source = f"the {len(token_ids)} most frequent of {sum(counts.values())} labelled tokens"
     write_draft_vocab(folder, token_ids, source)
     return torch.tensor(token_ids)
