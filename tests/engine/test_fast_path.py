@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from multiguess import LLM, SamplingParams
 from multiguess.engine.linear import Projection, packing_supported
-from multiguess.engine.runner import NativeRunner
+from multiguess.engine.runner import NativeRunner, attention, fold_mask
 from multiguess.models.loading import load_model
 from transformers import AutoModelForCausalLM
 
@@ -120,3 +120,27 @@ def test_rotary_is_bitwise_transformers(dtype: torch.dtype) -> None:
     tables = rotary_tables(cos, sin)
     assert torch.equal(apply_rotary(q, *tables), expected_q)
     assert torch.equal(apply_rotary(k, *tables), expected_k)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "width"), [(9, 3, 5), (4, 2, 17), (6, 6, 3), (9, 3, 1)])
+def test_folded_grouped_attention_matches_repeated_heads(heads: int, kv_heads: int, width: int) -> None:
+    """Folding each key/value head's query heads into its query length is the same attention as
+    repeating the key/value heads, tree masks and padding rows included."""
+    torch.manual_seed(heads + width)
+    batch, length, dim = 3, 40, 16
+    q = torch.randn(batch, width, heads, dim)
+    cache = torch.randn(batch, 2 * kv_heads, 64, dim)  # a static cache: reads are strided views
+    keys, values = cache[:, :kv_heads, :length], cache[:, kv_heads:, :length]
+    visible = torch.rand(batch, 1, width, length) < 0.7
+    visible[..., 0] = True  # no row may be empty
+    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+    got = attention(q, keys, values, fold_mask(mask, heads // kv_heads), 0.3)
+    repeat = heads // kv_heads
+    expected = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        keys.repeat_interleave(repeat, 1),
+        values.repeat_interleave(repeat, 1),
+        attn_mask=mask,
+        scale=0.3,
+    )
+    torch.testing.assert_close(got, expected.transpose(1, 2).reshape(batch, width, heads * dim))
