@@ -120,17 +120,25 @@ def summarise(concurrency: int, runs: list[tuple[list[dict], float]]) -> dict:
 
 
 def ratios(report: dict) -> list[str]:
-    """(a) against (b) and (c) at each level, from the median throughputs."""
+    """(a) against (b) and (c) at each level: the ratio of the median throughputs, and the median
+    of the ratios within each round (the setups of a round run back to back, so slow drifts of
+    a shared machine cancel in them)."""
     setups = {name[0]: levels for name, levels in report["setups"].items()}
     lines = []
     for other in ("b", "c"):
         if "a" in setups and other in setups:
-            pairs = zip(setups["a"], setups[other], strict=True)
-            values = ", ".join(
+            pairs = list(zip(setups["a"], setups[other], strict=True))
+            medians = ", ".join(
                 f"c={a['concurrency']}: {a['tokens_per_second'] / o['tokens_per_second']:.3f}"
                 for a, o in pairs
             )
-            lines.append(f"- (a) / ({other}) tokens/s: {values}")
+            paired = ", ".join(
+                f"c={a['concurrency']}: "
+                f"{statistics.median(x / y for x, y in zip(a['tokens_per_second_runs'], o['tokens_per_second_runs'], strict=True)):.3f}"
+                for a, o in pairs
+            )
+            lines.append(f"- (a) / ({other}) tokens/s: {medians}")
+            lines.append(f"- (a) / ({other}) within rounds (median): {paired}")
     return lines
 
 
