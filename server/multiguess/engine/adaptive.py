@@ -8,13 +8,11 @@ steps (r = measured draft time per level / the target's plain step at this batch
 in which a sequence's draft first caught up on tokens it had not seen are left out: that
 catch-up is paid once when drafting resumes, not per level).
 *Verification cost*: verifying n nodes per sequence costs ``g`` plain steps, read from the
-target's forward time by tokens in the forward and by cached keys its attention reads
-(``ForwardCost``, measured when the engine starts): nearly 1 while the forward is
-memory-bound, growing once it is compute-bound, which on a CPU happens at a few dozen tokens
-or a few hundred tokens of context, so a batch of 4 verifying 5 nodes each over ~600 tokens
-costs 1.7× its plain step. The step costs ``g + d·r``; the tree maximises tokens per cost,
-and nothing is drafted when no tree beats plain decoding by ``min_speedup`` once scaled by
-what drafting realised at this batch size (``Calibration``). *Load*: ``token_budget`` nodes
+target's forward time by tokens in the forward (``ForwardCost``, measured when the engine
+starts): nearly 1 while the forward is memory-bound, growing once it is compute-bound, which
+on a CPU happens at a few dozen tokens, so a batch of 8 verifying 4 nodes each can cost 1.7×
+its plain step. The step costs ``g + d·r``; the tree maximises tokens per cost, and nothing is
+drafted when no tree beats plain decoding by ``min_speedup``. *Load*: ``token_budget`` nodes
 are shared by the batch at most: few sequences get bushy trees, many get chains, very many get
 none.
 
@@ -26,16 +24,15 @@ finding that drafting does not pay (see ``ProbeSchedule``): alone, a sequence pr
 a quote) should turn drafting back on within a few tokens. One sequence, because a probe makes the draft catch up on everything that
 sequence added since it last drafted — its whole prompt, for a new request: when the batch
 probed at once, a batch of 8 paid ~47 ms of draft catch-up every 64 steps (~2% of its
-throughput) for estimates that kept saying no. The probe is as wide as the budget allows
-(width costs the draft nothing, and a chain probe would measure a lower rate than the trees it
-stands for); the target verifies it only where that is nearly free, and elsewhere scores it
-against its plain step (a *shadow* probe, see ``AdaptivePolicy.probe``).
+throughput) for estimates that kept saying no. The probe is as wide as the budget allows while
+its extra tokens cost the target's forward almost nothing (width costs the draft nothing, and a
+chain probe would measure a lower rate than the trees it stands for), a single node otherwise.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from multiguess.engine.drafter import TreeBudget
 
@@ -48,24 +45,13 @@ def expected_speedup(acceptance: float, depth: int, cost_ratio: float, verify_gr
 
 @dataclass(frozen=True)
 class ForwardCost:
-    """Target forward time: streaming the weights, by the tokens in the forward (piecewise linear
-    between measured points, linear beyond the last two), plus attention over the batch's cached
-    context — ``per_key`` for each cached key read, ``per_query_key`` more for each query row of
-    the (padded) trees that attends to it. Without measurements every forward costs the same.
-
-    The context term is what makes trees dear under load on a CPU: there a tree's attention is
-    compute-bound, and a batch of 4 verifying 5-node trees over ~600 tokens each took 50 ms
-    against 31 ms for its plain step, where the token curve alone (measured on an empty cache)
-    predicted 36 ms; drafting on that prediction made batched speculation lose to plain decoding.
-    """
+    """Target forward time by the number of tokens in it (piecewise linear between measured
+    points, linear beyond the last two). Without measurements every forward costs the same."""
 
     tokens: tuple[int, ...] = (1,)
     seconds: tuple[float, ...] = (1.0,)
-    per_key: float = 0.0
-    per_query_key: float = 0.0
 
     def __call__(self, count: int) -> float:
-        """A forward of ``count`` tokens over an empty cache."""
         i = bisect.bisect_left(self.tokens, count)
         if i < len(self.tokens) and self.tokens[i] == count:
             return self.seconds[i]
@@ -75,14 +61,9 @@ class ForwardCost:
         (t0, t1), (s0, s1) = self.tokens[i - 1 : i + 1], self.seconds[i - 1 : i + 1]
         return max(s0 + (s1 - s0) * (count - t0) / (t1 - t0), min(self.seconds))
 
-    def forward(self, batch: int, width: int, context: int = 0) -> float:
-        """A forward of ``batch`` trees padded to ``width`` nodes over ``context`` cached keys: the
-        batch size times its longest sequence's cached tokens (every row reads that far)."""
-        return self(batch * width) + context * (self.per_key + self.per_query_key * width)
-
-    def growth(self, batch: int, nodes: int, context: int = 0) -> float:
+    def growth(self, batch: int, nodes: int) -> float:
         """Cost of verifying ``nodes`` per sequence (root included) relative to a plain step."""
-        return self.forward(batch, nodes, context) / self.forward(batch, 1, context)
+        return self(batch * nodes) / self(batch)
 
 
 @dataclass(frozen=True)
@@ -98,7 +79,7 @@ class AdaptivePolicy:
         """The longest wait between probes at this batch size (see the module's docstring)."""
         return min(self.probe_every_max, self.probe_every * max(1, batch_size))
 
-    probe_growth: float = 1.05  # the target verifies a probe if its forward costs this little more
+    probe_growth: float = 1.05  # a probe is as wide as the budget if that forward costs this little
 
     def plan(
         self,
@@ -107,53 +88,31 @@ class AdaptivePolicy:
         batch_size: int,
         cost_ratio: float,
         forward_cost: ForwardCost | None = None,
-        context: int = 0,
-        calibration: float = 1.0,
     ) -> TreeBudget:
-        """The tree every sequence of the batch drafts, at most ``base``; depth 0 when none pays.
-        ``context`` is the batch's cached tokens (see ``ForwardCost``); ``calibration`` scales
-        every expected speed-up by what drafting realised at this batch size (``Calibration``)."""
-        nodes = self.room(base, batch_size)
+        """The tree every sequence of the batch drafts, at most ``base``; depth 0 when none pays."""
+        batch, nodes = max(1, batch_size), self.room(base, batch_size)
         off = TreeBudget(base.num_candidates, 0, base.max_nodes)
         if nodes < 1:
             return off
+        cost = forward_cost or ForwardCost()
         trees = [self._tree(base, nodes, depth) for depth in range(1, min(base.depth, nodes) + 1)]
 
         def speedup(tree: TreeBudget) -> float:
-            return self.expected(tree, acceptance, batch_size, cost_ratio, forward_cost, context)
+            growth = cost.growth(batch, 1 + tree.max_nodes)
+            return expected_speedup(acceptance, tree.depth, cost_ratio, growth)
 
         best = max(trees, key=speedup)
-        return best if calibration * speedup(best) >= self.min_speedup else off
+        return best if speedup(best) >= self.min_speedup else off
 
-    @staticmethod
-    def expected(
-        tree: TreeBudget,
-        acceptance: float,
-        batch_size: int,
-        cost_ratio: float,
-        forward_cost: ForwardCost | None = None,
-        context: int = 0,
-    ) -> float:
-        """The speed-up over plain decoding the model expects of drafting ``tree`` this step."""
-        growth = (forward_cost or ForwardCost()).growth(max(1, batch_size), 1 + tree.max_nodes, context)
-        return expected_speedup(acceptance, tree.depth, cost_ratio, growth)
-
-    def probe(
-        self, base: TreeBudget, batch_size: int, forward_cost: ForwardCost | None = None, context: int = 0
-    ) -> tuple[TreeBudget, bool]:
-        """The one-level tree one sequence of the batch probes with (depth 0: no tree fits), and
-        whether the target verifies it. The batch's trees are padded to the widest, so a verified
-        probe widens every sequence's forward: it is verified only where that costs the forward
-        at most ``probe_growth`` more (alone, nearly always). Elsewhere the probe is a *shadow*:
-        drafted, not verified, and scored by whether the token the target's plain step emits is
-        among its children — the same observation for a fraction of the cost (at 4 clients a
-        verified probe cost ~14 ms over a 28 ms step, ~1.5% of the throughput)."""
-        nodes = self.room(base, batch_size)
+    def probe(self, base: TreeBudget, batch_size: int, forward_cost: ForwardCost | None = None) -> TreeBudget:
+        """The one-level tree one sequence of the batch probes with (depth 0: no tree fits)."""
+        batch, nodes = max(1, batch_size), self.room(base, batch_size)
         if nodes < 1:
-            return TreeBudget(base.num_candidates, 0, base.max_nodes), False
+            return TreeBudget(base.num_candidates, 0, base.max_nodes)
         level = self._tree(base, nodes, 1)
         cost = forward_cost or ForwardCost()
-        return level, cost.growth(max(1, batch_size), 1 + level.max_nodes, context) <= self.probe_growth
+        wide = cost(batch + level.max_nodes) / cost(batch) <= self.probe_growth
+        return level if wide else TreeBudget(1, 1, 1)
 
     def room(self, base: TreeBudget, batch_size: int) -> int:
         """Drafted nodes each sequence may have: the batch's share of ``token_budget`` less its
@@ -213,43 +172,6 @@ class ProbeSchedule:
         self.interval = max(self.first, min(2 * self.interval, longest))
         self.wait = self.interval
         return True
-
-
-@dataclass
-class Calibration:
-    """What drafting realised against what the model expected, per batch size: the mean of
-    ``realised / expected`` speed-up over steps that drafted the planned tree, where realised
-    is the step's tokens per sequence over its time in plain steps at that batch size (a running
-    average of the steps that drafted nothing). ``plan`` scales its expectations by it.
-
-    The model's parts are each measured, but not their errors together: the acceptance it
-    assumes for every level comes from trees of other shapes (a wide probe finds the target's
-    token among 3 children more often than a chain's one), and a batch's forward varies with
-    its sequences' lengths. At 4 clients the model expected ~1.15x where steps realised ~0.85x,
-    so batched speculation ran 5-8% behind plain decoding; calibrated, drafting stops there.
-    """
-
-    smoothing: float = 0.1
-    bounds: tuple[float, float] = (0.5, 1.25)  # one noisy stretch must not switch drafting off for good
-    plain: dict[int, float] = field(default_factory=dict)  # seconds of a plain step by batch size
-    factors: dict[int, float] = field(default_factory=dict)
-
-    def factor(self, batch_size: int) -> float:
-        return self.factors.get(batch_size, 1.0)
-
-    def record_plain(self, batch_size: int, seconds: float) -> None:
-        old = self.plain.get(batch_size)
-        self.plain[batch_size] = seconds if old is None else 0.8 * old + 0.2 * seconds
-
-    def record_drafted(self, batch_size: int, seconds: float, tokens: int, expected: float) -> None:
-        """A step that drafted the planned tree: ``tokens`` emitted by ``batch_size`` sequences."""
-        plain = self.plain.get(batch_size)
-        if plain is None or expected <= 0:
-            return
-        realised = (tokens / batch_size) * plain / seconds
-        low, high = self.bounds
-        blended = (1 - self.smoothing) * self.factor(batch_size) + self.smoothing * realised / expected
-        self.factors[batch_size] = min(high, max(low, blended))
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from multiguess.engine.acceptance import Acceptance, accept_greedy, accept_sampled
-from multiguess.engine.adaptive import AdaptivePolicy, Calibration, CostMeter, ForwardCost, ProbeSchedule
+from multiguess.engine.adaptive import AdaptivePolicy, CostMeter, ForwardCost, ProbeSchedule
 from multiguess.engine.drafter import Drafter, DraftRequest, ModelDrafter, Proposal, SampleSpec, TreeBudget
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.sampling import Processing, processed_probs
@@ -70,46 +70,31 @@ class EngineConfig:
         return max(self.max_nodes, self.num_candidates * self.depth) + 2
 
 
-def measure_forward_cost(
-    runner: NativeRunner, limit: int, rounds: int = 5, context: int = 512
-) -> ForwardCost:
-    """The target's forward time (``ForwardCost``) before any request runs (admission overwrites
-    the slots it uses): for 1, 2, 4, … ``limit`` tokens as one chain over an empty cache (a batch
-    of single tokens costs about the same: both are one matmul over that many rows), and for
-    two sequences of 1 and of 8 tokens over ``context`` cached tokens and over none, whose
-    differences give the attention's cost per cached key and per query row and key.
+def measure_forward_cost(runner: NativeRunner, limit: int, rounds: int = 5) -> ForwardCost:
+    """The target's forward time for 1, 2, 4, … ``limit`` tokens, as one chain on slot 0 before
+    any request runs (admission overwrites it). A batch of single tokens costs about the same as
+    a chain of as many: both are one matmul over that many rows.
 
-    The shapes take turns for ``rounds`` rounds and each keeps its fastest time, so a burst of
-    load on a shared machine hits one sample, not one shape; the token curve is then made
+    The sizes take turns for ``rounds`` rounds and each keeps its fastest time, so a burst of
+    load on a shared machine hits one sample, not one size; the curve is then made
     non-decreasing (more tokens never cost less). With best-of-two per size in a row, a noisy
     start measured 2 tokens slower than 4 and 16 tokens at 1.56x one, and trees were planned
     smaller than they pay."""
     counts = sorted({min(2**i, limit) for i in range(limit.bit_length() + 1)})
-    pair, wide = min(2, runner.cache.num_slots), max(2, min(8, limit))
-    context = min(context, runner.capacity - wide)
-    attention = [(pair, width, keys) for width in (1, wide) for keys in (0, context)]
-    shapes = [(1, count, 0) for count in counts] + attention
-    best = dict.fromkeys(shapes, float("inf"))
+    best = dict.fromkeys(counts, float("inf"))
     for _ in range(rounds):
-        for batch, width, keys in shapes:
+        for count in counts:
             start = time.perf_counter()
-            runner.forward_trees(list(range(batch)), [keys] * batch, [TokenTree.chain([0] * width)] * batch)
+            runner.forward_trees([0], [0], [TokenTree.chain([0] * count)])
             if runner.device.type == "cuda":
                 torch.cuda.synchronize(runner.device)
-            best[batch, width, keys] = min(best[batch, width, keys], time.perf_counter() - start)
-    seconds = list(itertools.accumulate((best[1, c, 0] for c in counts), max))
-    narrow, broad = (
-        max(0.0, best[pair, w, context] - best[pair, w, 0]) / (pair * context) for w in (1, wide)
-    )
-    per_query_key = max(0.0, (broad - narrow) / (wide - 1))
-    cost = ForwardCost(tuple(counts), tuple(seconds), max(0.0, narrow - per_query_key), per_query_key)
+            best[count] = min(best[count], time.perf_counter() - start)
+    seconds = list(itertools.accumulate((best[c] for c in counts), max))
     log.info(
-        "target forward ms by tokens: %s; attention us per 1k cached keys: %.1f + %.1f per query row",
+        "target forward ms by tokens: %s",
         {c: round(s * 1000, 2) for c, s in zip(counts, seconds, strict=True)},
-        cost.per_key * 1e9,
-        cost.per_query_key * 1e9,
     )
-    return cost
+    return ForwardCost(tuple(counts), tuple(seconds))
 
 
 @dataclass
@@ -146,9 +131,6 @@ class Engine:
         self.last_draft_error: str | None = None
         self.last_tree_sizes: list[int] = []  # drafted nodes per sequence in the last step
         self.costs = CostMeter()
-        self.calibration = Calibration()
-        self.expected: float | None = None  # the speed-up expected of this step's planned tree
-        self.shadows: dict[int, Proposal] = {}  # batch position -> this step's unverified probe
         # The draft's per-level acceptance on this traffic: the policy's prior until anything
         # was drafted, then the running rate over every drafted tree, so a new request does not
         # spend its first steps drafting on an optimistic guess.
@@ -205,7 +187,6 @@ class Engine:
             return []
         batch = list(self.running)
         self.steps += 1
-        self.expected, self.shadows = None, {}
         started = time.perf_counter()
         proposals = self._propose(batch)
         drafted = time.perf_counter()
@@ -240,8 +221,6 @@ class Engine:
                 self.drafter.commit(seq.slot, proposal, acceptance)
             self._record(seq, proposal, acceptance)
             rate = self.config.policy.observed(acceptance.accepted_drafts, proposal.tree.max_depth)
-            if b in self.shadows:
-                rate = self._score_shadow(seq, self.shadows[b], acceptance)
             if rate is not None:
                 observed.append(rate)
             before = len(seq.output_ids)
@@ -257,24 +236,10 @@ class Engine:
                 )
             )
         self.acceptance = self.config.policy.update(self.acceptance, observed)
-        elapsed = time.perf_counter() - started
-        if not drafting and not self.shadows:
-            self.calibration.record_plain(len(batch), elapsed)
-        elif self.expected is not None and steady:
-            emitted = sum(len(o.new_token_ids) for o in outputs)
-            self.calibration.record_drafted(len(batch), elapsed, emitted, self.expected)
         # After every sequence's cache is compacted: retiring may move a sequence to another slot.
         for seq in [s for s in batch if s.finished]:
             self._retire(seq)
         return outputs
-
-    def _score_shadow(self, seq: Sequence, shadow: Proposal, acceptance: Acceptance) -> float:
-        """1.0 if the token the target emitted is among the shadow probe's children, else 0.0;
-        the draft then forgets the children (its cache keeps the committed prefix)."""
-        seq.drafted_at = self.steps
-        self.drafter.commit(seq.slot, shadow, acceptance)
-        children = shadow.tree.children()[0]
-        return float(acceptance.tokens[0] in {shadow.tree.tokens[c] for c in children})
 
     def _admit(self) -> None:
         admitted = []
@@ -294,32 +259,26 @@ class Engine:
             seq.cache_len = len(seq.prompt_ids) - 1
         self.running.extend(admitted)
 
-    def _planned(self, batch: list[Sequence]) -> tuple[list[TreeBudget], int | None]:
-        """The adaptive policy's tree for each sequence of ``batch`` this step, and which one's
-        tree is a shadow probe (drafted, not verified), if any.
+    def _planned(self, batch: list[Sequence]) -> list[TreeBudget]:
+        """The adaptive policy's tree for each sequence of ``batch`` this step.
 
         One tree serves the whole batch: trees are padded to the widest in the batch, and one
         deep tree would make every sequence pay for its width and its draft forwards. While no
         tree pays, the sequence observed longest ago probes when the schedule says so."""
         cfg, cost = self.config, self.forward_cost
         if not cfg.adaptive:
-            return [cfg.budget] * len(batch), None
-        size = len(batch)
-        context = size * max(s.cache_len for s in batch)
-        ratio = self.costs.ratio(cost.forward(size, 1, context))
-        calibration = self.calibration.factor(size)
-        planned = cfg.policy.plan(cfg.budget, self.acceptance, size, ratio, cost, context, calibration)
-        trees = [planned] * size
+            return [cfg.budget] * len(batch)
+        ratio = self.costs.ratio(cost(len(batch)))
+        planned = cfg.policy.plan(cfg.budget, self.acceptance, len(batch), ratio, cost)
+        trees = [planned] * len(batch)
         if planned.depth > 0:
-            self.expected = cfg.policy.expected(planned, self.acceptance, size, ratio, cost, context)
             self.probes.reset()
-        elif self.probes.due(cfg.policy.probe_interval(size)):
+        elif self.probes.due(cfg.policy.probe_interval(len(batch))):
             adaptive = [i for i, seq in enumerate(batch) if not fixed_tree(seq.params)]
             if adaptive:
                 oldest = min(adaptive, key=lambda i: batch[i].drafted_at)
-                trees[oldest], verified = cfg.policy.probe(cfg.budget, size, cost, context)
-                return trees, None if verified else oldest
-        return trees, None
+                trees[oldest] = cfg.policy.probe(cfg.budget, len(batch), cost)
+        return trees
 
     def _budget(self, seq: Sequence, planned: TreeBudget) -> TreeBudget:
         """This step's tree for ``seq``: the ``planned`` one, or the request's own override,
@@ -340,14 +299,11 @@ class Engine:
         if self.drafter is None:
             return proposals
         requests = []
-        planned, shadow = self._planned(batch)
+        planned = self._planned(batch)
         for i, seq in enumerate(batch):
             budget = self._budget(seq, planned[i])
             if budget.depth > 0:
-                spec = (
-                    None if i == shadow else sample_spec(seq)
-                )  # a shadow never draws from the request's RNG
-                requests.append((i, DraftRequest(seq.slot, seq.token_ids, budget, spec)))
+                requests.append((i, DraftRequest(seq.slot, seq.token_ids, budget, sample_spec(seq))))
         if not requests:
             return proposals
         try:
@@ -361,10 +317,7 @@ class Engine:
                 self.totals.fallback_steps += 1
             return proposals
         for (i, _), proposal in zip(requests, drafted, strict=True):
-            if i == shadow:
-                self.shadows[i] = proposal
-            else:
-                proposals[i] = proposal
+            proposals[i] = proposal
         return proposals
 
     def _record(self, seq: Sequence, proposal: Proposal, acceptance: Acceptance) -> None:
