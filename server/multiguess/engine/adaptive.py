@@ -21,10 +21,10 @@ can recover: the one observed longest ago, after ``probe_every`` steps, then at 
 intervals up to ``probe_every`` × batch size (at most ``probe_every_max``) while probes keep
 finding that drafting does not pay (see ``ProbeSchedule``): alone, a sequence probes every
 ``probe_every`` steps, because its probe's catch-up is short and a good stretch of text (code,
-a quote) should turn drafting back on within a few tokens. One sequence, because a probe makes the draft catch up on everything that
-sequence added since it last drafted — its whole prompt, for a new request: when the batch
-probed at once, a batch of 8 paid ~47 ms of draft catch-up every 64 steps (~2% of its
-throughput) for estimates that kept saying no. The probe is as wide as the budget allows while
+a quote) should turn drafting back on within a few tokens. One sequence, because a probe makes
+the draft catch up on everything that sequence added since it last drafted — its whole prompt,
+for a new request: when the batch probed at once, a batch of 8 paid ~47 ms of draft catch-up
+every 64 steps (~2% of its throughput) for estimates that kept saying no. The probe is as wide as the budget allows while
 its extra tokens cost the target's forward almost nothing (width costs the draft nothing, and a
 chain probe would measure a lower rate than the trees it stands for), a single node otherwise.
 """
@@ -74,12 +74,11 @@ class AdaptivePolicy:
     prior: float = 0.5  # acceptance assumed before a sequence has any history
     probe_every: int = 8  # steps from drafting stopping to the first probe
     probe_every_max: int = 64  # longest interval between probes while they keep finding no gain
+    probe_growth: float = 1.05  # a probe is as wide as the budget if that forward costs this little
 
     def probe_interval(self, batch_size: int) -> int:
         """The longest wait between probes at this batch size (see the module's docstring)."""
         return min(self.probe_every_max, self.probe_every * max(1, batch_size))
-
-    probe_growth: float = 1.05  # a probe is as wide as the budget if that forward costs this little
 
     def plan(
         self,

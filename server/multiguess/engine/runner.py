@@ -61,7 +61,7 @@ def attention(
     """
     batch, width, heads, dim = q.shape
     groups = heads // keys.shape[1]
-    if width == 1 or groups == 1:
+    if not folds(width, groups):
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )
@@ -73,9 +73,15 @@ def attention(
     return out.view(batch, -1, groups, width, dim).permute(0, 3, 1, 2, 4).reshape(batch, width, heads * dim)
 
 
+def folds(width: int, groups: int) -> bool:
+    """Whether ``attention`` folds grouped query heads for ``width`` queries (and ``fold_mask``
+    must repeat the mask): several queries and more query heads than key/value heads."""
+    return width > 1 and groups > 1
+
+
 def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
     """``[B, 1, T, L]`` repeated for ``attention``'s folded queries: ``[B, 1, G*T, L]`` (once per forward)."""
-    if mask.shape[2] == 1 or groups == 1:
+    if not folds(mask.shape[2], groups):
         return mask
     batch, _, width, length = mask.shape
     return mask[:, :, None].expand(batch, 1, groups, width, length).reshape(batch, 1, groups * width, length)
