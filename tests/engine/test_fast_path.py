@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from multiguess import LLM, SamplingParams
+from multiguess.engine import bf16_kernel
 from multiguess.engine.linear import Projection, packing_supported
 from multiguess.engine.runner import NativeRunner, attention, fold_mask
 from multiguess.models.loading import load_model
@@ -27,17 +28,65 @@ def linear(out_features: int, in_features: int, dtype: torch.dtype, bias: bool =
 
 
 @pytest.mark.skipif(not packing_supported(CPU, torch.bfloat16), reason="no oneDNN bf16 on this CPU")
-def test_packed_bf16_projection_is_bitwise_f_linear_for_every_row_count() -> None:
+def test_onednn_bf16_projection_is_bitwise_f_linear_for_every_row_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(bf16_kernel, "usable", lambda weight: False)  # where the kernel cannot build
     torch.manual_seed(0)
     layers = [linear(96, 64, torch.bfloat16), linear(32, 64, torch.bfloat16)]
     plain = [m.weight.clone() for m in layers]
     projection = Projection.of(layers, pack=True)
-    assert projection is not None and projection.packed is not None
+    assert projection is not None and projection.packed is not None and projection.panels is None
     x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
     for rows in (1, 2, 7, 16):
         first, second = projection.split(x[:, :rows])
         assert torch.equal(first, F.linear(x[:, :rows], plain[0]))
         assert torch.equal(second, F.linear(x[:, :rows], plain[1]))
+
+
+@pytest.mark.skipif(
+    bf16_kernel.library() is None, reason="the bf16 kernel needs AVX512-BF16 and a C compiler"
+)
+@pytest.mark.parametrize(("outputs", "inputs"), [([64, 64], 64), ([100, 37], 72), ([300, 212], 1536)])
+def test_bf16_kernel_rows_do_not_depend_on_the_row_count(outputs: list[int], inputs: int) -> None:
+    """Why a tree forward and a one-token step agree in bf16: a row is computed the same way
+    alone and among 40 others (every tile size, panel tails, a bias); it is fp32 math rounded.
+    The widest case has enough long sums that a row summed in another order (a tail tile's
+    pairs reversed, tried) rounds differently somewhere."""
+    torch.manual_seed(2)
+    layers = [linear(n, inputs, torch.bfloat16, bias=True) for n in outputs]
+    projection = Projection.of(layers, pack=True)
+    assert projection is not None and projection.panels is not None
+    x = torch.randn(2, 20, inputs, dtype=torch.bfloat16)
+    together = projection(x)
+    for rows in (1, 2, 5, 7, 13):
+        assert torch.equal(projection(x[:, :rows]), together[:, :rows])
+    assert torch.equal(projection(x[1, 19]), together[1, 19])  # one row, 1-D input
+    weight = torch.cat([m.weight for m in layers]).float()
+    bias = torch.cat([m.bias for m in layers]).float()
+    exact = x.float() @ weight.T + bias
+    assert torch.allclose(together.float(), exact, rtol=2**-7, atol=1e-3)
+    assert [part.shape[-1] for part in projection.split(x)] == outputs
+
+
+def test_bf16_kernel_build_failure_falls_back_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(bf16_kernel, "cpu_has_avx512_bf16", lambda: True)
+    monkeypatch.setenv("MULTIGUESS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    assert bf16_kernel.library.__wrapped__() is None
+    assert "bf16 kernel unavailable, using oneDNN" in caplog.text
+    assert not list((tmp_path / "kernels").iterdir())  # no half-written library left behind
+    monkeypatch.setenv("MULTIGUESS_BF16_KERNEL", "0")
+    assert bf16_kernel.library.__wrapped__() is None
+
+
+def test_odd_input_width_falls_back_to_onednn() -> None:
+    projection = Projection.of([linear(8, 7, torch.bfloat16)], pack=packing_supported(CPU, torch.bfloat16))
+    assert projection is not None and projection.panels is None
+    x = torch.randn(3, 7, dtype=torch.bfloat16)
+    assert torch.allclose(projection(x).float(), F.linear(x, projection.weight).float(), rtol=2**-7)
 
 
 @pytest.mark.skipif(not packing_supported(CPU, torch.float32), reason="no oneDNN on this build")

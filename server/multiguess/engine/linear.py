@@ -3,14 +3,17 @@
 A decode step is a chain of matrix-vector products over weights that do not fit in cache, so
 its speed is how fast the kernel streams weights from memory. On this machine (2 cores, AVX512
 bf16) oneDNN with weights reordered once into its blocked layout streams 1.5–1.9× faster than
-``F.linear`` on the plain row-major weight, in bf16 and fp32 (docs/ENGINE.md), and the bf16
-results are bitwise those of ``F.linear``. ``eager=True`` keeps plain ``F.linear``.
+``F.linear`` on the plain row-major weight (docs/ENGINE.md); in bf16 multiguess's own kernel
+(``bf16_kernel.py``) streams faster still and is used where it builds. ``eager=True`` keeps
+plain ``F.linear``.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from multiguess.engine import bf16_kernel
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -30,14 +33,18 @@ class Projection:
 
     Fusing re-points each original layer's weight to a view of the fused tensor, so the model
     keeps working as a transformers module and no memory is duplicated. A prepacked weight is
-    a second copy in oneDNN's layout (the plain one stays for the transformers model).
+    a second copy, in the bf16 kernel's panels where it runs and in oneDNN's layout otherwise
+    (the plain one stays for the transformers model).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int], pack: bool) -> None:
         self.weight = weight
-        self.bias = bias
+        self.bias = None if bias is None else bias.contiguous()
         self.sizes = sizes
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if pack else None
+        self.panels = bf16_kernel.pack(weight) if pack and bf16_kernel.usable(weight) else None
+        self.packed = None
+        if pack and self.panels is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
     @classmethod
     def of(cls, linears: list[torch.nn.Module], pack: bool) -> Projection | None:
@@ -87,6 +94,8 @@ class Projection:
         return cls(weight, bias, [m.out_features for m in linears], pack)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return bf16_kernel.matmul(self.panels, self.weight.shape[0], x, self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")

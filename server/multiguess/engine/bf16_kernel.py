@@ -1,0 +1,141 @@
+"""A bf16 matrix product for CPUs with AVX512-BF16, compiled from C on first use.
+
+Why: a decode step streams every weight once, and on this machine (2 cores, AVX512-BF16, no
+AMX) oneDNN streams them at 12–17 GB/s for decode-sized products; this kernel (``kernels/
+bf16_matmul.c``: panels of 64 output rows, one contiguous stream each, ``vdpbf16ps``) reaches
+22–30 GB/s, and is no slower up to 256 rows (docs/ENGINE.md). Each output accumulates its
+inputs in order in one fp32 lane whatever the number of rows, so a token's projections are
+bitwise the same in a one-token decode step and inside a verified tree: plain decoding and
+speculation agree in bf16 as well as in fp32.
+
+It is built with the system C compiler into the cache folder (keyed by the source and flags)
+the first time a model loads, in about a second, or ahead of time by ``python -m
+multiguess.engine.bf16_kernel`` (the server image does, so it needs no compiler); without a
+compiler, on other CPUs, or with ``MULTIGUESS_BF16_KERNEL=0`` the projections use oneDNN.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from multiguess.models.embedded import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels") / "bf16_matmul.c"
+PANEL = 64
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
+SWITCH = "MULTIGUESS_BF16_KERNEL"
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """Read from the kernel's CPU flags (Linux); elsewhere the kernel is not used."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags.split()
+
+
+def compiled_path() -> Path:
+    """Where the library for this source and these flags lives in the cache folder."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"bf16_matmul-{digest}.so"
+
+
+def find_compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build(compiler: str) -> Path:
+    """Compile the library unless it is there; any CPU can build it (an image build host)."""
+    target = compiled_path()
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+            built = Path(scratch) / target.name
+            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True)
+            os.replace(built, target)  # atomic: concurrent loaders see a whole file or none
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (and one log line saying why) when it cannot be used."""
+    if os.environ.get(SWITCH, "1") == "0" or sys.platform != "linux" or not cpu_has_avx512_bf16():
+        return None
+    path = compiled_path()
+    try:
+        if not path.exists():
+            compiler = find_compiler()
+            if compiler is None:
+                log.info("no C compiler found: bf16 projections use oneDNN (slower on decode steps)")
+                return None
+            path = build(compiler)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", b"") or str(error).encode()
+        log.warning("bf16 kernel unavailable, using oneDNN: %s", detail.decode(errors="replace").strip())
+        return None
+    lib.multiguess_bf16_matmul.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.multiguess_bf16_matmul.restype = None
+    return lib
+
+
+def usable(weight: torch.Tensor) -> bool:
+    """bf16 CPU weights with an even input width, on a CPU and build that run the kernel."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.shape[1] % 2 == 0
+        and library() is not None
+    )
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``[out, in]`` into ``[panels, in/2, 64, 2]``, rows past ``out`` zero."""
+    out_features, in_features = weight.shape
+    panels = -(-out_features // PANEL)
+    padded = weight.new_zeros(panels * PANEL, in_features)
+    padded[:out_features] = weight
+    return padded.view(panels, PANEL, in_features // 2, 2).transpose(1, 2).contiguous()
+
+
+def matmul(
+    packed: torch.Tensor, out_features: int, x: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` for the weight ``packed`` came from; x is bf16 ``[..., in]``."""
+    lib = library()
+    assert lib is not None, "matmul needs the compiled kernel: check usable() first"
+    in_features = x.shape[-1]
+    rows = x.reshape(-1, in_features).contiguous()
+    y = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
+    lib.multiguess_bf16_matmul(
+        packed.data_ptr(),
+        rows.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        rows.shape[0],
+        in_features,
+        out_features,
+        torch.get_num_threads(),
+    )
+    return y.view(*x.shape[:-1], out_features)
+
+
+if __name__ == "__main__":
+    compiler = find_compiler()
+    if compiler is None:
+        sys.exit("no C compiler: install gcc or set CC")
+    print(build(compiler))
