@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from multiguess import LLM, SamplingParams
 from multiguess.engine import bf16_kernel
-from multiguess.engine.linear import Projection, packing_supported
+from multiguess.engine.linear import Projection, packing_supported, rms_norm
 from multiguess.engine.runner import NativeRunner, attention, fold_mask
 from multiguess.models.loading import load_model
 from transformers import AutoModelForCausalLM
@@ -67,6 +67,38 @@ def test_bf16_kernel_rows_do_not_depend_on_the_row_count(outputs: list[int], inp
     exact = x.float() @ weight.T + bias
     assert torch.allclose(together.float(), exact, rtol=2**-7, atol=1e-3)
     assert [part.shape[-1] for part in projection.split(x)] == outputs
+
+
+@pytest.mark.skipif(
+    bf16_kernel.library() is None, reason="the bf16 kernel needs AVX512-BF16 and a C compiler"
+)
+def test_bf16_kernel_fuses_norm_activation_and_residual_like_the_torch_ops() -> None:
+    """The ops the kernel runs around a product give what the modules give, up to one rounding,
+    with rows still independent of the row count; the residual add rounds exactly like torch."""
+    torch.manual_seed(3)
+    width, hidden = 96, 160
+    norm = torch.nn.Module()
+    norm.weight = torch.nn.Parameter((1 + 0.1 * torch.randn(width)).to(torch.bfloat16))
+    norm.variance_epsilon = 1e-5
+    up = Projection.of([linear(2 * hidden, width, torch.bfloat16)], pack=True)
+    down = Projection.of([linear(width, hidden, torch.bfloat16)], pack=True)
+    assert up is not None and up.panels is not None and down is not None and down.panels is not None
+    x = (3 * torch.randn(11, width)).to(torch.bfloat16)
+
+    normed = up(x, norm=norm)
+    assert torch.allclose(normed.float(), up(rms_norm(norm, x)).float(), rtol=2**-6, atol=2e-2)
+    assert torch.equal(up(x[4:5], norm=norm), normed[4:5])
+
+    gated = down(normed, gated=True)
+    gate, value = normed.chunk(2, dim=-1)
+    assert torch.allclose(gated.float(), down(F.silu(gate) * value).float(), rtol=2**-6, atol=2e-2)
+    assert torch.equal(down(normed[7:9], gated=True), gated[7:9])
+
+    assert torch.equal(down(normed, gated=True, residual=x), x + gated)
+    eager = Projection(down.weight, None, [width], pack=False)
+    assert torch.allclose(
+        eager(normed, gated=True, residual=x).float(), (x + gated).float(), rtol=2**-6, atol=5e-2
+    )
 
 
 def test_bf16_kernel_build_failure_falls_back_with_a_warning(

@@ -65,7 +65,8 @@ def build(compiler: str) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
             built = Path(scratch) / target.name
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True)
+            command = [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"]
+            subprocess.run(command, check=True, capture_output=True)
             os.replace(built, target)  # atomic: concurrent loaders see a whole file or none
     return target
 
@@ -88,8 +89,16 @@ def library() -> ctypes.CDLL | None:
         detail = getattr(error, "stderr", b"") or str(error).encode()
         log.warning("bf16 kernel unavailable, using oneDNN: %s", detail.decode(errors="replace").strip())
         return None
-    lib.multiguess_bf16_matmul.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.multiguess_bf16_matmul.restype = None
+    lib.multiguess_bf16_matmul.argtypes = [
+        *[ctypes.c_void_p] * 4,
+        *[ctypes.c_int64] * 3,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_float,
+        ctypes.c_int,
+        ctypes.c_void_p,
+    ]
+    lib.multiguess_bf16_matmul.restype = ctypes.c_int
     return lib
 
 
@@ -112,25 +121,47 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, PANEL, in_features // 2, 2).transpose(1, 2).contiguous()
 
 
+def pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
 def matmul(
-    packed: torch.Tensor, out_features: int, x: torch.Tensor, bias: torch.Tensor | None
+    packed: torch.Tensor,
+    out_features: int,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm: tuple[torch.Tensor, float] | None = None,
+    gated: bool = False,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ weight.T + bias`` for the weight ``packed`` came from; x is bf16 ``[..., in]``."""
+    """``x @ weight.T + bias`` for the weight ``packed`` came from; x is bf16 ``[..., in]``.
+
+    ``norm`` (weight, epsilon) multiplies ``RMSNorm(x)`` instead; ``gated`` takes x as
+    ``[..., 2 * in]`` (gate, then up) and multiplies ``silu(gate) * up``; ``residual`` (the
+    output's shape) is added. Each rounds to bf16 where the module it replaces does."""
     lib = library()
     assert lib is not None, "matmul needs the compiled kernel: check usable() first"
-    in_features = x.shape[-1]
-    rows = x.reshape(-1, in_features).contiguous()
+    in_features = packed.shape[1] * 2
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
     y = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
-    lib.multiguess_bf16_matmul(
+    if residual is not None:
+        residual = residual.reshape(y.shape).contiguous()
+    status = lib.multiguess_bf16_matmul(
         packed.data_ptr(),
         rows.data_ptr(),
-        None if bias is None else bias.data_ptr(),
+        pointer(bias),
         y.data_ptr(),
         rows.shape[0],
         in_features,
         out_features,
         torch.get_num_threads(),
+        None if norm is None else norm[0].data_ptr(),
+        0.0 if norm is None else norm[1],
+        int(gated),
+        pointer(residual),
     )
+    if status != 0:
+        raise MemoryError("bf16 kernel: no memory for the prepared inputs")
     return y.view(*x.shape[:-1], out_features)
 
 

@@ -16,6 +16,12 @@ import torch.nn.functional as F
 from multiguess.engine import bf16_kernel
 
 
+def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The supported families' RMSNorm, bitwise, in one fused call instead of eight module ops."""
+    normed = torch.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon)
+    return norm.weight * normed.to(x.dtype)
+
+
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN prepacked weights: CPU only, fp32 or (with hardware support) bf16."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
@@ -93,12 +99,30 @@ class Projection:
                 start += rows
         return cls(weight, bias, [m.out_features for m in linears], pack)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        norm: torch.nn.Module | None = None,
+        gated: bool = False,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The product, optionally of ``rms_norm(norm, x)`` or of ``silu(gate) * up`` (x holding
+        gate then up), plus ``residual``: one kernel call where the bf16 kernel runs."""
+        if norm is not None and (self.panels is None or norm.weight.dtype != torch.bfloat16):
+            x, norm = rms_norm(norm, x), None
         if self.panels is not None:
-            return bf16_kernel.matmul(self.panels, self.weight.shape[0], x, self.bias)
+            weight = None if norm is None else (norm.weight.contiguous(), norm.variance_epsilon)
+            return bf16_kernel.matmul(
+                self.panels, self.weight.shape[0], x, self.bias, weight, gated, residual
+            )
+        if gated:
+            gate, up = x.chunk(2, dim=-1)
+            x = F.silu(gate) * up
         if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        return y if residual is None else residual + y
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The fused layers' outputs, one per original layer."""

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from multiguess.engine.kv_cache import StaticKVCache
-from multiguess.engine.linear import Projection, packing_supported
+from multiguess.engine.linear import Projection, packing_supported, rms_norm
 from multiguess.engine.tree import TokenTree, pack_trees
 from multiguess.models.loading import LoadedModel
 
@@ -85,17 +85,6 @@ def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
         return mask
     batch, _, width, length = mask.shape
     return mask[:, :, None].expand(batch, 1, groups, width, length).reshape(batch, 1, groups * width, length)
-
-
-def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The supported families' RMSNorm, bitwise, in one fused call instead of eight module ops."""
-    normed = torch.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon)
-    return norm.weight * normed.to(x.dtype)
-
-
-def apply(projection: Projection | None, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A layer through its projection, or the module itself where none could be built."""
-    return module(x) if projection is None else projection(x)
 
 
 class NativeRunner:
@@ -196,25 +185,30 @@ class NativeRunner:
         heads = self.num_heads
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            qkv = self._rotated_qkv(i, rms_norm(layer.input_layernorm, x), rope)
+            qkv = self._rotated_qkv(i, x, rope)
             self.cache.write(i, where, qkv[:, :, heads:].transpose(1, 2))
             keys, values = self.cache.read(i, selector, length)
             out = attention(qkv[:, :, :heads], keys, values, mask, getattr(attn, "scaling", None))
-            x = x + apply(self.o[i], attn.o_proj, out.to(self.dtype))
-            x = x + self._mlp(i, layer.mlp, rms_norm(layer.post_attention_layernorm, x))
-        x = rms_norm(self.norm, x)
-        if logits_at is not None:
+            if self.o[i] is None:
+                x = x + attn.o_proj(out.to(self.dtype))
+            else:
+                x = self.o[i](out.to(self.dtype), residual=x)
+            x = self._mlp(i, x)
+        if logits_at is not None:  # the norm is per row: selecting first is the same
             x = x[torch.arange(batch, device=device), logits_at.to(device)]
-        return apply(self.head, self.lm_head, x).float()
+        if self.head is None:
+            return self.lm_head(rms_norm(self.norm, x)).float()
+        return self.head(x, norm=self.norm).float()
 
-    def _rotated_qkv(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Queries, keys and values ``[B, T, heads + 2 * kv_heads, D]`` in the attention dtype,
-        rotary applied to queries and keys together (the same elementwise math, half the ops)."""
+    def _rotated_qkv(self, i: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Queries, keys and values of the normed ``x`` ``[B, T, heads + 2 * kv_heads, D]`` in the
+        attention dtype, rotary applied to queries and keys together (the same math, half the ops)."""
         attn = self.layers[i].self_attn
-        batch, width = h.shape[:2]
+        batch, width = x.shape[:2]
         if self.qkv[i] is not None:
-            qkv = self.qkv[i](h).view(batch, width, -1, self.head_dim)
+            qkv = self.qkv[i](x, norm=self.layers[i].input_layernorm).view(batch, width, -1, self.head_dim)
         else:
+            h = rms_norm(self.layers[i].input_layernorm, x)
             qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], -1).view(
                 batch, width, -1, self.head_dim
             )
@@ -227,11 +221,17 @@ class NativeRunner:
         qk = apply_rotary(qk, *rope)
         return torch.cat([qk, qkv[:, :, heads + kv_heads :]], 2).to(self.attn_dtype)
 
-    def _mlp(self, i: int, mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
-        if self.gate_up[i] is None:
-            return mlp(h)
-        gate, up = self.gate_up[i].split(h)
-        return apply(self.down[i], mlp.down_proj, mlp.act_fn(gate) * up)
+    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """``x`` plus the MLP of its normed self; SiLU-gated ones as two projection calls."""
+        layer = self.layers[i]
+        mlp, norm = layer.mlp, layer.post_attention_layernorm
+        gate_up, down = self.gate_up[i], self.down[i]
+        if gate_up is None or down is None:
+            return x + mlp(rms_norm(norm, x))
+        if type(mlp.act_fn) is torch.nn.SiLU:
+            return down(gate_up(x, norm=norm), gated=True, residual=x)
+        gate, up = gate_up.split(rms_norm(norm, x))
+        return down(mlp.act_fn(gate) * up, residual=x)
 
     def forward_trees(
         self, slots: list[int], prefix_lens: list[int], trees: list[TokenTree], last_only: bool = False

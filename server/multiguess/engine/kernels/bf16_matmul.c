@@ -1,4 +1,6 @@
-/* y = x W^T (+ bias) in bf16 with fp32 accumulation, for CPUs with AVX512-BF16.
+/* y = x W^T (+ bias) in bf16 with fp32 accumulation, for CPUs with AVX512-BF16, optionally
+ * of RMSNorm(x) or of silu(gate) * up, and plus a residual: the small ops around a decode
+ * step's projections, done here instead of as a dozen framework calls each.
  *
  * The weight is packed once into panels of 64 output rows, [panels][K/2][64][2]: one panel is
  * one contiguous stream and each step of the inner loop reads 256 bytes of it, the pairs of
@@ -8,13 +10,54 @@
  * OpenMP threads (the runtime torch itself uses when both link libgomp.so.1).
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define PANEL 64
 #define ROWS 6 /* rows of x per pass over a panel: 24 accumulators in registers */
 
+static inline float widen(uint16_t v) {
+  uint32_t bits = (uint32_t)v << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+/* Round to nearest even, as torch converts float to bfloat16 (NaN stays NaN). */
+static inline uint16_t narrow(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+  return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline __mmask16 lanes(int64_t live) {
+  return live >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << live) - 1);
+}
+
+/* transformers' RMSNorm in bf16: weight * bf16(x * rsqrt(mean(x^2) + eps)), in fp32 inside. */
+static void rms_norm_row(const uint16_t *x, const uint16_t *weight, float eps, int64_t k, uint16_t *out) {
+  float partial[16] = {0};
+  for (int64_t j = 0; j < k; j++) partial[j % 16] += widen(x[j]) * widen(x[j]);
+  for (int width = 8; width > 0; width /= 2)
+    for (int j = 0; j < width; j++) partial[j] += partial[j + width];
+  const float scale = 1.0f / sqrtf(partial[0] / (float)k + eps);
+  for (int64_t j = 0; j < k; j++) out[j] = narrow(widen(weight[j]) * widen(narrow(widen(x[j]) * scale)));
+}
+
+/* act(gate) * up in bf16, gate and up the two halves of a row: bf16(bf16(silu(gate)) * up). */
+static void silu_mul_row(const uint16_t *gate_up, int64_t k, uint16_t *out) {
+  for (int64_t j = 0; j < k; j++) {
+    const float gate = widen(gate_up[j]);
+    out[j] = narrow(widen(narrow(gate / (1.0f + expf(-gate)))) * widen(gate_up[k + j]));
+  }
+}
+
 static void panel_product(const uint16_t *panel, const uint16_t *x, const uint16_t *bias,
-                          uint16_t *y, int64_t m, int64_t k, int64_t n, int64_t first) {
+                          const uint16_t *residual, uint16_t *y, int64_t m, int64_t k, int64_t n,
+                          int64_t first) {
   const int64_t pairs = k / 2;
   int64_t live = n - first < PANEL ? n - first : PANEL;
   __m512 start[4];
@@ -22,8 +65,7 @@ static void panel_product(const uint16_t *panel, const uint16_t *x, const uint16
     start[j] = _mm512_setzero_ps();
     int64_t lane0 = first + 16 * j;
     if (bias && lane0 < n) {
-      __mmask16 mask = live - 16 * j >= 16 ? 0xFFFF : (__mmask16)((1u << (live - 16 * j)) - 1);
-      __m256i b16 = _mm256_maskz_loadu_epi16(mask, bias + lane0);
+      __m256i b16 = _mm256_maskz_loadu_epi16(lanes(live - 16 * j), bias + lane0);
       start[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b16), 16));
     }
   }
@@ -52,21 +94,45 @@ static void panel_product(const uint16_t *panel, const uint16_t *x, const uint16
       }
     }
     for (int64_t i = 0; i < rows; i++) {
-      uint16_t *out = y + (r0 + i) * n + first;
+      const int64_t at = (r0 + i) * n + first;
       for (int j = 0; j < 4 && 16 * j < live; j++) {
-        __mmask16 mask = live - 16 * j >= 16 ? 0xFFFF : (__mmask16)((1u << (live - 16 * j)) - 1);
-        _mm256_mask_storeu_epi16(out + 16 * j, mask, (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
+        const __mmask16 mask = lanes(live - 16 * j);
+        __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[i][j]);
+        if (residual) { /* bf16(residual + bf16(product)), as torch adds two bf16 tensors */
+          const __m512 sum = _mm512_add_ps(
+              _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(out), 16)),
+              _mm512_castsi512_ps(_mm512_slli_epi32(
+                  _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, residual + at + 16 * j)), 16)));
+          out = (__m256i)_mm512_cvtneps_pbh(sum);
+        }
+        _mm256_mask_storeu_epi16(y + at + 16 * j, mask, out);
       }
     }
   }
 }
 
-/* x: [m][k] bf16, packed: [ceil(n / 64)][k/2][64][2] bf16 (zero rows past n), bias: [n] or NULL,
- * y: [m][n] bf16. k must be even. */
-void multiguess_bf16_matmul(const uint16_t *packed, const uint16_t *x, const uint16_t *bias,
-                            uint16_t *y, int64_t m, int64_t k, int64_t n, int threads) {
+/* x: [m][k] bf16 ([m][2k], gate then up, when gated), packed: [ceil(n / 64)][k/2][64][2] bf16
+ * (zero rows past n), bias and residual: [n] and [m][n] or NULL, y: [m][n] bf16; k even. With
+ * norm_weight the product is of RMSNorm(x) (epsilon eps); with gated, of silu(gate) * up. */
+int multiguess_bf16_matmul(const uint16_t *packed, const uint16_t *x, const uint16_t *bias,
+                           uint16_t *y, int64_t m, int64_t k, int64_t n, int threads,
+                           const uint16_t *norm_weight, float eps, int gated, const uint16_t *residual) {
+  uint16_t *prepared = NULL;
+  if (norm_weight || gated) {
+    prepared = malloc((size_t)(m * k) * sizeof *prepared);
+    if (!prepared) return -1;
+    for (int64_t r = 0; r < m; r++) {
+      if (gated)
+        silu_mul_row(x + r * 2 * k, k, prepared + r * k);
+      else
+        rms_norm_row(x + r * k, norm_weight, eps, k, prepared + r * k);
+    }
+    x = prepared;
+  }
   const int64_t panels = (n + PANEL - 1) / PANEL;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t p = 0; p < panels; p++)
-    panel_product(packed + p * k * PANEL, x, bias, y, m, k, n, p * PANEL);
+    panel_product(packed + p * k * PANEL, x, bias, residual, y, m, k, n, p * PANEL);
+  free(prepared);
+  return 0;
 }
