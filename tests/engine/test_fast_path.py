@@ -11,6 +11,7 @@ from multiguess import LLM, SamplingParams
 from multiguess.engine import bf16_kernel
 from multiguess.engine.linear import Projection, packing_supported, rms_norm
 from multiguess.engine.runner import NativeRunner, attention, fold_mask
+from multiguess.engine.tree import TokenTree
 from multiguess.models.loading import load_model
 from transformers import AutoModelForCausalLM
 
@@ -99,6 +100,30 @@ def test_bf16_kernel_fuses_norm_activation_and_residual_like_the_torch_ops() -> 
     assert torch.allclose(
         eager(normed, gated=True, residual=x).float(), (x + gated).float(), rtol=2**-6, atol=5e-2
     )
+
+
+@pytest.mark.skipif(
+    bf16_kernel.library() is None, reason="the bf16 kernel needs AVX512-BF16 and a C compiler"
+)
+def test_rotary_and_cache_write_in_the_kernel_are_bitwise_the_torch_ops(tiny_llama: Path) -> None:
+    """Two runners over one bf16 model, one writing rotary keys and values with torch ops: the
+    same logits and caches after prefills into scattered slots and a batch of two trees."""
+    loaded = load_model(str(tiny_llama), dtype="bfloat16")
+    fused, plain = NativeRunner(loaded, 4, 64), NativeRunner(loaded, 4, 64)
+    assert fused.rope_in_kernel
+    plain.rope_in_kernel = False
+    prompts = random_prompts(5, (9, 14))
+    trees = [TokenTree((3, 7, 8, 9), (-1, 0, 0, 1)), TokenTree((4, 5), (-1, 0))]
+    logits: dict[bool, list[torch.Tensor]] = {}
+    for runner in (fused, plain):
+        logits[runner.rope_in_kernel] = [
+            runner.forward_trees([3], [0], [TokenTree.chain(prompts[0])], last_only=True),
+            runner.forward_trees([1], [0], [TokenTree.chain(prompts[1])], last_only=True),
+            runner.forward_trees([3, 1], [len(p) for p in prompts], trees),
+        ]
+    for a, b in zip(logits[True], logits[False], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(fused.cache.kv, plain.cache.kv) and fused.cache.kv.abs().sum() > 0
 
 
 def test_bf16_kernel_build_failure_falls_back_with_a_warning(

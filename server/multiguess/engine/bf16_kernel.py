@@ -2,7 +2,7 @@
 
 Why: a decode step streams every weight once, and on this machine (2 cores, AVX512-BF16, no
 AMX) oneDNN streams them at 12–17 GB/s for decode-sized products; this kernel (``kernels/
-bf16_matmul.c``: panels of 64 output rows, one contiguous stream each, ``vdpbf16ps``) reaches
+bf16_kernels.c``: panels of 64 output rows, one contiguous stream each, ``vdpbf16ps``) reaches
 22–30 GB/s, and is no slower up to 256 rows (docs/ENGINE.md). Each output accumulates its
 inputs in order in one fp32 lane whatever the number of rows, so a token's projections are
 bitwise the same in a one-token decode step and inside a verified tree: plain decoding and
@@ -33,7 +33,7 @@ from multiguess.models.embedded import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "bf16_matmul.c"
+SOURCE = Path(__file__).with_name("kernels") / "bf16_kernels.c"
 PANEL = 64
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
 SWITCH = "MULTIGUESS_BF16_KERNEL"
@@ -51,7 +51,7 @@ def cpu_has_avx512_bf16() -> bool:
 def compiled_path() -> Path:
     """Where the library for this source and these flags lives in the cache folder."""
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return cache_root() / "kernels" / f"bf16_matmul-{digest}.so"
+    return cache_root() / "kernels" / f"bf16_kernels-{digest}.so"
 
 
 def find_compiler() -> str | None:
@@ -99,6 +99,8 @@ def library() -> ctypes.CDLL | None:
         ctypes.c_void_p,
     ]
     lib.multiguess_bf16_matmul.restype = ctypes.c_int
+    lib.multiguess_bf16_rope_cache.argtypes = [*[ctypes.c_void_p] * 7, *[ctypes.c_int64] * 6]
+    lib.multiguess_bf16_rope_cache.restype = None
     return lib
 
 
@@ -163,6 +165,43 @@ def matmul(
     if status != 0:
         raise MemoryError("bf16 kernel: no memory for the prepared inputs")
     return y.view(*x.shape[:-1], out_features)
+
+
+def rope_into_cache(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    layer_cache: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+    heads: int,
+) -> torch.Tensor:
+    """Rotary on bf16 ``qkv`` ``[B, T, heads + 2 * kv_heads, D]`` (tables ``[B, T, D]``); keys and
+    values go to ``layer_cache`` ``[slots, 2 * kv_heads, capacity, D]`` (fp32) at ``starts[b] + t``
+    of slot ``slots[b]``; the fp32 queries ``[B, T, heads, D]`` are returned. Bitwise the
+    runner's ``apply_rotary`` and cache write, in one call instead of a dozen."""
+    lib = library()
+    assert lib is not None, "rope_into_cache needs the compiled kernel"
+    batch, width, _, dim = qkv.shape
+    kv_heads = layer_cache.shape[1] // 2
+    assert qkv.is_contiguous() and layer_cache.is_contiguous() and layer_cache.dtype == torch.float32
+    queries = torch.empty(batch, width, heads, dim, dtype=torch.float32)
+    lib.multiguess_bf16_rope_cache(
+        qkv.data_ptr(),
+        cos.contiguous().data_ptr(),
+        signed_sin.contiguous().data_ptr(),
+        queries.data_ptr(),
+        layer_cache.data_ptr(),
+        slots.data_ptr(),
+        starts.data_ptr(),
+        batch,
+        width,
+        heads,
+        kv_heads,
+        dim,
+        layer_cache.shape[2],
+    )
+    return queries
 
 
 if __name__ == "__main__":

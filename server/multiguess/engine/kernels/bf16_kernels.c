@@ -1,6 +1,8 @@
-/* y = x W^T (+ bias) in bf16 with fp32 accumulation, for CPUs with AVX512-BF16, optionally
- * of RMSNorm(x) or of silu(gate) * up, and plus a residual: the small ops around a decode
- * step's projections, done here instead of as a dozen framework calls each.
+/* bf16 kernels for a decode step on CPUs with AVX512-BF16 (engine/bf16_kernel.py).
+ *
+ * multiguess_bf16_matmul: y = x W^T (+ bias) with fp32 accumulation, optionally of RMSNorm(x)
+ * or of silu(gate) * up, and plus a residual: the small ops around a decode step's
+ * projections, done here instead of as a dozen framework calls each.
  *
  * The weight is packed once into panels of 64 output rows, [panels][K/2][64][2]: one panel is
  * one contiguous stream and each step of the inner loop reads 256 bytes of it, the pairs of
@@ -135,4 +137,37 @@ int multiguess_bf16_matmul(const uint16_t *packed, const uint16_t *x, const uint
     panel_product(packed + p * k * PANEL, x, bias, residual, y, m, k, n, p * PANEL);
   free(prepared);
   return 0;
+}
+
+/* Rotary embedding of queries and keys, bitwise the runner's bf16 ops (x * cos and the
+ * half-swapped x * signed sin, each rounded, then their rounded sum), widened to fp32: queries
+ * into `queries` [b][t][heads][dim], keys and values into one layer's cache
+ * [slots][2 * kv_heads][capacity][dim] at row starts[b] + t of slot slots[b]. qkv is
+ * [b][t][heads + 2 * kv_heads][dim]; cos and sin (sign folded) are [b][t][dim]. */
+void multiguess_bf16_rope_cache(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin,
+                                float *queries, float *cache, const int64_t *slots,
+                                const int64_t *starts, int64_t batch, int64_t width, int64_t heads,
+                                int64_t kv_heads, int64_t dim, int64_t capacity) {
+  const int64_t half = dim / 2, all = heads + 2 * kv_heads;
+  for (int64_t b = 0; b < batch; b++) {
+    float *slot = cache + slots[b] * 2 * kv_heads * capacity * dim;
+    for (int64_t t = 0; t < width; t++) {
+      const int64_t row = b * width + t;
+      const uint16_t *c = cos + row * dim, *s = sin + row * dim;
+      for (int64_t h = 0; h < all; h++) {
+        const uint16_t *x = qkv + (row * all + h) * dim;
+        float *out = h < heads ? queries + (row * heads + h) * dim
+                               : slot + ((h - heads) * capacity + starts[b] + t) * dim;
+        if (h >= heads + kv_heads) {
+          for (int64_t d = 0; d < dim; d++) out[d] = widen(x[d]);
+          continue;
+        }
+        for (int64_t d = 0; d < dim; d++) {
+          const uint16_t other = d < half ? x[d + half] : x[d - half];
+          out[d] = widen(narrow(widen(narrow(widen(x[d]) * widen(c[d]))) +
+                                widen(narrow(widen(other) * widen(s[d])))));
+        }
+      }
+    }
+  }
 }
