@@ -116,6 +116,7 @@ class NativeRunner:
         self.norm = model.model.norm
         self.rotary = model.model.rotary_emb
         self.lm_head = model.lm_head
+        self.silu_gated = getattr(config, "hidden_act", None) in ("silu", "swish")
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -251,7 +252,7 @@ class NativeRunner:
         gate_up, down = self.gate_up[i], self.down[i]
         if gate_up is None or down is None:
             return x + mlp(rms_norm(norm, x))
-        if type(mlp.act_fn) is torch.nn.SiLU:
+        if self.silu_gated:
             return down(gate_up(x, norm=norm), gated=True, residual=x)
         gate, up = gate_up.split(rms_norm(norm, x))
         return down(mlp.act_fn(gate) * up, residual=x)

@@ -19,6 +19,9 @@
 
 #define PANEL 64
 #define ROWS 6 /* rows of x per pass over a panel: 24 accumulators in registers */
+/* Weights requested into L2 32 KiB ahead of the loads: 8-12% faster streaming than the
+ * hardware prefetcher alone on the 2-core EPYC measured (docs/ENGINE.md); never faults. */
+#define PREFETCH 16384
 
 static inline float widen(uint16_t v) {
   uint32_t bits = (uint32_t)v << 16;
@@ -81,6 +84,8 @@ static void panel_product(const uint16_t *panel, const uint16_t *x, const uint16
     }
     const uint16_t *w = panel;
     for (int64_t p = 0; p < pairs; p++, w += 2 * PANEL) {
+      _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T1);
+      _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T1);
       const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
       const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 32);
       const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 64);
