@@ -5,7 +5,9 @@ no notion of writing a token tree into a pre-allocated cache. The supported fami
 one layer layout, so this module drives the model's own weights and submodules (rotary
 embedding, activation) directly, runs RMSNorm as one fused call with each norm's weight and
 epsilon, and does the attention itself: a batch of token trees, each placed after its
-sequence's prefix, attends to prefix + its own ancestors in one forward.
+sequence's prefix, attends to prefix + its own ancestors in one forward. On CPUs with
+AVX512-BF16 and bf16 weights the norms, SiLU gating, residual adds, rotary and cache writes
+run inside multiguess's bf16 kernels (``bf16_kernel.py``) instead of as separate calls.
 """
 
 from __future__ import annotations
