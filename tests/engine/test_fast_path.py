@@ -9,9 +9,8 @@ import torch
 import torch.nn.functional as F
 from multiguess import LLM, SamplingParams
 from multiguess.engine import bf16_kernel
-from multiguess.engine.linear import Projection, packing_supported, rms_norm
+from multiguess.engine.linear import Projection, packing_supported
 from multiguess.engine.runner import NativeRunner, attention, fold_mask
-from multiguess.engine.tree import TokenTree
 from multiguess.models.loading import load_model
 from transformers import AutoModelForCausalLM
 
@@ -43,107 +42,6 @@ def test_onednn_bf16_projection_is_bitwise_f_linear_for_every_row_count(
         first, second = projection.split(x[:, :rows])
         assert torch.equal(first, F.linear(x[:, :rows], plain[0]))
         assert torch.equal(second, F.linear(x[:, :rows], plain[1]))
-
-
-@pytest.mark.skipif(
-    bf16_kernel.library() is None, reason="the bf16 kernel needs AVX512-BF16 and a C compiler"
-)
-@pytest.mark.parametrize(("outputs", "inputs"), [([64, 64], 64), ([100, 37], 72), ([300, 212], 1536)])
-def test_bf16_kernel_rows_do_not_depend_on_the_row_count(outputs: list[int], inputs: int) -> None:
-    """Why a tree forward and a one-token step agree in bf16: a row is computed the same way
-    alone and among 40 others (every tile size, panel tails, a bias); it is fp32 math rounded.
-    The widest case has enough long sums that a row summed in another order (a tail tile's
-    pairs reversed, tried) rounds differently somewhere."""
-    torch.manual_seed(2)
-    layers = [linear(n, inputs, torch.bfloat16, bias=True) for n in outputs]
-    projection = Projection.of(layers, pack=True)
-    assert projection is not None and projection.panels is not None
-    x = torch.randn(2, 20, inputs, dtype=torch.bfloat16)
-    together = projection(x)
-    for rows in (1, 2, 5, 7, 13):
-        assert torch.equal(projection(x[:, :rows]), together[:, :rows])
-    assert torch.equal(projection(x[1, 19]), together[1, 19])  # one row, 1-D input
-    weight = torch.cat([m.weight for m in layers]).float()
-    bias = torch.cat([m.bias for m in layers]).float()
-    exact = x.float() @ weight.T + bias
-    assert torch.allclose(together.float(), exact, rtol=2**-7, atol=1e-3)
-    assert [part.shape[-1] for part in projection.split(x)] == outputs
-
-
-@pytest.mark.skipif(
-    bf16_kernel.library() is None, reason="the bf16 kernel needs AVX512-BF16 and a C compiler"
-)
-def test_bf16_kernel_fuses_norm_activation_and_residual_like_the_torch_ops() -> None:
-    """The ops the kernel runs around a product give what the modules give, up to one rounding,
-    with rows still independent of the row count; the residual add rounds exactly like torch."""
-    torch.manual_seed(3)
-    width, hidden = 96, 160
-    norm = torch.nn.Module()
-    norm.weight = torch.nn.Parameter((1 + 0.1 * torch.randn(width)).to(torch.bfloat16))
-    norm.variance_epsilon = 1e-5
-    up = Projection.of([linear(2 * hidden, width, torch.bfloat16)], pack=True)
-    down = Projection.of([linear(width, hidden, torch.bfloat16)], pack=True)
-    assert up is not None and up.panels is not None and down is not None and down.panels is not None
-    x = (3 * torch.randn(11, width)).to(torch.bfloat16)
-
-    normed = up(x, norm=norm)
-    assert torch.allclose(normed.float(), up(rms_norm(norm, x)).float(), rtol=2**-6, atol=2e-2)
-    assert torch.equal(up(x[4:5], norm=norm), normed[4:5])
-
-    gated = down(normed, gated=True)
-    gate, value = normed.chunk(2, dim=-1)
-    assert torch.allclose(gated.float(), down(F.silu(gate) * value).float(), rtol=2**-6, atol=2e-2)
-    assert torch.equal(down(normed[7:9], gated=True), gated[7:9])
-
-    assert torch.equal(down(normed, gated=True, residual=x), x + gated)
-    eager = Projection(down.weight, None, [width], pack=False)
-    assert torch.allclose(
-        eager(normed, gated=True, residual=x).float(), (x + gated).float(), rtol=2**-6, atol=5e-2
-    )
-
-
-@pytest.mark.skipif(
-    bf16_kernel.library() is None, reason="the bf16 kernel needs AVX512-BF16 and a C compiler"
-)
-def test_rotary_and_cache_write_in_the_kernel_are_bitwise_the_torch_ops(tiny_llama: Path) -> None:
-    """Two runners over one bf16 model, one writing rotary keys and values with torch ops: the
-    same logits and caches after prefills into scattered slots and a batch of two trees."""
-    loaded = load_model(str(tiny_llama), dtype="bfloat16")
-    fused, plain = NativeRunner(loaded, 4, 64), NativeRunner(loaded, 4, 64)
-    assert fused.rope_in_kernel
-    plain.rope_in_kernel = False
-    prompts = random_prompts(5, (9, 14))
-    trees = [TokenTree((3, 7, 8, 9), (-1, 0, 0, 1)), TokenTree((4, 5), (-1, 0))]
-    logits: dict[bool, list[torch.Tensor]] = {}
-    for runner in (fused, plain):
-        logits[runner.rope_in_kernel] = [
-            runner.forward_trees([3], [0], [TokenTree.chain(prompts[0])], last_only=True),
-            runner.forward_trees([1], [0], [TokenTree.chain(prompts[1])], last_only=True),
-            runner.forward_trees([3, 1], [len(p) for p in prompts], trees),
-        ]
-    for a, b in zip(logits[True], logits[False], strict=True):
-        assert torch.equal(a, b)
-    assert torch.equal(fused.cache.kv, plain.cache.kv) and fused.cache.kv.abs().sum() > 0
-
-
-def test_bf16_kernel_build_failure_falls_back_with_a_warning(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setattr(bf16_kernel, "cpu_has_avx512_bf16", lambda: True)
-    monkeypatch.setenv("MULTIGUESS_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", "false")  # a compiler that fails
-    assert bf16_kernel.library.__wrapped__() is None
-    assert "bf16 kernel unavailable, using oneDNN" in caplog.text
-    assert not list((tmp_path / "kernels").iterdir())  # no half-written library left behind
-    monkeypatch.setenv("MULTIGUESS_BF16_KERNEL", "0")
-    assert bf16_kernel.library.__wrapped__() is None
-
-
-def test_odd_input_width_falls_back_to_onednn() -> None:
-    projection = Projection.of([linear(8, 7, torch.bfloat16)], pack=packing_supported(CPU, torch.bfloat16))
-    assert projection is not None and projection.panels is None
-    x = torch.randn(3, 7, dtype=torch.bfloat16)
-    assert torch.allclose(projection(x).float(), F.linear(x, projection.weight).float(), rtol=2**-7)
 
 
 @pytest.mark.skipif(not packing_supported(CPU, torch.float32), reason="no oneDNN on this build")

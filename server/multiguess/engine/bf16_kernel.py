@@ -101,6 +101,13 @@ def library() -> ctypes.CDLL | None:
     lib.multiguess_bf16_matmul.restype = ctypes.c_int
     lib.multiguess_bf16_rope_cache.argtypes = [*[ctypes.c_void_p] * 7, *[ctypes.c_int64] * 6]
     lib.multiguess_bf16_rope_cache.restype = None
+    lib.multiguess_attention.argtypes = [
+        *[ctypes.c_void_p] * 5,
+        *[ctypes.c_int64] * 7,
+        ctypes.c_float,
+        ctypes.c_int,
+    ]
+    lib.multiguess_attention.restype = ctypes.c_int
     return lib
 
 
@@ -202,6 +209,49 @@ def rope_into_cache(
         layer_cache.shape[2],
     )
     return queries
+
+
+def attention_supported(head_dim: int) -> bool:
+    """The attention kernel keeps a head in 16-float registers: up to 256 wide, by 16s."""
+    return head_dim % 16 == 0 and head_dim <= 256 and library() is not None
+
+
+def attention(
+    queries: torch.Tensor,
+    layer_cache: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    length: int,
+) -> torch.Tensor:
+    """fp32 queries ``[B, T, H, D]`` over cache rows ``[0, length)`` of each sequence's slot in
+    ``layer_cache`` ``[slots, 2 * kv_heads, capacity, D]``, additive ``mask`` ``[B, T, length]``:
+    ``[B, T, H * D]`` in bf16. Each query row is computed alone, keys in cache order, hidden keys
+    skipped, so a tree node and the same token decoded alone get the same bits."""
+    lib = library()
+    assert lib is not None, "attention needs the compiled kernel"
+    batch, width, heads, dim = queries.shape
+    assert queries.is_contiguous() and mask.shape == (batch, width, length)
+    out = torch.empty(batch, width, heads * dim, dtype=torch.bfloat16)
+    status = lib.multiguess_attention(
+        queries.data_ptr(),
+        layer_cache.data_ptr(),
+        slots.data_ptr(),
+        mask.contiguous().data_ptr(),
+        out.data_ptr(),
+        batch,
+        width,
+        heads,
+        layer_cache.shape[1] // 2,
+        dim,
+        layer_cache.shape[2],
+        length,
+        scale,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("attention kernel: no memory for the scores")
+    return out
 
 
 if __name__ == "__main__":

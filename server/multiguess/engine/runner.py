@@ -143,11 +143,13 @@ class NativeRunner:
         self.gate_up = [Projection.of([la.mlp.gate_proj, la.mlp.up_proj], pack) for la in self.layers]
         self.down = [Projection.of([la.mlp.down_proj], pack) for la in self.layers]
         self.head = Projection.of([self.lm_head], pack)
-        # Rotary and the cache write in the bf16 kernel too: bitwise the same, a dozen fewer calls.
-        self.rope_in_kernel = (
+        # Rotary, the cache write and attention in the bf16 kernels too (bf16_kernel.py): a few
+        # calls per layer instead of dozens, and attention rows independent of the batch's shape.
+        self.layer_kernels = (
             self.attn_dtype == torch.float32
             and all(p is not None and p.panels is not None for p in self.qkv)
             and not hasattr(self.layers[0].self_attn, "q_norm")
+            and bf16_kernel.attention_supported(self.head_dim)
         )
         # Scoring only ``head_vocab`` (a draft's vocabulary, models/draft_vocab.py): logit column
         # j is token head_vocab[j]. Needs a plain Linear head: a quantized one scores every token.
@@ -185,10 +187,10 @@ class NativeRunner:
         # Additive form once per forward: a bool mask is converted by the kernel in every layer.
         mask = torch.zeros(visible_mask.shape, dtype=self.attn_dtype, device=device)
         mask.masked_fill_(~visible_mask, float("-inf"))
-        mask = fold_mask(mask, self.num_heads // self.num_kv_heads)
-        if self.rope_in_kernel:
+        if self.layer_kernels:
             where = (torch.tensor(slots), write_from.to(torch.int64).contiguous())
         else:
+            mask = fold_mask(mask, self.num_heads // self.num_kv_heads)
             where = self.cache.locate(slots, write_from, width)
         selector = StaticKVCache.selector(slots)
 
@@ -197,13 +199,14 @@ class NativeRunner:
         rope = rotary_tables(cos, sin)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q = self._queries_writing_cache(i, x, rope, where)
-            keys, values = self.cache.read(i, selector, length)
-            out = attention(q, keys, values, mask, getattr(attn, "scaling", None))
-            if self.o[i] is None:
-                x = x + attn.o_proj(out.to(self.dtype))
+            scale = getattr(attn, "scaling", None) or self.head_dim**-0.5
+            if self.layer_kernels:
+                out = self._attention_in_kernels(i, x, rope, where, mask, scale, length)
             else:
-                x = self.o[i](out.to(self.dtype), residual=x)
+                q = self._queries_writing_cache(i, x, rope, where)
+                keys, values = self.cache.read(i, selector, length)
+                out = attention(q, keys, values, mask, scale).to(self.dtype)
+            x = x + attn.o_proj(out) if self.o[i] is None else self.o[i](out, residual=x)
             x = self._mlp(i, x)
         if logits_at is not None:  # the norm is per row: selecting first is the same
             x = x[torch.arange(batch, device=device), logits_at.to(device)]
@@ -211,17 +214,30 @@ class NativeRunner:
             return self.lm_head(rms_norm(self.norm, x)).float()
         return self.head(x, norm=self.norm).float()
 
+    def _attention_in_kernels(
+        self,
+        i: int,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        where: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        scale: float,
+        length: int,
+    ) -> torch.Tensor:
+        """Layer i's attention output ``[B, T, heads * D]`` (bf16) through the bf16 kernels: norm
+        and q/k/v product, rotary and cache write, attention; three calls."""
+        qkv = self.qkv[i](x, norm=self.layers[i].input_layernorm).view(*x.shape[:2], -1, self.head_dim)
+        slots, starts = where
+        q = bf16_kernel.rope_into_cache(
+            qkv, rope[0][:, :, 0], rope[1][:, :, 0], self.cache.kv[i], slots, starts, self.num_heads
+        )
+        return bf16_kernel.attention(q, self.cache.kv[i], slots, mask[:, 0], scale, length)
+
     def _queries_writing_cache(
         self, i: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], where: tuple
     ) -> torch.Tensor:
         """Layer i's rotated queries ``[B, T, heads, D]``; its keys and values go to the cache."""
         heads = self.num_heads
-        if self.rope_in_kernel:
-            qkv = self.qkv[i](x, norm=self.layers[i].input_layernorm)
-            qkv = qkv.view(*x.shape[:2], -1, self.head_dim)
-            return bf16_kernel.rope_into_cache(
-                qkv, rope[0][:, :, 0], rope[1][:, :, 0], self.cache.kv[i], *where, heads
-            )
         qkv = self._rotated_qkv(i, x, rope)
         self.cache.write(i, where, qkv[:, :, heads:].transpose(1, 2))
         return qkv[:, :, :heads]

@@ -13,6 +13,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -175,4 +176,100 @@ void multiguess_bf16_rope_cache(const uint16_t *qkv, const uint16_t *cos, const 
       }
     }
   }
+}
+
+/* e^x for x <= 0 in fp32 lanes (softmax weights): 2^n * p(r), r = x - n ln2, |r| <= ln2/2, a
+ * degree-6 polynomial (relative error ~2e-7); below -87 the result is 0. */
+static inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 tiny = _mm512_set1_ps(-87.0f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, tiny, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, tiny);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 poly = _mm512_set1_ps(1.0f / 720);
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 120));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 24));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 6));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+  const __m512 result = _mm512_scalef_ps(poly, n);
+  return _mm512_maskz_mov_ps((__mmask16)~underflow, result);
+}
+
+/* One query head's attention over `length` cached keys and values (dim % 16 == 0, dim <= 256),
+ * skipping keys its additive mask row hides (-inf). Keys are visited in cache order and hidden
+ * ones add nothing, so the result depends only on the visible keys' values and order: a tree
+ * node and the same token decoded alone get the same bits. */
+static void attend(const float *q, const float *keys, const float *values, const float *mask,
+                   int64_t length, int64_t dim, float scale, float *scores, uint16_t *out) {
+  const int64_t blocks = dim / 16;
+  float top = -INFINITY;
+  for (int64_t j = 0; j < length; j++) {
+    if (mask[j] == -INFINITY) {
+      scores[j] = -INFINITY;
+      continue;
+    }
+    const float *key = keys + j * dim;
+    __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(key));
+    for (int64_t c = 1; c < blocks; c++)
+      dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(key + 16 * c), dot);
+    scores[j] = _mm512_reduce_add_ps(dot) * scale + mask[j];
+    top = scores[j] > top ? scores[j] : top;
+  }
+  const __m512 shift = _mm512_set1_ps(top);
+  for (int64_t j = 0; j < length; j += 16) {
+    const __mmask16 live = lanes(length - j);
+    const __m512 s = _mm512_maskz_loadu_ps(live, scores + j);
+    const __mmask16 shown = _mm512_mask_cmp_ps_mask(live, s, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    _mm512_mask_storeu_ps(scores + j, live, _mm512_maskz_mov_ps(shown, exp_nonpositive(_mm512_sub_ps(s, shift))));
+  }
+  __m512 acc[16];
+  for (int64_t c = 0; c < blocks; c++) acc[c] = _mm512_setzero_ps();
+  float total = 0.0f;
+  for (int64_t j = 0; j < length; j++) {
+    if (scores[j] == 0.0f) continue;
+    total += scores[j];
+    const __m512 weight = _mm512_set1_ps(scores[j]);
+    const float *value = values + j * dim;
+    for (int64_t c = 0; c < blocks; c++) acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + 16 * c), acc[c]);
+  }
+  const __m512 inverse = _mm512_set1_ps(1.0f / total);
+  for (int64_t c = 0; c < blocks; c++)
+    _mm256_storeu_si256((__m256i *)(out + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[c], inverse)));
+}
+
+/* Attention of fp32 queries [b][t][heads][dim] over one layer's cache [slots][2 * kv_heads]
+ * [capacity][dim] (keys, then values) for sequence b's slot slots[b], rows [0, length), under
+ * an additive mask [b][t][length] (0 or -inf); query head h reads key/value head h / (heads /
+ * kv_heads). Output bf16 [b][t][heads * dim], the dtype the o projection takes. Returns -1 when
+ * out of memory. */
+int multiguess_attention(const float *queries, const float *cache, const int64_t *slots,
+                         const float *mask, uint16_t *out, int64_t batch, int64_t width,
+                         int64_t heads, int64_t kv_heads, int64_t dim, int64_t capacity,
+                         int64_t length, float scale, int threads) {
+  const int64_t group = heads / kv_heads, items = batch * width * heads;
+  bool failed = false;
+#pragma omp parallel num_threads(threads)
+  {
+    float *scores = malloc((size_t)(length + 16) * sizeof *scores);
+    if (!scores) {
+#pragma omp atomic write
+      failed = true;
+    }
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < items; item++) {
+      if (!scores) continue;
+      const int64_t row = item / heads, h = item % heads, b = row / width;
+      const float *slot = cache + slots[b] * 2 * kv_heads * capacity * dim;
+      const float *keys = slot + (h / group) * capacity * dim;
+      const float *values = slot + (kv_heads + h / group) * capacity * dim;
+      attend(queries + item * dim, keys, values, mask + row * length, length, dim, scale, scores,
+             out + item * dim);
+    }
+    free(scores);
+  }
+  return failed ? -1 : 0;
 }

@@ -1,0 +1,189 @@
+"""multiguess's bf16 CPU kernels (engine/bf16_kernel.py): products, the ops fused around them,
+rotary and cache writes, attention; and why they matter: a tree node's logits are the bits of
+the same token decoded alone, so bf16 speculation is token for token bf16 plain decoding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from multiguess import LLM, SamplingParams
+from multiguess.engine import bf16_kernel
+from multiguess.engine.linear import Projection, packing_supported, rms_norm
+from multiguess.engine.runner import NativeRunner, apply_rotary, rotary_tables
+from multiguess.engine.tree import TokenTree
+from multiguess.models.loading import load_model
+
+from tests.engine.test_fast_path import CPU, linear
+from tests.engine.test_lossless import random_prompts
+from tests.tiny_models import build_tokenizer, model_config, save_model, save_noisy_copy
+
+needs_kernel = pytest.mark.skipif(
+    bf16_kernel.library() is None, reason="the bf16 kernels need AVX512-BF16 and a C compiler"
+)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("outputs", "inputs"), [([64, 64], 64), ([100, 37], 72), ([300, 212], 1536)])
+def test_bf16_kernel_rows_do_not_depend_on_the_row_count(outputs: list[int], inputs: int) -> None:
+    """Why a tree forward and a one-token step agree in bf16: a row is computed the same way
+    alone and among 40 others (every tile size, panel tails, a bias); it is fp32 math rounded.
+    The widest case has enough long sums that a row summed in another order (a tail tile's
+    pairs reversed, tried) rounds differently somewhere."""
+    torch.manual_seed(2)
+    layers = [linear(n, inputs, torch.bfloat16, bias=True) for n in outputs]
+    projection = Projection.of(layers, pack=True)
+    assert projection is not None and projection.panels is not None
+    x = torch.randn(2, 20, inputs, dtype=torch.bfloat16)
+    together = projection(x)
+    for rows in (1, 2, 5, 7, 13):
+        assert torch.equal(projection(x[:, :rows]), together[:, :rows])
+    assert torch.equal(projection(x[1, 19]), together[1, 19])  # one row, 1-D input
+    weight = torch.cat([m.weight for m in layers]).float()
+    bias = torch.cat([m.bias for m in layers]).float()
+    exact = x.float() @ weight.T + bias
+    assert torch.allclose(together.float(), exact, rtol=2**-7, atol=1e-3)
+    assert [part.shape[-1] for part in projection.split(x)] == outputs
+
+
+@needs_kernel
+def test_bf16_kernel_fuses_norm_activation_and_residual_like_the_torch_ops() -> None:
+    """The ops the kernel runs around a product give what the modules give, up to one rounding,
+    with rows still independent of the row count; the residual add rounds exactly like torch."""
+    torch.manual_seed(3)
+    width, hidden = 96, 160
+    norm = torch.nn.Module()
+    norm.weight = torch.nn.Parameter((1 + 0.1 * torch.randn(width)).to(torch.bfloat16))
+    norm.variance_epsilon = 1e-5
+    up = Projection.of([linear(2 * hidden, width, torch.bfloat16)], pack=True)
+    down = Projection.of([linear(width, hidden, torch.bfloat16)], pack=True)
+    assert up is not None and up.panels is not None and down is not None and down.panels is not None
+    x = (3 * torch.randn(11, width)).to(torch.bfloat16)
+
+    normed = up(x, norm=norm)
+    assert torch.allclose(normed.float(), up(rms_norm(norm, x)).float(), rtol=2**-6, atol=2e-2)
+    assert torch.equal(up(x[4:5], norm=norm), normed[4:5])
+
+    gated = down(normed, gated=True)
+    gate, value = normed.chunk(2, dim=-1)
+    assert torch.allclose(gated.float(), down(F.silu(gate) * value).float(), rtol=2**-6, atol=2e-2)
+    assert torch.equal(down(normed[7:9], gated=True), gated[7:9])
+
+    assert torch.equal(down(normed, gated=True, residual=x), x + gated)
+    eager = Projection(down.weight, None, [width], pack=False)
+    assert torch.allclose(
+        eager(normed, gated=True, residual=x).float(), (x + gated).float(), rtol=2**-6, atol=5e-2
+    )
+
+
+def test_bf16_kernel_build_failure_falls_back_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(bf16_kernel, "cpu_has_avx512_bf16", lambda: True)
+    monkeypatch.setenv("MULTIGUESS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    assert bf16_kernel.library.__wrapped__() is None
+    assert "bf16 kernel unavailable, using oneDNN" in caplog.text
+    assert not list((tmp_path / "kernels").iterdir())  # no half-written library left behind
+    monkeypatch.setenv("MULTIGUESS_BF16_KERNEL", "0")
+    assert bf16_kernel.library.__wrapped__() is None
+
+
+def test_odd_input_width_falls_back_to_onednn() -> None:
+    projection = Projection.of([linear(8, 7, torch.bfloat16)], pack=packing_supported(CPU, torch.bfloat16))
+    assert projection is not None and projection.panels is None
+    x = torch.randn(3, 7, dtype=torch.bfloat16)
+    assert torch.allclose(projection(x).float(), F.linear(x, projection.weight).float(), rtol=2**-7)
+
+
+@needs_kernel
+def test_rotary_and_cache_write_are_bitwise_the_torch_ops() -> None:
+    torch.manual_seed(4)
+    batch, width, heads, kv_heads, dim, capacity = 2, 3, 4, 2, 16, 12
+    qkv = torch.randn(batch, width, heads + 2 * kv_heads, dim).to(torch.bfloat16)
+    cos, sin = torch.randn(2, batch, width, dim).to(torch.bfloat16)
+    cache = torch.zeros(3, 2 * kv_heads, capacity, dim)
+    slots, starts = torch.tensor([2, 0]), torch.tensor([5, 1])
+    queries = bf16_kernel.rope_into_cache(
+        qkv, *(t[:, :, 0] for t in rotary_tables(cos, sin)), cache, slots, starts, heads
+    )
+
+    rotated = apply_rotary(qkv[:, :, : heads + kv_heads], *rotary_tables(cos, sin)).float()
+    assert torch.equal(queries, rotated[:, :, :heads])
+    for b, (slot, start) in enumerate(zip(slots.tolist(), starts.tolist(), strict=True)):
+        written = cache[slot, :, start : start + width].transpose(0, 1)
+        assert torch.equal(written[:, :kv_heads], rotated[b, :, heads:])
+        assert torch.equal(written[:, kv_heads:], qkv[b, :, heads + kv_heads :].float())
+    assert cache[1].abs().sum() == 0  # an unused slot stays untouched
+
+
+@needs_kernel
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 16), (4, 2, 32)])
+def test_attention_matches_scaled_dot_product_attention(heads: int, kv_heads: int, dim: int) -> None:
+    torch.manual_seed(5)
+    batch, width, capacity, length = 2, 5, 40, 33
+    queries = torch.randn(batch, width, heads, dim)
+    cache = torch.randn(4, 2 * kv_heads, capacity, dim)
+    slots = torch.tensor([3, 1])
+    visible = torch.rand(batch, width, length) < 0.6
+    visible[..., 0] = True  # every row sees at least one key
+    mask = torch.zeros(batch, width, length).masked_fill_(~visible, float("-inf"))
+    out = bf16_kernel.attention(queries, cache, slots, mask, dim**-0.5, length)
+
+    kv = cache[slots, :, :length]
+    keys = kv[:, :kv_heads].repeat_interleave(heads // kv_heads, 1)
+    values = kv[:, kv_heads:].repeat_interleave(heads // kv_heads, 1)
+    expected = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, mask[:, None])
+    expected = expected.transpose(1, 2).reshape(batch, width, heads * dim)
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), expected, rtol=2**-7, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def gqa_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Heads shaped like the embedded target's (9 query heads over 3 of 64 wide), 4 layers:
+    enough that torch's attention gives a tree row and a lone token different last bits."""
+    folder = tmp_path_factory.mktemp("gqa")
+    tokenizer = build_tokenizer()
+    shape = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=4)
+    target = save_model(folder / "target", model_config("llama", len(tokenizer), **shape), 7, tokenizer)
+    return target, save_noisy_copy(target, folder / "draft", noise=0.3, seed=8)
+
+
+@needs_kernel
+def test_tree_rows_are_the_bits_of_tokens_decoded_alone(gqa_pair: tuple[Path, Path]) -> None:
+    """A tree verified beside another sequence gives each node the logits, bit for bit, that
+    decoding its path one token at a time alone gives. With torch's attention instead, 3 of
+    these 4 nodes differ in their last bits (checked when the test was written)."""
+    loaded = load_model(str(gqa_pair[0]), dtype="bfloat16")
+    together, alone = NativeRunner(loaded, 3, 512), NativeRunner(loaded, 3, 512)
+    assert together.layer_kernels
+    prompt, other = random_prompts(6, (300, 11))
+    together.forward_trees([0], [0], [TokenTree.chain(other)])
+    together.forward_trees([1], [0], [TokenTree.chain(prompt)])
+    tree = TokenTree((30, 41, 42, 43, 50), (-1, 0, 0, 1, 3))  # path 30 -> 41 -> 43 -> 50
+    verified = together.forward_trees([1, 0], [len(prompt), len(other)], [tree, TokenTree((7, 8), (-1, 0))])[
+        0
+    ]
+
+    alone.forward_trees([2], [0], [TokenTree.chain(prompt)])
+    for depth, node in enumerate((0, 1, 3, 4)):
+        step = alone.forward_trees([2], [len(prompt) + depth], [TokenTree.chain([tree.tokens[node]])])
+        assert torch.equal(step[0, 0], verified[node])
+
+
+@needs_kernel
+@pytest.mark.parametrize(("num_candidates", "depth"), [(1, 4), (3, 3)])
+def test_bf16_speculation_equals_bf16_plain_decoding(
+    gqa_pair: tuple[Path, Path], num_candidates: int, depth: int
+) -> None:
+    target, draft = gqa_pair
+    prompts = random_prompts(12, (1, 7, 30, 200))
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    plain = LLM(str(target), None, dtype="bfloat16", max_batch=4)
+    spec = LLM(str(target), str(draft), num_candidates, depth, dtype="bfloat16", max_batch=4, adaptive=False)
+    assert spec.engine.target.layer_kernels
+    outputs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)] for llm in (plain, spec)]
+    assert outputs[0] == outputs[1]
