@@ -27,6 +27,7 @@ def test_bench_writes_results_table_and_plot(
     }
     for name in ("multiguess plain", "multiguess chain", "multiguess tree", "transformers assisted"):
         assert rows[name]["identical_to_generate"] == 1.0, name
+        assert rows[name]["identical_to_plain"] == 1.0, name
         assert len(rows[name]["repeats"]) == 2
     assert rows["multiguess tree"]["mean_accepted_length"] >= 1.0
     doc = (out / "BENCHMARKS.md").read_text()

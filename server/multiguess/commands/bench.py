@@ -109,11 +109,11 @@ def run(args: argparse.Namespace) -> int:
         "tree": {"num_candidates": args.num_candidates, "depth": args.depth, "max_nodes": args.max_nodes},
         "chain_depth": chain_cfg.depth,
         "adaptive": tree_cfg.adaptive,
-        "kernels": "prepacked" if tree_engine.target.packed else "eager",
+        "kernels": kernels_label(tree_engine.target),
         "machine": platform.processor() or platform.machine(),
         "commit": git_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "methods": [r.as_dict(reference, assisted) for r in results.values()],
+        "methods": [r.as_dict(reference, assisted, results["multiguess plain"]) for r in results.values()],
         "bandwidth_gb_s": round(bandwidth, 2),
         "plain_step_ms": round(step_ms, 2),
         "generate_step_ms": round(1000 / reference.median_tps, 2),
@@ -123,6 +123,13 @@ def run(args: argparse.Namespace) -> int:
     write_report(report, args.out)
     print(bm.markdown_report(report))
     return 0
+
+
+def kernels_label(runner: object) -> str:
+    """Which kernels the target ran: multiguess's bf16 kernels, oneDNN prepacked, or eager."""
+    if getattr(runner, "layer_kernels", False):
+        return "multiguess bf16"
+    return "prepacked" if getattr(runner, "packed", False) else "eager"
 
 
 def git_commit() -> str:

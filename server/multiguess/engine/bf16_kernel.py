@@ -108,6 +108,7 @@ def library() -> ctypes.CDLL | None:
         ctypes.c_int,
     ]
     lib.multiguess_attention.restype = ctypes.c_int
+    log.info("bf16 kernels loaded from %s", path)
     return lib
 
 
