@@ -53,11 +53,41 @@ static void rms_norm_row(const uint16_t *x, const uint16_t *weight, float eps, i
   for (int64_t j = 0; j < k; j++) out[j] = narrow(widen(weight[j]) * widen(narrow(widen(x[j]) * scale)));
 }
 
-/* act(gate) * up in bf16, gate and up the two halves of a row: bf16(bf16(silu(gate)) * up). */
+/* e^x in fp32 lanes: 2^n * p(r), r = x - n ln2, |r| <= ln2/2, a degree-6 polynomial (relative
+ * error ~2e-7); 0 below -87, +inf past the fp32 range (scalef saturates). */
+static inline __m512 exp_lanes(__m512 x) {
+  const __m512 tiny = _mm512_set1_ps(-87.0f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, tiny, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, tiny);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 poly = _mm512_set1_ps(1.0f / 720);
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 120));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 24));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 6));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps((__mmask16)~underflow, _mm512_scalef_ps(poly, n));
+}
+
+static inline __m512 widen_lanes(__m256i v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+/* act(gate) * up in bf16, gate and up the two halves of a row: bf16(bf16(silu(gate)) * up),
+ * silu(g) = g / (1 + e^-g) in fp32 as torch computes it (its exp may differ in the last bit). */
 static void silu_mul_row(const uint16_t *gate_up, int64_t k, uint16_t *out) {
-  for (int64_t j = 0; j < k; j++) {
-    const float gate = widen(gate_up[j]);
-    out[j] = narrow(widen(narrow(gate / (1.0f + expf(-gate)))) * widen(gate_up[k + j]));
+  for (int64_t j = 0; j < k; j += 16) {
+    const __mmask16 live = lanes(k - j);
+    const __m512 gate = widen_lanes(_mm256_maskz_loadu_epi16(live, gate_up + j));
+    const __m512 up = widen_lanes(_mm256_maskz_loadu_epi16(live, gate_up + k + j));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(one, exp_lanes(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+    const __m512 product = _mm512_mul_ps(widen_lanes((__m256i)_mm512_cvtneps_pbh(silu)), up);
+    _mm256_mask_storeu_epi16(out + j, live, (__m256i)_mm512_cvtneps_pbh(product));
   }
 }
 
@@ -129,6 +159,7 @@ int multiguess_bf16_matmul(const uint16_t *packed, const uint16_t *x, const uint
   if (norm_weight || gated) {
     prepared = malloc((size_t)(m * k) * sizeof *prepared);
     if (!prepared) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (m > 1)
     for (int64_t r = 0; r < m; r++) {
       if (gated)
         silu_mul_row(x + r * 2 * k, k, prepared + r * k);
@@ -178,27 +209,6 @@ void multiguess_bf16_rope_cache(const uint16_t *qkv, const uint16_t *cos, const 
   }
 }
 
-/* e^x for x <= 0 in fp32 lanes (softmax weights): 2^n * p(r), r = x - n ln2, |r| <= ln2/2, a
- * degree-6 polynomial (relative error ~2e-7); below -87 the result is 0. */
-static inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 tiny = _mm512_set1_ps(-87.0f);
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x, tiny, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, tiny);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 poly = _mm512_set1_ps(1.0f / 720);
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 120));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 24));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 6));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
-  const __m512 result = _mm512_scalef_ps(poly, n);
-  return _mm512_maskz_mov_ps((__mmask16)~underflow, result);
-}
-
 /* One query head's attention over `length` cached keys and values (dim % 16 == 0, dim <= 256),
  * skipping keys its additive mask row hides (-inf). Keys are visited in cache order and hidden
  * ones add nothing, so the result depends only on the visible keys' values and order: a tree
@@ -224,7 +234,7 @@ static void attend(const float *q, const float *keys, const float *values, const
     const __mmask16 live = lanes(length - j);
     const __m512 s = _mm512_maskz_loadu_ps(live, scores + j);
     const __mmask16 shown = _mm512_mask_cmp_ps_mask(live, s, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-    _mm512_mask_storeu_ps(scores + j, live, _mm512_maskz_mov_ps(shown, exp_nonpositive(_mm512_sub_ps(s, shift))));
+    _mm512_mask_storeu_ps(scores + j, live, _mm512_maskz_mov_ps(shown, exp_lanes(_mm512_sub_ps(s, shift))));
   }
   __m512 acc[16];
   for (int64_t c = 0; c < blocks; c++) acc[c] = _mm512_setzero_ps();
