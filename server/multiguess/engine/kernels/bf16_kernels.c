@@ -101,8 +101,7 @@ static void panel_product(const uint16_t *panel, const uint16_t *x, const uint16
     start[j] = _mm512_setzero_ps();
     int64_t lane0 = first + 16 * j;
     if (bias && lane0 < n) {
-      __m256i b16 = _mm256_maskz_loadu_epi16(lanes(live - 16 * j), bias + lane0);
-      start[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b16), 16));
+      start[j] = widen_lanes(_mm256_maskz_loadu_epi16(lanes(live - 16 * j), bias + lane0));
     }
   }
   for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
@@ -137,11 +136,8 @@ static void panel_product(const uint16_t *panel, const uint16_t *x, const uint16
         const __mmask16 mask = lanes(live - 16 * j);
         __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[i][j]);
         if (residual) { /* bf16(residual + bf16(product)), as torch adds two bf16 tensors */
-          const __m512 sum = _mm512_add_ps(
-              _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(out), 16)),
-              _mm512_castsi512_ps(_mm512_slli_epi32(
-                  _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, residual + at + 16 * j)), 16)));
-          out = (__m256i)_mm512_cvtneps_pbh(sum);
+          const __m256i kept = _mm256_maskz_loadu_epi16(mask, residual + at + 16 * j);
+          out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(widen_lanes(out), widen_lanes(kept)));
         }
         _mm256_mask_storeu_epi16(y + at + 16 * j, mask, out);
       }
@@ -156,6 +152,7 @@ int multiguess_bf16_matmul(const uint16_t *packed, const uint16_t *x, const uint
                            uint16_t *y, int64_t m, int64_t k, int64_t n, int threads,
                            const uint16_t *norm_weight, float eps, int gated, const uint16_t *residual) {
   uint16_t *prepared = NULL;
+  if (m == 0) return 0;
   if (norm_weight || gated) {
     prepared = malloc((size_t)(m * k) * sizeof *prepared);
     if (!prepared) return -1;
