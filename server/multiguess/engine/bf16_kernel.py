@@ -1,17 +1,19 @@
-"""A bf16 matrix product for CPUs with AVX512-BF16, compiled from C on first use.
+"""multiguess's bf16 kernels for CPUs with AVX512-BF16, compiled from C on first use.
 
 Why: a decode step streams every weight once, and on this machine (2 cores, AVX512-BF16, no
-AMX) oneDNN streams them at 12–17 GB/s for decode-sized products; this kernel (``kernels/
-bf16_kernels.c``: panels of 64 output rows, one contiguous stream each, ``vdpbf16ps``) reaches
-22–30 GB/s, and is no slower up to 256 rows (docs/ENGINE.md). Each output accumulates its
-inputs in order in one fp32 lane whatever the number of rows, so a token's projections are
-bitwise the same in a one-token decode step and inside a verified tree: plain decoding and
-speculation agree in bf16 as well as in fp32.
+AMX) oneDNN streams them at 12–17 GB/s for decode-sized products; the product here
+(``kernels/bf16_kernels.c``: panels of 64 output rows, one contiguous stream each,
+``vdpbf16ps``) reaches 24–36 GB/s and is no slower up to 256 rows, and it runs the norms, SiLU
+gating and residual adds around it in the same call. Rotary with the cache write, and attention,
+are one call per layer each instead of dozens of framework calls (docs/ENGINE.md). Every row of
+every kernel is computed independently of the others, so a token's logits are the same bits in
+a one-token decode step and inside a verified tree: speculation equals plain decoding in bf16
+as well as in fp32.
 
-It is built with the system C compiler into the cache folder (keyed by the source and flags)
+They are built with the system C compiler into the cache folder (keyed by the source and flags)
 the first time a model loads, in about a second, or ahead of time by ``python -m
 multiguess.engine.bf16_kernel`` (the server image does, so it needs no compiler); without a
-compiler, on other CPUs, or with ``MULTIGUESS_BF16_KERNEL=0`` the projections use oneDNN.
+compiler, on other CPUs, or with ``MULTIGUESS_BF16_KERNEL=0`` the forward uses oneDNN and torch.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def compiled_path() -> Path:
 
 
 def find_compiler() -> str | None:
+    """``$CC``, else ``cc`` or ``gcc`` on the PATH."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
