@@ -10,8 +10,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from multiguess.commands.engine_args import add_engine_args, configure_threads
+
+if TYPE_CHECKING:  # the CLI imports torch only when a command runs
+    from multiguess.engine.runner import NativeRunner
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -125,11 +129,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def kernels_label(runner: object) -> str:
+def kernels_label(runner: NativeRunner) -> str:
     """Which kernels the target ran: multiguess's bf16 kernels, oneDNN prepacked, or eager."""
-    if getattr(runner, "layer_kernels", False):
+    if runner.layer_kernels:
         return "multiguess bf16"
-    return "prepacked" if getattr(runner, "packed", False) else "eager"
+    return "prepacked" if runner.packed else "eager"
 
 
 def git_commit() -> str:

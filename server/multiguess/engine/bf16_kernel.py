@@ -115,6 +115,14 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def loaded() -> ctypes.CDLL:
+    """The library, for callers that checked ``usable`` or ``attention_supported`` first."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the bf16 kernels are not available: check usable() first")
+    return lib
+
+
 def usable(weight: torch.Tensor) -> bool:
     """bf16 CPU weights with an even input width, on a CPU and build that run the kernel."""
     return (
@@ -152,8 +160,7 @@ def matmul(
     ``norm`` (weight, epsilon) multiplies ``RMSNorm(x)`` instead; ``gated`` takes x as
     ``[..., 2 * in]`` (gate, then up) and multiplies ``silu(gate) * up``; ``residual`` (the
     output's shape) is added. Each rounds to bf16 where the module it replaces does."""
-    lib = library()
-    assert lib is not None, "matmul needs the compiled kernel: check usable() first"
+    lib = loaded()
     in_features = packed.shape[1] * 2
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     y = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
@@ -168,7 +175,7 @@ def matmul(
         in_features,
         out_features,
         torch.get_num_threads(),
-        None if norm is None else norm[0].data_ptr(),
+        pointer(None if norm is None else norm[0]),
         0.0 if norm is None else norm[1],
         int(gated),
         pointer(residual),
@@ -191,8 +198,7 @@ def rope_into_cache(
     values go to ``layer_cache`` ``[slots, 2 * kv_heads, capacity, D]`` (fp32) at ``starts[b] + t``
     of slot ``slots[b]``; the fp32 queries ``[B, T, heads, D]`` are returned. Bitwise the
     runner's ``apply_rotary`` and cache write, in one call instead of a dozen."""
-    lib = library()
-    assert lib is not None, "rope_into_cache needs the compiled kernel"
+    lib = loaded()
     batch, width, _, dim = qkv.shape
     kv_heads = layer_cache.shape[1] // 2
     assert qkv.is_contiguous() and layer_cache.is_contiguous() and layer_cache.dtype == torch.float32
@@ -232,8 +238,7 @@ def attention(
     ``layer_cache`` ``[slots, 2 * kv_heads, capacity, D]``, additive ``mask`` ``[B, T, length]``:
     ``[B, T, H * D]`` in bf16. Each query row is computed alone, keys in cache order, hidden keys
     skipped, so a tree node and the same token decoded alone get the same bits."""
-    lib = library()
-    assert lib is not None, "attention needs the compiled kernel"
+    lib = loaded()
     batch, width, heads, dim = queries.shape
     assert queries.is_contiguous() and mask.shape == (batch, width, length)
     out = torch.empty(batch, width, heads * dim, dtype=torch.bfloat16)

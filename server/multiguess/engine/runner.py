@@ -187,7 +187,8 @@ class NativeRunner:
         # Additive form once per forward: a bool mask is converted by the kernel in every layer.
         mask = torch.zeros(visible_mask.shape, dtype=self.attn_dtype, device=device)
         mask.masked_fill_(~visible_mask, float("-inf"))
-        if self.layer_kernels:
+        if self.layer_kernels:  # the kernels take [B, T, L] masks and slot/start tensors
+            mask = mask[:, 0]
             where = (torch.tensor(slots), write_from.to(torch.int64).contiguous())
         else:
             mask = fold_mask(mask, self.num_heads // self.num_kv_heads)
@@ -197,6 +198,8 @@ class NativeRunner:
         x = self.embed(tokens.to(device)).to(self.dtype)
         cos, sin = self.rotary(x, positions.to(device))
         rope = rotary_tables(cos, sin)
+        if self.layer_kernels:  # [B, T, D] tables, sliced once per forward rather than per layer
+            rope = (rope[0][:, :, 0], rope[1][:, :, 0])
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             scale = getattr(attn, "scaling", None) or self.head_dim**-0.5
@@ -228,10 +231,9 @@ class NativeRunner:
         and q/k/v product, rotary and cache write, attention; three calls."""
         qkv = self.qkv[i](x, norm=self.layers[i].input_layernorm).view(*x.shape[:2], -1, self.head_dim)
         slots, starts = where
-        q = bf16_kernel.rope_into_cache(
-            qkv, rope[0][:, :, 0], rope[1][:, :, 0], self.cache.kv[i], slots, starts, self.num_heads
-        )
-        return bf16_kernel.attention(q, self.cache.kv[i], slots, mask[:, 0], scale, length)
+        layer_cache = self.cache.kv[i]
+        q = bf16_kernel.rope_into_cache(qkv, *rope, layer_cache, slots, starts, self.num_heads)
+        return bf16_kernel.attention(q, layer_cache, slots, mask, scale, length)
 
     def _queries_writing_cache(
         self, i: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], where: tuple
