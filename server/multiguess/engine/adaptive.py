@@ -1,46 +1,139 @@
 """Adaptive speculation: how big a tree the batch's sequences get this step (a pure policy).
 
-Four signals decide. *Acceptance*: level i of a tree is reached with probability about a^i
-(a = the draft's per-level acceptance rate on this traffic, a running estimate over every
-tree the engine drafted; one tree shape serves the whole batch), so drafting d levels
-yields ``1 + a + … + a^d`` tokens per step. *Draft cost*: each level costs ``r`` plain target
-steps (r = measured draft time per level / the target's plain step at this batch size; steps
-in which a sequence's draft first caught up on tokens it had not seen are left out: that
-catch-up is paid once when drafting resumes, not per level).
-*Verification cost*: verifying n nodes per sequence costs ``g`` plain steps, read from the
-target's forward time by tokens in the forward (``ForwardCost``, measured when the engine
-starts): nearly 1 while the forward is memory-bound, growing once it is compute-bound, which
-on a CPU happens at a few dozen tokens, so a batch of 8 verifying 4 nodes each can cost 1.7×
-its plain step. The step costs ``g + d·r``; the tree maximises tokens per cost, and nothing is
-drafted when no tree beats plain decoding by ``min_speedup``. *Load*: ``token_budget`` nodes
-are shared by the batch at most: few sequences get bushy trees, many get chains, very many get
-none.
+Four signals decide. *Acceptance by width*: a drafted node with c children lets the path go on
+when the target's token is among them, which happens at the draft's top-c *coverage* on this
+traffic (``Coverage``: running estimates for c = 1 … num_candidates, every verified tree
+observing each level its accepted path tried). A chain drafts one child per level and goes on
+at the top-1 rate; a tree of width 3 at the top-3 rate, which for the embedded pair is
+~1.5× higher. So each tree shape's expected tokens follow from the coverage and the tree the
+drafter would grow (``expected_tokens``). *Draft cost*: each level costs ``r`` plain target
+steps (r = measured draft time per level / the target's plain step at this batch size; steps in
+which a sequence's draft first caught up on tokens it had not seen are left out: that catch-up
+is paid once when drafting resumes, not per level). *Verification cost*: verifying n nodes per sequence costs
+``g`` plain steps, read from the target's forward time by tokens in the forward
+(``ForwardCost``, measured when the engine starts): nearly 1 while the forward is memory-bound,
+growing once it is compute-bound, which on a CPU happens at a few tokens. A step costs
+``g + d·r``; the plan tries every width and depth within the budget and keeps the shape with
+the most tokens per cost, and nothing is drafted when none beats plain decoding by
+``min_speedup``. *Load*: ``token_budget`` nodes are shared by the batch at most: few sequences
+get bushy trees, many get chains, very many get none.
 
-While nothing is drafted, one sequence at a time *probes* with a one-level tree, so the estimate
-can recover: the one observed longest ago, after ``probe_every`` steps, then at doubling
-intervals up to ``probe_every`` × batch size (at most ``probe_every_max``) while probes keep
-finding that drafting does not pay (see ``ProbeSchedule``): alone, a sequence probes every
-``probe_every`` steps, because its probe's catch-up is short and a good stretch of text (code,
-a quote) should turn drafting back on within a few tokens. One sequence, because a probe makes
-the draft catch up on everything that sequence added since it last drafted — its whole prompt,
-for a new request: when the batch probed at once, a batch of 8 paid ~47 ms of draft catch-up
-every 64 steps (~2% of its throughput) for estimates that kept saying no. The probe is as wide as the budget allows while
-its extra tokens cost the target's forward almost nothing (width costs the draft nothing, and a
-chain probe would measure a lower rate than the trees it stands for), a single node otherwise.
+While nothing is drafted, one sequence at a time *probes* with a one-level tree as wide as the
+budget allows (so it measures every width's coverage at once), so the estimates can recover:
+the one observed longest ago, after ``probe_every`` steps, then at doubling intervals up to
+``probe_every`` × batch size (at most ``probe_every_max``) while probes keep finding that
+drafting does not pay (see ``ProbeSchedule``): alone, a sequence probes every ``probe_every``
+steps, because its probe's catch-up is short and a good stretch of text (code, a quote) should
+turn drafting back on within a few tokens. One sequence, because a probe makes the draft catch
+up on everything that sequence added since it last drafted — its whole prompt, for a new
+request: when the batch probed at once, a batch of 8 paid ~47 ms of draft catch-up every 64
+steps (~2% of its throughput) for estimates that kept saying no.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
+import functools
+import itertools
 from dataclasses import dataclass
 
 from multiguess.engine.drafter import TreeBudget
+from multiguess.engine.tree import TokenTree
+
+# One level a verified tree's accepted path tried: how many children the path's node had, and
+# the rank among them of the child the target accepted (None: none was, the path ended there).
+Outcome = tuple[int, int | None]
 
 
-def expected_speedup(acceptance: float, depth: int, cost_ratio: float, verify_growth: float = 1.0) -> float:
-    """Tokens per plain-step-equivalent for a ``depth``-level draft (1.0 = plain decoding)."""
-    tokens = sum(acceptance**i for i in range(depth + 1))
-    return tokens / (verify_growth + depth * cost_ratio)
+@dataclass(frozen=True)
+class Coverage:
+    """``rates[c - 1]``: how often the target's next token is among the draft's ``c`` best
+    children of a node (sampled requests: its first ``c`` draws), c = 1 … the widest tree."""
+
+    rates: tuple[float, ...]
+
+    @classmethod
+    def prior(cls, top1: float, width: int) -> Coverage:
+        """Before anything was verified: ``top1``, and wider as if each child were an
+        independent try. Optimistic for wide trees on purpose, so that they are tried and
+        measured (a chain never observes what width would have caught)."""
+        return cls(tuple(round(1 - (1 - top1) ** c, 3) for c in range(1, max(1, width) + 1)))
+
+    def __call__(self, children: float) -> float:
+        """The rate for ``children`` children (fractional: an average over a level's nodes,
+        interpolated; none: 0). Never below a narrower width's rate."""
+        children = min(children, len(self.rates))
+        if children <= 0:
+            return 0.0
+        whole = int(children)
+        low = max(self.rates[:whole], default=0.0)
+        if whole == children:
+            return low
+        return low + (children - whole) * (max(low, self.rates[whole]) - low)
+
+    def updated(self, outcomes: list[Outcome], per_outcome: float, most: float) -> Coverage:
+        """Fold one step's outcomes in: for each width c, the levels that had at least c
+        children say whether the accepted child was among the first c. Each outcome weighs
+        ``per_outcome`` and a step at most ``most``, so a big batch's step does not erase the
+        history and a lone sequence's one level does not swing it."""
+        rates = list(self.rates)
+        for c in range(1, len(rates) + 1):
+            seen = [rank is not None and rank < c for children, rank in outcomes if children >= c]
+            if seen:
+                weight = min(most, per_outcome * len(seen))
+                rates[c - 1] += weight * (sum(seen) / len(seen) - rates[c - 1])
+        return Coverage(tuple(round(rate, 3) for rate in rates))
+
+
+def level_outcomes(tree: TokenTree, path: list[int]) -> list[Outcome]:
+    """The levels a verified tree's accepted ``path`` (root first) tried, in order: at each
+    node on it that has children, their number and the rank of the accepted one (children are
+    in the drafter's rank order), up to the first level where none was accepted."""
+    children = tree.children()
+    outcomes: list[Outcome] = []
+    for depth, node in enumerate(path):
+        kids = children[node]
+        if not kids:
+            break
+        following = path[depth + 1] if depth + 1 < len(path) else None
+        outcomes.append((len(kids), None if following is None else kids.index(following)))
+    return outcomes
+
+
+def expected_tokens(coverage: Coverage, tree: TreeBudget) -> float:
+    """Tokens one verification of ``tree``'s shape yields, the bonus token included.
+
+    The target takes a node's child of rank r with probability ``p[r] = coverage(r + 1) -
+    coverage(r)``, level after level, so a node is reached with the product of its path's
+    ``p`` and the expected accepted length is the sum over the tree's nodes. The tree is the
+    one ``ModelDrafter`` grows: per level every beam node gets ``num_candidates`` children, the
+    spine child and the likeliest others form the next beam, and the kept nodes are the spine
+    and then the likeliest others."""
+    if tree.depth == 0:
+        return 1.0
+    spine, others = _reach(coverage.rates, tree.num_candidates, tree.depth)
+    kept = min(tree.max_nodes, tree.depth)
+    return 1.0 + spine[kept] + others[min(len(others) - 1, tree.max_nodes - kept)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _reach(rates: tuple[float, ...], width: int, depth: int) -> tuple[list[float], list[float]]:
+    """How likely the path is to reach the drafter's candidates ``depth`` levels deep, as
+    running sums: of the spine's first i nodes, and of the i likeliest others. Cached: a plan
+    asks for every shape, and the estimates are kept to three decimals."""
+    coverage = Coverage(rates)
+    p = [coverage(r + 1) - coverage(r) for r in range(width)]
+    spine: list[float] = []
+    others: list[float] = []
+    beam = [(1.0, True)]
+    for _ in range(depth):
+        children = [(reach * p[r], on_spine and r == 0) for reach, on_spine in beam for r in range(width)]
+        spine += [reach for reach, on_spine in children if on_spine]
+        rest = sorted((reach for reach, on_spine in children if not on_spine), reverse=True)
+        others += rest
+        beam = [(spine[-1], True), *((reach, False) for reach in rest[: width - 1])]
+    return [0.0, *itertools.accumulate(spine)], [0.0, *itertools.accumulate(sorted(others, reverse=True))]
 
 
 @dataclass(frozen=True)
@@ -69,12 +162,18 @@ class ForwardCost:
 @dataclass(frozen=True)
 class AdaptivePolicy:
     token_budget: int = 32  # tree nodes (roots included) one target forward verifies at most
-    min_speedup: float = 1.1  # speculate only when the best tree is expected to win this much
-    smoothing: float = 0.3  # weight of the newest observation in the acceptance average
-    prior: float = 0.5  # acceptance assumed before a sequence has any history
+    min_speedup: float = 1.05  # speculate only when the best tree is expected to win this much
+    smoothing: float = 0.1  # weight of one observed level in the coverage estimates
+    step_weight: float = 0.3  # the most one step's observations weigh together
+    prior: float = 0.5  # top-1 acceptance assumed before anything was verified
     probe_every: int = 8  # steps from drafting stopping to the first probe
     probe_every_max: int = 64  # longest interval between probes while they keep finding no gain
-    probe_growth: float = 1.05  # a probe is as wide as the budget if that forward costs this little
+
+    def initial(self, width: int) -> Coverage:
+        return Coverage.prior(self.prior, width)
+
+    def update(self, coverage: Coverage, outcomes: list[Outcome]) -> Coverage:
+        return coverage.updated(outcomes, self.smoothing, self.step_weight)
 
     def probe_interval(self, batch_size: int) -> int:
         """The longest wait between probes at this batch size (see the module's docstring)."""
@@ -83,35 +182,39 @@ class AdaptivePolicy:
     def plan(
         self,
         base: TreeBudget,
-        acceptance: float,
-        batch_size: int,
+        coverages: list[Coverage],
         cost_ratio: float,
         forward_cost: ForwardCost | None = None,
     ) -> TreeBudget:
-        """The tree every sequence of the batch drafts, at most ``base``; depth 0 when none pays."""
-        batch, nodes = max(1, batch_size), self.room(base, batch_size)
+        """The tree every sequence of the batch drafts, at most ``base``; depth 0 when none pays.
+
+        ``coverages`` holds each sequence's estimates (the engine keeps one for greedy and one
+        for sampled requests, whose rates differ several-fold); a shape's tokens are their mean."""
+        batch, nodes = max(1, len(coverages)), self.room(base, len(coverages))
         off = TreeBudget(base.num_candidates, 0, base.max_nodes)
         if nodes < 1:
             return off
         cost = forward_cost or ForwardCost()
-        trees = [self._tree(base, nodes, depth) for depth in range(1, min(base.depth, nodes) + 1)]
+        shapes = self._shapes(base, nodes)
+        kinds = collections.Counter(coverages)
+        growth = {size: cost.growth(batch, 1 + size) for size in {tree.max_nodes for tree in shapes}}
 
         def speedup(tree: TreeBudget) -> float:
-            growth = cost.growth(batch, 1 + tree.max_nodes)
-            return expected_speedup(acceptance, tree.depth, cost_ratio, growth)
+            tokens = sum(count * expected_tokens(c, tree) for c, count in kinds.items()) / batch
+            return tokens / (growth[tree.max_nodes] + tree.depth * cost_ratio)
 
-        best = max(trees, key=speedup)
+        best = max(shapes, key=speedup)
         return best if speedup(best) >= self.min_speedup else off
 
-    def probe(self, base: TreeBudget, batch_size: int, forward_cost: ForwardCost | None = None) -> TreeBudget:
-        """The one-level tree one sequence of the batch probes with (depth 0: no tree fits)."""
-        batch, nodes = max(1, batch_size), self.room(base, batch_size)
+    def probe(self, base: TreeBudget, batch_size: int) -> TreeBudget:
+        """The one-level tree one sequence of the batch probes with (depth 0: no tree fits): as
+        wide as room allows, since one level's width costs the draft nothing and measures the
+        coverage of every width up to it."""
+        nodes = self.room(base, batch_size)
         if nodes < 1:
             return TreeBudget(base.num_candidates, 0, base.max_nodes)
-        level = self._tree(base, nodes, 1)
-        cost = forward_cost or ForwardCost()
-        wide = cost(batch + level.max_nodes) / cost(batch) <= self.probe_growth
-        return level if wide else TreeBudget(1, 1, 1)
+        width = min(base.num_candidates, nodes)
+        return TreeBudget(width, 1, width)
 
     def room(self, base: TreeBudget, batch_size: int) -> int:
         """Drafted nodes each sequence may have: the batch's share of ``token_budget`` less its
@@ -121,31 +224,28 @@ class AdaptivePolicy:
         return max(0, self.token_budget // max(1, batch_size) - 1)
 
     @staticmethod
-    def _tree(base: TreeBudget, nodes: int, depth: int) -> TreeBudget:
-        """The ``depth``-level tree within ``nodes``: as wide as room allows, as big as the
-        drafter can fill (``width`` children at the first level, ``width²`` at each next)."""
-        width = base.num_candidates if nodes >= 2 * depth else 1
-        size = min(base.max_nodes, nodes, width + (depth - 1) * width * width)
-        return TreeBudget(width, depth, size)
+    @functools.lru_cache(maxsize=256)
+    def _shapes(base: TreeBudget, nodes: int) -> tuple[TreeBudget, ...]:
+        """Every width and depth within ``base`` and ``nodes``, a few sizes each, smallest
+        first (so that of equally good shapes the plan keeps the smallest)."""
+        shapes = {
+            shape
+            for width in range(1, base.num_candidates + 1)
+            for depth in range(1, min(base.depth, nodes) + 1)
+            for shape in AdaptivePolicy._trees(base, nodes, width, depth)
+        }
+        return tuple(sorted(shapes, key=lambda t: (t.max_nodes, t.depth, t.num_candidates)))
 
     @staticmethod
-    def observed(accepted: int, drafted_depth: int) -> float | None:
-        """The per-level rate one tree showed (``accepted`` of its ``drafted_depth`` levels).
-
-        Levels are tried until one fails, so the step tried ``min(accepted + 1, depth)`` levels
-        and ``accepted`` of them succeeded: their ratio estimates the per-level rate.
-        """
-        if drafted_depth <= 0:
-            return None
-        return accepted / min(accepted + 1, drafted_depth)
-
-    def update(self, acceptance: float, observed: list[float]) -> float:
-        """Fold one step's observations (one per drafted tree) into the estimate, as their mean:
-        a step of a big batch counts once, not once per sequence."""
-        if not observed:
-            return acceptance
-        mean = sum(observed) / len(observed)
-        return (1 - self.smoothing) * acceptance + self.smoothing * mean
+    def _trees(base: TreeBudget, nodes: int, width: int, depth: int) -> list[TreeBudget]:
+        """``depth``-level trees of ``width`` within ``nodes``: the spine plus the first level's
+        other children, the spine and about one node per level besides, and as big as the
+        drafter can fill (``width`` children at the first level, ``width²`` at each next)."""
+        width = min(width, nodes)
+        largest = min(base.max_nodes, nodes, width + (depth - 1) * width * width)
+        depth = min(depth, largest)
+        sizes = {min(largest, size) for size in (depth + width - 1, depth * width, largest)}
+        return [TreeBudget(width, depth, size) for size in sizes]
 
 
 @dataclass

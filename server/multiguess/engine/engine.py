@@ -17,7 +17,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from multiguess.engine.acceptance import Acceptance, accept_greedy, accept_sampled
-from multiguess.engine.adaptive import AdaptivePolicy, CostMeter, ForwardCost, ProbeSchedule
+from multiguess.engine.adaptive import (
+    AdaptivePolicy,
+    CostMeter,
+    ForwardCost,
+    Outcome,
+    ProbeSchedule,
+    level_outcomes,
+)
 from multiguess.engine.drafter import Drafter, DraftRequest, ModelDrafter, Proposal, SampleSpec, TreeBudget
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.sampling import Processing, processed_probs
@@ -131,11 +138,11 @@ class Engine:
         self.last_draft_error: str | None = None
         self.last_tree_sizes: list[int] = []  # drafted nodes per sequence in the last step
         self.costs = CostMeter()
-        # The draft's per-level acceptance on this traffic: the policy's prior until anything
-        # was drafted, then the running rate over every drafted tree, so a new request does not
-        # spend its first steps drafting on an optimistic guess.
-        self.acceptance = self.config.policy.prior
+        # The draft's coverage by width on this traffic, for greedy (True) and sampled requests
+        # apart: the policy's prior until anything was drafted, then running rates over every
+        # verified tree, so a new request does not spend its first steps on an optimistic guess.
         policy = self.config.policy
+        self.coverage = dict.fromkeys((True, False), policy.initial(self.config.num_candidates))
         self.probes = ProbeSchedule(policy.probe_every)
         # Measured whatever the drafter: a server attaches a remote drafter after construction.
         self.forward_cost = ForwardCost()
@@ -201,7 +208,8 @@ class Engine:
         self.costs.record(drafted - started, levels, time.perf_counter() - drafted)
         for seq in drafting:
             seq.drafted_at = self.steps
-        outputs, observed = [], []
+        outputs: list[StepOutput] = []
+        observed: dict[bool, list[Outcome]] = {True: [], False: []}
         target_probs = target_distributions(batch, proposals, logits)
         for b, (seq, proposal) in enumerate(zip(batch, proposals, strict=True)):
             rows = logits[b, : len(proposal.tree)]
@@ -220,9 +228,7 @@ class Engine:
             if self.drafter is not None and len(proposal.tree) > 1:
                 self.drafter.commit(seq.slot, proposal, acceptance)
             self._record(seq, proposal, acceptance)
-            rate = self.config.policy.observed(acceptance.accepted_drafts, proposal.tree.max_depth)
-            if rate is not None:
-                observed.append(rate)
+            observed[seq.params.greedy].extend(level_outcomes(proposal.tree, acceptance.path))
             before = len(seq.output_ids)
             seq.append(acceptance.tokens, self.eos_ids, self.tokenizer)
             outputs.append(
@@ -235,7 +241,8 @@ class Engine:
                     seq,
                 )
             )
-        self.acceptance = self.config.policy.update(self.acceptance, observed)
+        for greedy, outcomes in observed.items():
+            self.coverage[greedy] = self.config.policy.update(self.coverage[greedy], outcomes)
         # After every sequence's cache is compacted: retiring may move a sequence to another slot.
         for seq in [s for s in batch if s.finished]:
             self._retire(seq)
@@ -269,7 +276,7 @@ class Engine:
         if not cfg.adaptive:
             return [cfg.budget] * len(batch)
         ratio = self.costs.ratio(cost(len(batch)))
-        planned = cfg.policy.plan(cfg.budget, self.acceptance, len(batch), ratio, cost)
+        planned = cfg.policy.plan(cfg.budget, [self.coverage[s.params.greedy] for s in batch], ratio, cost)
         trees = [planned] * len(batch)
         if planned.depth > 0:
             self.probes.reset()
@@ -277,7 +284,7 @@ class Engine:
             adaptive = [i for i, seq in enumerate(batch) if not fixed_tree(seq.params)]
             if adaptive:
                 oldest = min(adaptive, key=lambda i: batch[i].drafted_at)
-                trees[oldest] = cfg.policy.probe(cfg.budget, len(batch), cost)
+                trees[oldest] = cfg.policy.probe(cfg.budget, len(batch))
         return trees
 
     def _budget(self, seq: Sequence, planned: TreeBudget) -> TreeBudget:
