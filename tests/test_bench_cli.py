@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import pytest
 from multiguess.cli import main
 
 
@@ -30,6 +31,10 @@ def test_bench_writes_results_table_and_plot(
         assert rows[name]["identical_to_plain"] == 1.0, name
         assert len(rows[name]["repeats"]) == 2
     assert rows["multiguess tree"]["mean_accepted_length"] >= 1.0
+    # The step and its bound come from the same rounds: the ratio is theirs (medians of pairs).
+    bound = report["bandwidth_bound_step_ms"]
+    assert report["step_over_bound"] > 0
+    assert bound == pytest.approx(report["weight_bytes"] / report["bandwidth_gb_s"] / 1e6, rel=0.01, abs=0.006)
     doc = (out / "BENCHMARKS.md").read_text()
     assert "Hand-written notes stay." in doc and "| multiguess tree |" in doc
     assert (out / "img" / "bench-float32.png").stat().st_size > 1000

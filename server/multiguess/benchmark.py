@@ -124,6 +124,41 @@ def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     return data.numel() * 4 / statistics.median(times) / 1e9
 
 
+@dataclass(frozen=True)
+class StepBound:
+    """A plain decode step against the time to read every weight once, medians of paired rounds."""
+
+    step_ms: float
+    bandwidth_gb_s: float
+    bound_ms: float
+    ratio: float  # step over bound, the median of the rounds' own ratios
+
+
+def step_against_bound(
+    engine: Engine, prompt: list[int], weights: int, rounds: int = 5, steps: int = 32
+) -> StepBound:
+    """Time plain decode steps (prefill left out) right after each bandwidth probe, ``rounds``
+    times. This VM's bandwidth drifts by up to 2x within the hour (22-52 GB/s measured), so a
+    bound probed minutes away from the steps it is compared with says little about them."""
+    step, bandwidth, bound, ratio = [], [], [], []
+    for _ in range(rounds):
+        probed = measure_bandwidth(repeats=3)
+        engine.add_request("bound", prompt, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
+        engine.step()  # the prefill and the first token
+        start, count = time.perf_counter(), 0
+        while engine.has_unfinished():
+            engine.step()
+            count += 1
+        step.append((time.perf_counter() - start) / count * 1000)
+        bandwidth.append(probed)
+        bound.append(weights / (probed * 1e9) * 1000)
+        ratio.append(step[-1] / bound[-1])
+    median = statistics.median
+    return StepBound(
+        round(median(step), 2), round(median(bandwidth), 2), round(median(bound), 2), round(median(ratio), 2)
+    )
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes read per decode step: every parameter once (tied embeddings counted once)."""
     seen, total = set(), 0
