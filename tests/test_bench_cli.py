@@ -34,7 +34,9 @@ def test_bench_writes_results_table_and_plot(
     # The step and its bound come from the same rounds: the ratio is theirs (medians of pairs).
     bound = report["bandwidth_bound_step_ms"]
     assert report["step_over_bound"] > 0
-    assert bound == pytest.approx(report["weight_bytes"] / report["bandwidth_gb_s"] / 1e6, rel=0.01, abs=0.006)
+    assert bound == pytest.approx(
+        report["weight_bytes"] / report["bandwidth_gb_s"] / 1e6, rel=0.01, abs=0.006
+    )
     doc = (out / "BENCHMARKS.md").read_text()
     assert "Hand-written notes stay." in doc and "| multiguess tree |" in doc
     assert (out / "img" / "bench-float32.png").stat().st_size > 1000

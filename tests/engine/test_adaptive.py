@@ -81,11 +81,10 @@ def test_expected_tokens_sums_the_chance_of_reaching_each_node() -> None:
     assert expected_tokens(wide, TreeBudget(2, 2, 5)) == pytest.approx(1 + 0.4 + 0.16 + 0.2 + 0.08 + 0.08)
 
 
-def test_coverage_interpolates_and_never_narrows() -> None:
+def test_coverage_never_narrows() -> None:
     coverage = Coverage((0.4, 0.3, 0.7))  # a noisy estimate: top-2 measured below top-1
     assert coverage(0) == 0.0
     assert coverage(2) == 0.4
-    assert coverage(2.5) == pytest.approx(0.55)
     assert coverage(5) == 0.7
     assert Coverage.prior(0.5, 3).rates == (0.5, 0.75, 0.875)
 

@@ -9,8 +9,8 @@ at the top-1 rate; a tree of width 3 at the top-3 rate, which for the embedded p
 drafter would grow (``expected_tokens``). *Draft cost*: each level costs ``r`` plain target
 steps (r = measured draft time per level / the target's plain step at this batch size; steps in
 which a sequence's draft first caught up on tokens it had not seen are left out: that catch-up
-is paid once when drafting resumes, not per level). *Verification cost*: verifying n nodes per sequence costs
-``g`` plain steps, read from the target's forward time by tokens in the forward
+is paid once when drafting resumes, not per level). *Verification cost*: verifying n nodes per
+sequence costs ``g`` plain steps, read from the target's forward time by tokens in the forward
 (``ForwardCost``, measured when the engine starts): nearly 1 while the forward is memory-bound,
 growing once it is compute-bound, which on a CPU happens at a few tokens. A step costs
 ``g + d·r``; the plan tries every width and depth within the budget and keeps the shape with
@@ -60,17 +60,10 @@ class Coverage:
         measured (a chain never observes what width would have caught)."""
         return cls(tuple(round(1 - (1 - top1) ** c, 3) for c in range(1, max(1, width) + 1)))
 
-    def __call__(self, children: float) -> float:
-        """The rate for ``children`` children (fractional: an average over a level's nodes,
-        interpolated; none: 0). Never below a narrower width's rate."""
-        children = min(children, len(self.rates))
-        if children <= 0:
-            return 0.0
-        whole = int(children)
-        low = max(self.rates[:whole], default=0.0)
-        if whole == children:
-            return low
-        return low + (children - whole) * (max(low, self.rates[whole]) - low)
+    def __call__(self, children: int) -> float:
+        """The rate for ``children`` children (none: 0), never below a narrower width's: the
+        estimates of different widths come from different levels and can cross."""
+        return max(self.rates[:children], default=0.0)
 
     def updated(self, outcomes: list[Outcome], per_outcome: float, most: float) -> Coverage:
         """Fold one step's outcomes in: for each width c, the levels that had at least c
