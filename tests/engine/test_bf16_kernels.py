@@ -187,3 +187,29 @@ def test_bf16_speculation_equals_bf16_plain_decoding(
     assert spec.engine.target.layer_kernels
     outputs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)] for llm in (plain, spec)]
     assert outputs[0] == outputs[1]
+
+
+@needs_kernel
+def test_layer_kernel_equals_the_per_op_kernels(gqa_pair: tuple[Path, Path]) -> None:
+    """One call per layer computes, bit for bit, what the six per-op kernels compose to (norms,
+    epsilons, biases and residuals wired right), for a batch of trees after cached prefixes."""
+    loaded = load_model(str(gqa_pair[0]), dtype="bfloat16")
+    fused, per_op = NativeRunner(loaded, 2, 256), NativeRunner(loaded, 2, 256)
+    assert fused.layer_kernels
+
+    def layers(x: torch.Tensor, rope: tuple, where: tuple, mask: torch.Tensor, length: int) -> None:
+        r = per_op
+        for i, layer in enumerate(r.layers):
+            qkv = r.qkv[i](x, norm=layer.input_layernorm).view(*x.shape[:2], -1, r.head_dim)
+            q = bf16_kernel.rope_into_cache(qkv, *rope, r.cache.kv[i], *where, r.num_heads)
+            out = bf16_kernel.attention(q, r.cache.kv[i], where[0], mask, r._scale(i), length)
+            h = r.o[i](out, residual=x)
+            x.copy_(r.down[i](r.gate_up[i](h, norm=layer.post_attention_layernorm), gated=True, residual=h))
+
+    per_op._layers_in_kernels = layers
+    prompts = random_prompts(13, (40, 9))
+    trees = [TokenTree((30, 41, 42, 43), (-1, 0, 0, 1)), TokenTree((7, 8), (-1, 0))]
+    for runner in (fused, per_op):
+        runner.forward_trees([0, 1], [0, 0], [TokenTree.chain(p) for p in prompts])
+    logits = [r.forward_trees([0, 1], [len(p) for p in prompts], trees) for r in (fused, per_op)]
+    assert torch.equal(logits[0], logits[1])

@@ -5,7 +5,9 @@ AMX) oneDNN streams them at 12–17 GB/s for decode-sized products; the product 
 (``kernels/bf16_kernels.c``: panels of 64 output rows, one contiguous stream each,
 ``vdpbf16ps``) reaches 24–36 GB/s and is no slower up to 256 rows, and it runs the norms, SiLU
 gating and residual adds around it in the same call. Rotary with the cache write, and attention,
-are one call per layer each instead of dozens of framework calls (docs/ENGINE.md). Every row of
+are one call each instead of dozens of framework calls, and the runner calls all of a layer's
+kernels at once (``run_layer``: one call from Python per layer instead of six, which saved a
+third of a plain decode step here; docs/ENGINE.md). Every row of
 every kernel is computed independently of the others, so a token's logits are the same bits in
 a one-token decode step and inside a verified tree: speculation equals plain decoding in bf16
 as well as in fp32.
@@ -74,6 +76,32 @@ def build(compiler: str) -> Path:
     return target
 
 
+class LayerWeights(ctypes.Structure):
+    """``multiguess_layer``: one decoder layer's packed weights, norms and cache, built once."""
+
+    _fields_ = [
+        *[(name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias")],
+        *[(name, ctypes.c_void_p) for name in ("gate_up", "gate_up_bias", "down", "down_bias", "cache")],
+        ("qkv_n", ctypes.c_int64),
+        ("inter", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("post_eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]
+
+
+class StepPlaces(ctypes.Structure):
+    """``multiguess_step``: what the layers of one forward share (shapes, tables, scratch)."""
+
+    _fields_ = [
+        *[(name, ctypes.c_void_p) for name in ("cos", "sin", "slots", "starts", "mask")],
+        *[(name, ctypes.c_void_p) for name in ("qkv", "attn", "gate_up", "h", "queries")],
+        *[(name, ctypes.c_int64) for name in ("batch", "width", "d", "heads", "kv_heads", "dim", "capacity")],
+        ("length", ctypes.c_int64),
+        ("threads", ctypes.c_int),
+    ]
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, or None (and one log line saying why) when it cannot be used."""
@@ -111,6 +139,12 @@ def library() -> ctypes.CDLL | None:
         ctypes.c_int,
     ]
     lib.multiguess_attention.restype = ctypes.c_int
+    lib.multiguess_bf16_layer.argtypes = [
+        ctypes.POINTER(LayerWeights),
+        ctypes.POINTER(StepPlaces),
+        ctypes.c_void_p,
+    ]
+    lib.multiguess_bf16_layer.restype = ctypes.c_int
     log.info("bf16 kernels loaded from %s", path)
     return lib
 
@@ -261,6 +295,13 @@ def attention(
     if status != 0:
         raise MemoryError("attention kernel: no memory for the scores")
     return out
+
+
+def run_layer(layer: LayerWeights, step: StepPlaces, x: torch.Tensor) -> None:
+    """One decoder layer on the contiguous bf16 residual stream ``x`` ``[B, T, D]``, in place:
+    the same kernels as the per-op calls, in one call (``multiguess_bf16_layer``)."""
+    if loaded().multiguess_bf16_layer(ctypes.byref(layer), ctypes.byref(step), x.data_ptr()) != 0:
+        raise MemoryError("bf16 layer kernel: no memory for the prepared inputs")
 
 
 if __name__ == "__main__":

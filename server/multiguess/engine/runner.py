@@ -6,8 +6,8 @@ one layer layout, so this module drives the model's own weights and submodules (
 embedding, activation) directly, runs RMSNorm as one fused call with each norm's weight and
 epsilon, and does the attention itself: a batch of token trees, each placed after its
 sequence's prefix, attends to prefix + its own ancestors in one forward. On CPUs with
-AVX512-BF16 and bf16 weights the norms, SiLU gating, residual adds, rotary and cache writes
-run inside multiguess's bf16 kernels (``bf16_kernel.py``) instead of as separate calls.
+AVX512-BF16 and bf16 weights each whole layer (norms, products, SiLU gating, residual adds,
+rotary, cache write, attention) is one call into multiguess's bf16 kernels (``bf16_kernel.py``).
 """
 
 from __future__ import annotations
@@ -143,13 +143,22 @@ class NativeRunner:
         self.gate_up = [Projection.of([la.mlp.gate_proj, la.mlp.up_proj], pack) for la in self.layers]
         self.down = [Projection.of([la.mlp.down_proj], pack) for la in self.layers]
         self.head = Projection.of([self.lm_head], pack)
-        # Rotary, the cache write and attention in the bf16 kernels too (bf16_kernel.py): a few
-        # calls per layer instead of dozens, and attention rows independent of the batch's shape.
+        # Whole layers in the bf16 kernels (bf16_kernel.py): norms, products, rotary, cache write,
+        # attention and residual adds in one call per layer, attention rows independent of the
+        # batch's shape. Pre-norm SiLU-gated layers with bf16 norms, without q/k norms.
         self.layer_kernels = (
             self.attn_dtype == torch.float32
-            and all(p is not None and p.panels is not None for p in self.qkv)
+            and self.silu_gated
+            and all(
+                p is not None and p.panels is not None
+                for p in (*self.qkv, *self.o, *self.gate_up, *self.down)
+            )
+            and all(la.input_layernorm.weight.dtype == torch.bfloat16 for la in self.layers)
             and not hasattr(self.layers[0].self_attn, "q_norm")
             and bf16_kernel.attention_supported(self.head_dim)
+        )
+        self.layer_weights = (
+            [self._layer_weights(i) for i in range(len(self.layers))] if self.layer_kernels else []
         )
         # Scoring only ``head_vocab`` (a draft's vocabulary, models/draft_vocab.py): logit column
         # j is token head_vocab[j]. Needs a plain Linear head: a quantized one scores every token.
@@ -198,42 +207,80 @@ class NativeRunner:
         x = self.embed(tokens.to(device)).to(self.dtype)
         cos, sin = self.rotary(x, positions.to(device))
         rope = rotary_tables(cos, sin)
-        if self.layer_kernels:  # [B, T, D] tables, sliced once per forward rather than per layer
-            rope = (rope[0][:, :, 0], rope[1][:, :, 0])
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            scale = getattr(attn, "scaling", None) or self.head_dim**-0.5
-            if self.layer_kernels:
-                out = self._attention_in_kernels(i, x, rope, where, mask, scale, length)
-            else:
+        if self.layer_kernels:  # [B, T, D] tables
+            x = x.contiguous()
+            self._layers_in_kernels(x, (rope[0][:, :, 0], rope[1][:, :, 0]), where, mask, length)
+        else:
+            for i, layer in enumerate(self.layers):
                 q = self._queries_writing_cache(i, x, rope, where)
                 keys, values = self.cache.read(i, selector, length)
-                out = attention(q, keys, values, mask, scale).to(self.dtype)
-            x = x + attn.o_proj(out) if self.o[i] is None else self.o[i](out, residual=x)
-            x = self._mlp(i, x)
+                out = attention(q, keys, values, mask, self._scale(i)).to(self.dtype)
+                x = x + layer.self_attn.o_proj(out) if self.o[i] is None else self.o[i](out, residual=x)
+                x = self._mlp(i, x)
         if logits_at is not None:  # the norm is per row: selecting first is the same
             x = x[torch.arange(batch, device=device), logits_at.to(device)]
         if self.head is None:
             return self.lm_head(rms_norm(self.norm, x)).float()
         return self.head(x, norm=self.norm).float()
 
-    def _attention_in_kernels(
+    def _scale(self, i: int) -> float:
+        return getattr(self.layers[i].self_attn, "scaling", None) or self.head_dim**-0.5
+
+    def _layer_weights(self, i: int) -> bf16_kernel.LayerWeights:
+        """Layer i's packed weights, norms and cache, as the layer kernel reads them."""
+        layer = self.layers[i]
+        qkv, o, gate_up, down = self.qkv[i], self.o[i], self.gate_up[i], self.down[i]
+        pointer = bf16_kernel.pointer
+        return bf16_kernel.LayerWeights(
+            input_norm=layer.input_layernorm.weight.data_ptr(),
+            post_norm=layer.post_attention_layernorm.weight.data_ptr(),
+            qkv=qkv.panels.data_ptr(),
+            qkv_bias=pointer(qkv.bias),
+            o=o.panels.data_ptr(),
+            o_bias=pointer(o.bias),
+            gate_up=gate_up.panels.data_ptr(),
+            gate_up_bias=pointer(gate_up.bias),
+            down=down.panels.data_ptr(),
+            down_bias=pointer(down.bias),
+            cache=self.cache.kv[i].data_ptr(),
+            qkv_n=qkv.weight.shape[0],
+            inter=down.weight.shape[1],
+            eps=layer.input_layernorm.variance_epsilon,
+            post_eps=layer.post_attention_layernorm.variance_epsilon,
+            scale=self._scale(i),
+        )
+
+    def _layers_in_kernels(
         self,
-        i: int,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         where: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor,
-        scale: float,
         length: int,
-    ) -> torch.Tensor:
-        """Layer i's attention output ``[B, T, heads * D]`` (bf16) through the bf16 kernels: norm
-        and q/k/v product, rotary and cache write, attention; three calls."""
-        qkv = self.qkv[i](x, norm=self.layers[i].input_layernorm).view(*x.shape[:2], -1, self.head_dim)
-        slots, starts = where
-        layer_cache = self.cache.kv[i]
-        q = bf16_kernel.rope_into_cache(qkv, *rope, layer_cache, slots, starts, self.num_heads)
-        return bf16_kernel.attention(q, layer_cache, slots, mask, scale, length)
+    ) -> None:
+        """Every layer on the contiguous bf16 ``x`` ``[B, T, D]``, in place, one kernel call each."""
+        batch, width, d = x.shape
+        rows, inner = batch * width, self.num_heads * self.head_dim
+        bf16 = torch.bfloat16
+        qkv = torch.empty(rows, self.qkv[0].weight.shape[0], dtype=bf16)
+        attn, h = torch.empty(rows, inner, dtype=bf16), torch.empty(rows, d, dtype=bf16)
+        gate_up = torch.empty(rows, self.gate_up[0].weight.shape[0], dtype=bf16)
+        queries = torch.empty(rows, inner, dtype=torch.float32)
+        (cos, sin), (slots, starts), mask = (t.contiguous() for t in rope), where, mask.contiguous()
+        step = bf16_kernel.StepPlaces(
+            *(t.data_ptr() for t in (cos, sin, slots, starts, mask, qkv, attn, gate_up, h, queries)),
+            batch=batch,
+            width=width,
+            d=d,
+            heads=self.num_heads,
+            kv_heads=self.num_kv_heads,
+            dim=self.head_dim,
+            capacity=self.capacity,
+            length=length,
+            threads=torch.get_num_threads(),
+        )
+        for layer in self.layer_weights:
+            bf16_kernel.run_layer(layer, step, x)
 
     def _queries_writing_cache(
         self, i: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], where: tuple

@@ -280,3 +280,50 @@ int multiguess_attention(const float *queries, const float *cache, const int64_t
   }
   return failed ? -1 : 0;
 }
+
+/* One decoder layer's packed weights and cache (engine/bf16_kernel.py builds it once per layer). */
+typedef struct {
+  const uint16_t *input_norm, *post_norm; /* RMSNorm weights [d] */
+  const uint16_t *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+  float *cache; /* [slots][2 * kv_heads][capacity][dim] */
+  int64_t qkv_n, inter; /* q/k/v outputs, MLP intermediate size */
+  float eps, post_eps, scale; /* the two norms' epsilons, the attention scale */
+} multiguess_layer;
+
+/* What the layers of one forward share: shapes, rotary tables, cache places, mask, scratch. */
+typedef struct {
+  const uint16_t *cos, *sin;
+  const int64_t *slots, *starts;
+  const float *mask;
+  uint16_t *qkv, *attn, *gate_up, *h; /* [m][qkv_n], [m][heads * dim], [m][2 * inter], [m][d] */
+  float *queries; /* [m][heads * dim] */
+  int64_t batch, width, d, heads, kv_heads, dim, capacity, length;
+  int threads;
+} multiguess_step;
+
+/* A whole pre-norm SiLU-gated decoder layer on the residual stream x [m][d] (bf16, updated in
+ * place), as the runner's per-op path computes it: the same kernels in the same order, so the
+ * same bits, in one call instead of six (each call from Python costs more than a small
+ * product's arithmetic). Returns -1 when out of memory. */
+int multiguess_bf16_layer(const multiguess_layer *layer, const multiguess_step *step, uint16_t *x) {
+  const int64_t m = step->batch * step->width, inner = step->heads * step->dim;
+  const int threads = step->threads;
+  if (multiguess_bf16_matmul(layer->qkv, x, layer->qkv_bias, step->qkv, m, step->d, layer->qkv_n, threads,
+                             layer->input_norm, layer->eps, 0, NULL))
+    return -1;
+  multiguess_bf16_rope_cache(step->qkv, step->cos, step->sin, step->queries, layer->cache, step->slots,
+                             step->starts, step->batch, step->width, step->heads, step->kv_heads, step->dim,
+                             step->capacity);
+  if (multiguess_attention(step->queries, layer->cache, step->slots, step->mask, step->attn, step->batch,
+                           step->width, step->heads, step->kv_heads, step->dim, step->capacity, step->length,
+                           layer->scale, threads))
+    return -1;
+  if (multiguess_bf16_matmul(layer->o, step->attn, layer->o_bias, step->h, m, inner, step->d, threads, NULL, 0.0f,
+                             0, x))
+    return -1;
+  if (multiguess_bf16_matmul(layer->gate_up, step->h, layer->gate_up_bias, step->gate_up, m, step->d,
+                             2 * layer->inter, threads, layer->post_norm, layer->post_eps, 0, NULL))
+    return -1;
+  return multiguess_bf16_matmul(layer->down, step->gate_up, layer->down_bias, x, m, layer->inter, step->d, threads,
+                                NULL, 0.0f, 1, step->h);
+}
