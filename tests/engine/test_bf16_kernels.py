@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from multiguess import LLM, SamplingParams
 from multiguess.engine import bf16_kernel
 from multiguess.engine.linear import Projection, packing_supported, rms_norm
-from multiguess.engine.runner import NativeRunner, apply_rotary, rotary_tables
+from multiguess.engine.runner import NativeRunner, Placement, apply_rotary, rotary_tables
 from multiguess.engine.tree import TokenTree
 from multiguess.models.loading import load_model
 
@@ -197,14 +197,16 @@ def test_layer_kernel_equals_the_per_op_kernels(gqa_pair: tuple[Path, Path]) -> 
     fused, per_op = NativeRunner(loaded, 2, 256), NativeRunner(loaded, 2, 256)
     assert fused.layer_kernels
 
-    def layers(x: torch.Tensor, rope: tuple, where: tuple, mask: torch.Tensor, length: int) -> None:
-        r = per_op
+    def layers(x: torch.Tensor, at: Placement) -> torch.Tensor:
+        r, rope, mask = per_op, tuple(table[:, :, 0] for table in at.rope), at.mask[:, 0]
+        where = (torch.tensor(at.slots), at.write_from.to(torch.int64).contiguous())
         for i, layer in enumerate(r.layers):
             qkv = r.qkv[i](x, norm=layer.input_layernorm).view(*x.shape[:2], -1, r.head_dim)
             q = bf16_kernel.rope_into_cache(qkv, *rope, r.cache.kv[i], *where, r.num_heads)
-            out = bf16_kernel.attention(q, r.cache.kv[i], where[0], mask, r._scale(i), length)
+            out = bf16_kernel.attention(q, r.cache.kv[i], where[0], mask, r._scale(i), at.length)
             h = r.o[i](out, residual=x)
-            x.copy_(r.down[i](r.gate_up[i](h, norm=layer.post_attention_layernorm), gated=True, residual=h))
+            x = r.down[i](r.gate_up[i](h, norm=layer.post_attention_layernorm), gated=True, residual=h)
+        return x
 
     per_op._layers_in_kernels = layers
     prompts = random_prompts(13, (40, 9))

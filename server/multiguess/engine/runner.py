@@ -12,6 +12,8 @@ rotary, cache write, attention) is one call into multiguess's bf16 kernels (``bf
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -90,6 +92,17 @@ def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
     return mask[:, :, None].expand(batch, 1, groups, width, length).reshape(batch, 1, groups * width, length)
 
 
+class Placement(NamedTuple):
+    """Where one forward's tokens go: rotary tables ``[B, T, 1, D]``, the sequences' slots, the
+    cache row each starts writing at, the additive mask ``[B, 1, T, L]`` and its length L."""
+
+    rope: tuple[torch.Tensor, torch.Tensor]
+    slots: list[int]
+    write_from: torch.Tensor
+    mask: torch.Tensor
+    length: int
+
+
 class NativeRunner:
     """Runs one model over its own static KV cache (one slot per sequence).
 
@@ -153,7 +166,11 @@ class NativeRunner:
                 p is not None and p.panels is not None
                 for p in (*self.qkv, *self.o, *self.gate_up, *self.down)
             )
-            and all(la.input_layernorm.weight.dtype == torch.bfloat16 for la in self.layers)
+            and all(
+                norm.weight.dtype == torch.bfloat16
+                for la in self.layers
+                for norm in (la.input_layernorm, la.post_attention_layernorm)
+            )
             and not hasattr(self.layers[0].self_attn, "q_norm")
             and bf16_kernel.attention_supported(self.head_dim)
         )
@@ -196,27 +213,11 @@ class NativeRunner:
         # Additive form once per forward: a bool mask is converted by the kernel in every layer.
         mask = torch.zeros(visible_mask.shape, dtype=self.attn_dtype, device=device)
         mask.masked_fill_(~visible_mask, float("-inf"))
-        if self.layer_kernels:  # the kernels take [B, T, L] masks and slot/start tensors
-            mask = mask[:, 0]
-            where = (torch.tensor(slots), write_from.to(torch.int64).contiguous())
-        else:
-            mask = fold_mask(mask, self.num_heads // self.num_kv_heads)
-            where = self.cache.locate(slots, write_from, width)
-        selector = StaticKVCache.selector(slots)
-
         x = self.embed(tokens.to(device)).to(self.dtype)
         cos, sin = self.rotary(x, positions.to(device))
         rope = rotary_tables(cos, sin)
-        if self.layer_kernels:  # [B, T, D] tables
-            x = x.contiguous()
-            self._layers_in_kernels(x, (rope[0][:, :, 0], rope[1][:, :, 0]), where, mask, length)
-        else:
-            for i, layer in enumerate(self.layers):
-                q = self._queries_writing_cache(i, x, rope, where)
-                keys, values = self.cache.read(i, selector, length)
-                out = attention(q, keys, values, mask, self._scale(i)).to(self.dtype)
-                x = x + layer.self_attn.o_proj(out) if self.o[i] is None else self.o[i](out, residual=x)
-                x = self._mlp(i, x)
+        at = Placement(rope, slots, write_from, mask, length)
+        x = self._layers_in_kernels(x, at) if self.layer_kernels else self._layers_in_torch(x, at)
         if logits_at is not None:  # the norm is per row: selecting first is the same
             x = x[torch.arange(batch, device=device), logits_at.to(device)]
         if self.head is None:
@@ -250,15 +251,10 @@ class NativeRunner:
             scale=self._scale(i),
         )
 
-    def _layers_in_kernels(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        where: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
-        length: int,
-    ) -> None:
-        """Every layer on the contiguous bf16 ``x`` ``[B, T, D]``, in place, one kernel call each."""
+    def _layers_in_kernels(self, x: torch.Tensor, at: Placement) -> torch.Tensor:
+        """Every layer on bf16 ``x`` ``[B, T, D]`` (updated in place), one kernel call each; the
+        kernels take ``[B, T, D]`` rotary tables, a ``[B, T, L]`` mask and slot/start tensors."""
+        x = x.contiguous()
         batch, width, d = x.shape
         rows, inner = batch * width, self.num_heads * self.head_dim
         bf16 = torch.bfloat16
@@ -266,9 +262,11 @@ class NativeRunner:
         attn, h = torch.empty(rows, inner, dtype=bf16), torch.empty(rows, d, dtype=bf16)
         gate_up = torch.empty(rows, self.gate_up[0].weight.shape[0], dtype=bf16)
         queries = torch.empty(rows, inner, dtype=torch.float32)
-        (cos, sin), (slots, starts), mask = (t.contiguous() for t in rope), where, mask.contiguous()
+        cos, sin = (table[:, :, 0].contiguous() for table in at.rope)
+        starts, mask = at.write_from.to(torch.int64).contiguous(), at.mask[:, 0].contiguous()
+        slot_ids = torch.tensor(at.slots)
         step = bf16_kernel.StepPlaces(
-            *(t.data_ptr() for t in (cos, sin, slots, starts, mask, qkv, attn, gate_up, h, queries)),
+            *(t.data_ptr() for t in (cos, sin, slot_ids, starts, mask, qkv, attn, gate_up, h, queries)),
             batch=batch,
             width=width,
             d=d,
@@ -276,11 +274,25 @@ class NativeRunner:
             kv_heads=self.num_kv_heads,
             dim=self.head_dim,
             capacity=self.capacity,
-            length=length,
+            length=at.length,
             threads=torch.get_num_threads(),
         )
         for layer in self.layer_weights:
             bf16_kernel.run_layer(layer, step, x)
+        return x
+
+    def _layers_in_torch(self, x: torch.Tensor, at: Placement) -> torch.Tensor:
+        """Every layer through torch ops and the projections, on ``x`` ``[B, T, D]``."""
+        mask = fold_mask(at.mask, self.num_heads // self.num_kv_heads)
+        where = self.cache.locate(at.slots, at.write_from, x.shape[1])
+        selector = StaticKVCache.selector(at.slots)
+        for i, layer in enumerate(self.layers):
+            q = self._queries_writing_cache(i, x, at.rope, where)
+            keys, values = self.cache.read(i, selector, at.length)
+            out = attention(q, keys, values, mask, self._scale(i)).to(self.dtype)
+            x = x + layer.self_attn.o_proj(out) if self.o[i] is None else self.o[i](out, residual=x)
+            x = self._mlp(i, x)
+        return x
 
     def _queries_writing_cache(
         self, i: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], where: tuple
