@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import time
@@ -80,6 +81,9 @@ async def autoscale(
     """Per resource, every ``intervalSeconds`` (read afresh each round, so spec edits apply at once).
 
     A daemon rather than a kopf timer: a timer's interval is fixed when the handler is registered.
+    It pauses with ``asyncio.sleep`` and stops when kopf cancels it: ``await stopped.wait(n)`` runs
+    a helper task that ends in TimeoutError, and kopf re-raises the error of every task alive when
+    the operator stops, so a daemon paused at that moment would fail ``kopf run``.
     """
     scaler = Autoscaler.restore(body.get("status"))
     kube = Kube()
@@ -87,7 +91,7 @@ async def autoscale(
         try:
             spec = parse_spec(body.get("spec") or {})
         except SpecError:
-            await stopped.wait(15)  # reported by the reconciler; wait for a fix
+            await asyncio.sleep(15)  # reported by the reconciler; wait for a fix
             continue
         try:
             result = await step(kube, scaler, name, namespace, spec, time.time())
@@ -103,7 +107,7 @@ async def autoscale(
                     f"{spec.autoscaling.metric} {result.signal.value}, ratio {result.signal.ratio})"
                 )
                 kopf.info(dict(body), reason=direction, message=message)
-        await stopped.wait(spec.autoscaling.interval_seconds)
+        await asyncio.sleep(spec.autoscaling.interval_seconds)
 
 
 def run_pass(kube: Kube, body: Mapping[str, Any], config: Settings, logger: kopf.Logger) -> Outcome:

@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import kopf
+import kubernetes.config
+from kopf._cogs.aiokits.aioenums import FlagSetter  # what kopf hands a daemon as ``stopped``
 from kopf.testing import KopfRunner
+from multiguess_operator.handlers import autoscale
 from multiguess_operator.resources import selector
 
 from tests.operator.conftest import DEPLOYMENTS, PODS, SPECDEPLOYS, Cluster, eventually
@@ -133,3 +139,45 @@ async def test_kubectl_scale_works_when_autoscaling_is_off(cluster: Cluster, ope
     status = await eventually(lambda: (cluster.get(SPECDEPLOYS, "default", "demo") or {}).get("status"))
     assert status["selector"].count("=") == 3  # the scale subresource's labelSelectorPath
     assert "autoscaling" not in status
+
+
+def tasks_beside_a_paused_autoscaler(cluster: Cluster, body: dict[str, Any]) -> list[str]:
+    """Run the autoscale daemon in a loop of its own, as kopf does, and name the tasks that loop
+    holds besides the daemon once the first round is written and the daemon pauses."""
+
+    async def run() -> list[str]:
+        kubernetes.config.load_kube_config()  # what the operator's login handler does
+        stopped = FlagSetter[kopf.DaemonStoppingReason]().async_waiter
+        daemon = asyncio.create_task(
+            autoscale(
+                stopped=stopped,
+                body=kopf.Body(body),
+                name="demo",
+                namespace="default",
+                logger=logging.getLogger("autoscale"),
+            )
+        )
+        while not (cluster.get(SPECDEPLOYS, "default", "demo") or {}).get("status", {}).get("autoscaling"):
+            if daemon.done():
+                return [f"the daemon ended: {daemon.result()}"]
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)  # into the 3 s pause
+        others = [t.get_name() for t in asyncio.all_tasks() if t not in (daemon, asyncio.current_task())]
+        daemon.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await daemon
+        return others
+
+    return asyncio.run(run())
+
+
+async def test_a_paused_autoscaler_holds_no_task_that_can_fail_the_operator_stop(
+    cluster: Cluster, kubeconfig: Path
+) -> None:
+    """kopf re-raises the error of every task still alive when the operator stops. ``stopped.wait(n)``
+    holds a task that ends in TimeoutError, so a daemon paused at that moment (kopf respawns one for
+    events that arrive during shutdown) made ``kopf run`` fail; between rounds there must be none."""
+    autoscaling = {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "intervalSeconds": 3}
+    body = await cluster.create(SPECDEPLOYS, specdeploy("demo", replicas=1, autoscaling=autoscaling))
+    await cluster.create(PODS, target_pod("demo-target-a", "127.0.0.6"))  # nothing listens there
+    assert await asyncio.to_thread(tasks_beside_a_paused_autoscaler, cluster, body) == []
