@@ -41,6 +41,11 @@ class ChainDrafter:
     def move(self, src: int, dst: int) -> None:
         self.released.append(src)
 
+    def observe(self, slot: int, token_ids: list[int], width: int) -> list[int | None]:
+        if self.fail:
+            raise RuntimeError("boom")
+        return [0 if t == 7 else None for t in token_ids[1:]]
+
 
 def requests(*slots: int) -> list[DraftRequest]:
     return [DraftRequest(slot, [1, 2, 3], TreeBudget(1, 1, 1)) for slot in slots]
@@ -94,6 +99,19 @@ def test_a_failing_commit_is_contained() -> None:
     guard.commit(4, proposal, Acceptance([0], [3]))
     assert guard.degraded and "cache out of step" in (guard.reason or "")
     assert inner.released == [4]
+
+
+def test_a_failing_observation_is_contained_and_pauses_observing_too() -> None:
+    inner, clock = ChainDrafter(), Clock()
+    guard = GuardedDrafter(inner, cooldown=5.0, clock=clock)
+    assert guard.observe(2, [1, 7, 3], 3) == [0, None]
+    inner.fail = True
+    assert guard.observe(2, [1, 7, 3], 3) is None
+    assert guard.degraded and "observe failed" in (guard.reason or "") and inner.released == [2]
+    inner.fail = False
+    assert guard.observe(2, [1, 7, 3], 3) is None  # paused: no estimates from a suspect drafter
+    clock.now = 5.0
+    assert guard.observe(2, [1, 7, 3], 3) == [0, None]
 
 
 def test_bad_settings_are_refused() -> None:

@@ -51,8 +51,10 @@ def wait_idle(live: LiveServer, timeout: float = 10.0) -> None:
 @pytest.fixture(scope="module")
 def narrow(start_server: Callable[..., LiveServer], tiny_llama: Path, tiny_llama_draft: Path) -> LiveServer:
     """One batch slot, one waiting place, a 1 s deadline, and steps of at least 20 ms (at most
-    two tokens each), so that LONG takes seconds on any machine."""
-    config = EngineConfig(num_candidates=1, depth=1, max_nodes=1, max_batch=1, max_model_len=512)
+    two tokens each), so that LONG takes seconds on any machine. Not adaptive: every step drafts."""
+    config = EngineConfig(
+        num_candidates=1, depth=1, max_nodes=1, max_batch=1, max_model_len=512, adaptive=False
+    )
     faults = Faults(delay=0.02)
     load = tiny_loader(tiny_llama, tiny_llama_draft, config, faults=faults)
     return start_server(load, max_queue=1, request_timeout=1.0)

@@ -14,8 +14,9 @@ from multiguess.engine.adaptive import (
     expected_tokens,
     level_outcomes,
 )
-from multiguess.engine.drafter import TreeBudget
+from multiguess.engine.drafter import DraftRequest, ModelDrafter, TreeBudget
 from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.engine.runner import NativeRunner
 from multiguess.engine.tree import TokenTree
 from multiguess.models.loading import load_model
 
@@ -229,8 +230,9 @@ def test_sampled_requests_keep_their_own_estimates(tiny_llama: Path, tiny_llama_
 def test_one_sequence_probes_at_a_time_the_one_observed_longest_ago(
     tiny_llama: Path, tiny_llama_draft: Path
 ) -> None:
-    """While no tree pays, probes follow the schedule, one sequence each, in rotation; a
-    request with its own fixed tree drafts every step and is never picked; outputs stay exact."""
+    """While no tree pays, probes follow the schedule, one sequence each, in rotation; greedy
+    ones probe by observation, without a tree; a request with its own fixed tree drafts every
+    step and is never picked; outputs stay exact."""
     policy = AdaptivePolicy(min_speedup=100.0, probe_every=2, probe_every_max=4)  # batch 4: 2, 4
     config = EngineConfig(3, 4, 16, max_batch=4, max_model_len=128, policy=policy)
     target, draft = (load_model(str(path), dtype="float32") for path in (tiny_llama, tiny_llama_draft))
@@ -239,21 +241,50 @@ def test_one_sequence_probes_at_a_time_the_one_observed_longest_ago(
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     seqs = [engine.add_request(str(i), prompt, params) for i, prompt in enumerate(prompts[:3])]
     seqs.append(engine.add_request("fixed", prompts[3], replace(params, max_tokens=60, depth=1)))
-    drafted = []
+    observed_slots: list[int] = []
+    observe = engine.drafter.observe  # type: ignore[union-attr]
+
+    def recording(slot: int, token_ids: list[int], width: int) -> list[int | None] | None:
+        observed_slots.append(slot)
+        return observe(slot, token_ids, width)
+
+    engine.drafter.observe = recording  # type: ignore[union-attr,method-assign]
+    probed, drafted = [], []
     while engine.has_unfinished():
+        slots = [s.slot for s in seqs]  # as this step sees them (admission assigns the first)
+        observed_slots.clear()
         engine.step()
-        drafted.append([size > 0 for size in engine.last_tree_sizes])
-    adaptive = [row[:3] for row in drafted if len(row) == 4]
-    probes = [(step, row.index(True)) for step, row in enumerate(adaptive, 1) if any(row)]
+        if len(engine.last_tree_sizes) == 4:
+            probed.append([slot in observed_slots for slot in slots[:3]])
+            drafted.append([size > 0 for size in engine.last_tree_sizes])
+    probes = [(step, row.index(True)) for step, row in enumerate(probed, 1) if any(row)]
     assert [step for step, _ in probes[:6]] == [2, 6, 10, 14, 18, 22]  # 2 steps, then every 4
     assert [seq for _, seq in probes[:6]] == [0, 1, 2, 0, 1, 2]  # the longest unobserved first
-    assert all(sum(row) <= 1 for row in adaptive)  # never two sequences at once
-    assert all(row[3] for row in drafted if len(row) == 4)  # the fixed tree: every step
+    assert all(sum(row) <= 1 for row in probed)  # never two sequences at once
+    assert not any(any(row[:3]) for row in drafted)  # greedy probes draft no tree
+    assert all(row[3] for row in drafted)  # the fixed tree: every step
     expected = reference(tiny_llama, prompts[:3], 30, ignore_eos=True)
     assert [s.output_ids for s in seqs] == [
         *expected,
         *reference(tiny_llama, prompts[3:], 60, ignore_eos=True),
     ]
+
+
+def test_observing_ranks_the_tokens_the_target_chose_and_catches_the_draft_up(tiny_llama: Path) -> None:
+    """The target as its own draft ranks its greedy tokens first and any other token below
+    them. Afterwards the draft's cache holds the sequence: a tree drafted from there equals one
+    drafted by a drafter that never observed it."""
+    model = load_model(str(tiny_llama), dtype="float32")
+    prompt = random_prompts(5, (7,))[0]
+    tokens = [*prompt, *reference(tiny_llama, [prompt], 12, ignore_eos=True)[0]]
+    drafters = [ModelDrafter(NativeRunner(model, 2, 64)) for _ in range(2)]
+    ranks = drafters[0].observe(0, tokens, 3)
+    assert len(ranks) == len(tokens) - 1 and ranks[-12:] == [0] * 12  # the target's greedy tokens
+    shifted = [*prompt, *((t + 1) % 64 for t in tokens[7:])]
+    assert drafters[1].observe(1, shifted, 1)[-12:] == [None] * 12  # not the draft's first guess
+    request = [DraftRequest(0, [*tokens, 5], TreeBudget(3, 3, 9))]
+    fresh = drafters[1].propose([replace(request[0], slot=0)])
+    assert drafters[0].propose(request)[0].tree == fresh[0].tree
 
 
 def test_draft_cost_leaves_out_steps_that_caught_a_draft_cache_up(
@@ -265,8 +296,10 @@ def test_draft_cost_leaves_out_steps_that_caught_a_draft_cache_up(
     probing = AdaptivePolicy(min_speedup=100.0, probe_every=2, probe_every_max=2)
     for policy, measured in ((probing, False), (AdaptivePolicy(min_speedup=0.0), True)):
         engine = Engine(target, draft, EngineConfig(3, 2, 6, max_batch=2, max_model_len=96, policy=policy))
-        for i, prompt in enumerate(random_prompts(24, (30, 40))):
-            engine.add_request(str(i), prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+        for i, prompt in enumerate(random_prompts(24, (30, 40))):  # sampled: greedy ones observe
+            engine.add_request(
+                str(i), prompt, SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+            )
         while engine.has_unfinished():
             engine.step()
         assert engine.totals.draft_tokens > 0

@@ -18,16 +18,19 @@ the most tokens per cost, and nothing is drafted when none beats plain decoding 
 ``min_speedup``. *Load*: ``token_budget`` nodes are shared by the batch at most: few sequences
 get bushy trees, many get chains, very many get none.
 
-While nothing is drafted, one sequence at a time *probes* with a one-level tree as wide as the
-budget allows (so it measures every width's coverage at once), so the estimates can recover:
-the one observed longest ago, after ``probe_every`` steps, then at doubling intervals up to
+While nothing is drafted, one sequence at a time *probes*, so the estimates can recover: the
+one observed longest ago, after ``probe_every`` steps, then at doubling intervals up to
 ``probe_every`` × batch size (at most ``probe_every_max``) while probes keep finding that
 drafting does not pay (see ``ProbeSchedule``): alone, a sequence probes every ``probe_every``
-steps, because its probe's catch-up is short and a good stretch of text (code, a quote) should
-turn drafting back on within a few tokens. One sequence, because a probe makes the draft catch
-up on everything that sequence added since it last drafted — its whole prompt, for a new
-request: when the batch probed at once, a batch of 8 paid ~47 ms of draft catch-up every 64
-steps (~2% of its throughput) for estimates that kept saying no.
+steps, because a good stretch of text (code, a quote) should turn drafting back on within a few
+tokens. A greedy sequence probes by *observation* (``Drafter.observe``): the draft catches up on
+the tokens the target chose since it last saw the sequence and ranks each among its guesses,
+which is what a verified tree would have measured, at no cost to the target. Other sequences
+probe with a one-level tree as wide as the budget allows (it measures every width's coverage at
+once), which pads the whole batch to its width in the target's forward. One sequence at a time,
+because a probe makes the draft catch up on everything that sequence added since it last
+drafted — its whole prompt, for a new request: when the batch probed at once, a batch of 8 paid
+~47 ms of draft catch-up every 64 steps (~2% of its throughput) for estimates that kept saying no.
 """
 
 from __future__ import annotations
@@ -182,18 +185,29 @@ class AdaptivePolicy:
         """The tree every sequence of the batch drafts, at most ``base``; depth 0 when none pays.
 
         ``coverages`` holds each sequence's estimates (the engine keeps one for greedy and one
-        for sampled requests, whose rates differ several-fold); a shape's tokens are their mean."""
-        batch, nodes = max(1, len(coverages)), self.room(base, len(coverages))
+        for sampled requests, whose rates differ several-fold); a shape's tokens are their mean.
+        Plans are remembered: while drafting is off nothing they read changes from step to step."""
+        kinds = tuple(collections.Counter(coverages).items())
+        return self._plan(base, kinds, len(coverages), cost_ratio, forward_cost or ForwardCost())
+
+    @functools.lru_cache(maxsize=1024)  # noqa: B019 - policies are few and live as long as engines
+    def _plan(
+        self,
+        base: TreeBudget,
+        kinds: tuple[tuple[Coverage, int], ...],
+        batch: int,
+        cost_ratio: float,
+        cost: ForwardCost,
+    ) -> TreeBudget:
+        batch, nodes = max(1, batch), self.room(base, batch)
         off = TreeBudget(base.num_candidates, 0, base.max_nodes)
         if nodes < 1:
             return off
-        cost = forward_cost or ForwardCost()
         shapes = self._shapes(base, nodes)
-        kinds = collections.Counter(coverages)
         growth = {size: cost.growth(batch, 1 + size) for size in {tree.max_nodes for tree in shapes}}
 
         def speedup(tree: TreeBudget) -> float:
-            tokens = sum(count * expected_tokens(c, tree) for c, count in kinds.items()) / batch
+            tokens = sum(count * expected_tokens(c, tree) for c, count in kinds) / batch
             return tokens / (growth[tree.max_nodes] + tree.depth * cost_ratio)
 
         best = max(shapes, key=speedup)

@@ -1,7 +1,9 @@
 """Drafters propose token trees; the engine verifies them with the target.
 
 The interface is three calls: ``propose`` a tree per sequence, ``commit`` what the target
-accepted (so a stateful drafter can keep its cache in step), ``release`` a finished sequence.
+accepted (so a stateful drafter can keep its cache in step), ``release`` a finished sequence;
+``move`` follows a sequence to another slot, and ``observe`` measures the drafter against tokens
+the target already chose, where it can do that without a tree.
 A drafter that raises never fails a request: the engine decodes that step with the target
 alone and calls ``release`` so the drafter starts that sequence afresh.
 """
@@ -70,6 +72,12 @@ class Drafter(Protocol):
 
     def move(self, src: int, dst: int) -> None:
         """The sequence in slot ``src`` now runs in the free slot ``dst``."""
+        ...
+
+    def observe(self, slot: int, token_ids: list[int], width: int) -> list[int | None] | None:
+        """For each token of ``token_ids`` the drafter has not seen but the first, its rank among
+        the drafter's ``width`` best guesses there (None: not among them); None when the drafter
+        cannot tell without drafting a tree."""
         ...
 
 
@@ -296,6 +304,19 @@ class ModelDrafter:
             [r.slot for r in requests], prefixes, tokens, lens + depths, lens[:, 0] + used, visible
         )
         return [logits[b, : len(beam)] for b, beam in enumerate(beams)]
+
+    def observe(self, slot: int, token_ids: list[int], width: int) -> list[int | None]:
+        """Catch the draft's cache up on ``token_ids`` and rank each known token among the
+        draft's ``width`` best at its position: for a greedy sequence, whether a node with
+        ``width`` children there would have held the target's token. It costs one draft forward
+        over the catch-up that drafting would make anyway, and nothing on the target."""
+        start = self.cached.get(slot, 0)
+        logits = self.runner.forward_trees([slot], [start], [TokenTree.chain(token_ids[start:])])[0]
+        self.cached[slot] = len(token_ids)
+        known = torch.tensor(token_ids[start + 1 :])
+        best = self._tokens(torch.topk(logits[: len(known)], min(width, logits.shape[-1])).indices)
+        hits = best == known[:, None]
+        return [int(row.nonzero()[0]) if row.any() else None for row in hits]
 
     def commit(self, slot: int, proposal: Proposal, acceptance: Acceptance) -> None:
         """Keep the draft KV of accepted nodes that were fed to the draft (a prefix of the path)."""

@@ -147,6 +147,9 @@ class RemoteDrafter:
         """The draft server keys sessions by slot: the sequence starts afresh under ``dst``."""
         self.release(src)
 
+    def observe(self, slot: int, token_ids: list[int], width: int) -> None:
+        """The protocol has no message for it: probe trees measure a remote draft."""
+
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
