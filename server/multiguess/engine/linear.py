@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from multiguess.engine import bf16_kernel
+from multiguess.engine import bf16_kernel, huge_pages
 
 
 def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -48,6 +48,7 @@ class Projection:
         self.bias = None if bias is None else bias.contiguous()
         self.sizes = sizes
         self.panels = bf16_kernel.pack(weight) if pack and bf16_kernel.usable(weight) else None
+        self.panels_placed = False  # moved by ``place_panels``: never moved again
         self.packed = None
         if pack and self.panels is None:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
@@ -127,3 +128,13 @@ class Projection:
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The fused layers' outputs, one per original layer."""
         return self(x).split(self.sizes, dim=-1)
+
+
+def place_panels(projections: list[Projection | None]) -> None:
+    """Move the bf16 panels of ``projections`` into one block on huge pages (``huge_pages.py``).
+
+    Panels already placed stay where they are: kernels hold their addresses (a runner's layer
+    structs), and runners over the same model share the projections."""
+    todo = [p for p in projections if p is not None and p.panels is not None and not p.panels_placed]
+    for projection, copy in zip(todo, huge_pages.together([p.panels for p in todo]), strict=True):
+        projection.panels, projection.panels_placed = copy, True

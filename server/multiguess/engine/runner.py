@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from multiguess.engine import bf16_kernel
 from multiguess.engine.kv_cache import StaticKVCache
-from multiguess.engine.linear import Projection, packing_supported, rms_norm
+from multiguess.engine.linear import Projection, packing_supported, place_panels, rms_norm
 from multiguess.engine.tree import TokenTree, pack_trees
 from multiguess.models.loading import LoadedModel
 
@@ -156,6 +156,12 @@ class NativeRunner:
         self.gate_up = [Projection.of([la.mlp.gate_proj, la.mlp.up_proj], pack) for la in self.layers]
         self.down = [Projection.of([la.mlp.down_proj], pack) for la in self.layers]
         self.head = Projection.of([self.lm_head], pack)
+        # Scoring only ``head_vocab`` (a draft's vocabulary, models/draft_vocab.py): logit column
+        # j is token head_vocab[j]. Needs a plain Linear head: a quantized one scores every token.
+        self.head_vocab = None
+        if head_vocab is not None and (subset := Projection.rows(self.lm_head, head_vocab, pack)):
+            self.head, self.head_vocab = subset, head_vocab.to(self.device)
+        place_panels([*self.qkv, *self.o, *self.gate_up, *self.down, self.head])
         # Whole layers in the bf16 kernels (bf16_kernel.py): norms, products, rotary, cache write,
         # attention and residual adds in one call per layer, attention rows independent of the
         # batch's shape. Pre-norm SiLU-gated layers with bf16 norms, without q/k norms.
@@ -177,11 +183,6 @@ class NativeRunner:
         self.layer_weights = (
             [self._layer_weights(i) for i in range(len(self.layers))] if self.layer_kernels else []
         )
-        # Scoring only ``head_vocab`` (a draft's vocabulary, models/draft_vocab.py): logit column
-        # j is token head_vocab[j]. Needs a plain Linear head: a quantized one scores every token.
-        self.head_vocab = None
-        if head_vocab is not None and (subset := Projection.rows(self.lm_head, head_vocab, pack)):
-            self.head, self.head_vocab = subset, head_vocab.to(self.device)
 
     @torch.inference_mode()
     def forward(
