@@ -94,7 +94,7 @@ def serve_process(tiny_llama: Path, tiny_llama_draft: Path) -> Iterator[tuple[su
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, timeout=120)
+        wait_ready(url, timeout=120, process=proc)
         yield proc, url
     finally:
         if proc.poll() is None:

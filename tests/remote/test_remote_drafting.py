@@ -209,8 +209,8 @@ def test_serve_draft_and_serve_as_the_operator_runs_them(
     ]
     draft_url, url = f"http://127.0.0.1:{draft_port}", f"http://127.0.0.1:{target_port}"
     try:
-        wait_ready(draft_url, timeout=120)
-        wait_ready(url, timeout=120)
+        wait_ready(draft_url, timeout=120, process=processes[0])
+        wait_ready(url, timeout=120, process=processes[1])
         prompts, expected = truth(5, (8,))
         body = {"prompt": prompts[0], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
         deadline = time.monotonic() + 30
