@@ -44,7 +44,7 @@ class FaultyDrafter:
     def move(self, src: int, dst: int) -> None:
         self.inner.move(src, dst)
 
-    def observe(self, slot: int, token_ids: list[int], width: int) -> list[int | None] | None:
+    def observe(self, slot: int, token_ids: list[int], width: int, since: int) -> list[int | None] | None:
         if self.faults.fail:
             raise RuntimeError("injected draft failure")
-        return self.inner.observe(slot, token_ids, width)
+        return self.inner.observe(slot, token_ids, width, since)

@@ -41,10 +41,10 @@ class ChainDrafter:
     def move(self, src: int, dst: int) -> None:
         self.released.append(src)
 
-    def observe(self, slot: int, token_ids: list[int], width: int) -> list[int | None]:
+    def observe(self, slot: int, token_ids: list[int], width: int, since: int) -> list[int | None]:
         if self.fail:
             raise RuntimeError("boom")
-        return [0 if t == 7 else None for t in token_ids[1:]]
+        return [0 if t == 7 else None for t in token_ids[max(1, since) :]]
 
 
 def requests(*slots: int) -> list[DraftRequest]:
@@ -104,14 +104,14 @@ def test_a_failing_commit_is_contained() -> None:
 def test_a_failing_observation_is_contained_and_pauses_observing_too() -> None:
     inner, clock = ChainDrafter(), Clock()
     guard = GuardedDrafter(inner, cooldown=5.0, clock=clock)
-    assert guard.observe(2, [1, 7, 3], 3) == [0, None]
+    assert guard.observe(2, [1, 7, 3], 3, 0) == [0, None]
     inner.fail = True
-    assert guard.observe(2, [1, 7, 3], 3) is None
+    assert guard.observe(2, [1, 7, 3], 3, 0) is None
     assert guard.degraded and "observe failed" in (guard.reason or "") and inner.released == [2]
     inner.fail = False
-    assert guard.observe(2, [1, 7, 3], 3) is None  # paused: no estimates from a suspect drafter
+    assert guard.observe(2, [1, 7, 3], 3, 0) is None  # paused: no estimates from a suspect drafter
     clock.now = 5.0
-    assert guard.observe(2, [1, 7, 3], 3) == [0, None]
+    assert guard.observe(2, [1, 7, 3], 3, 0) == [0, None]
 
 
 def test_bad_settings_are_refused() -> None:

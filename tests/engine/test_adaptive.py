@@ -244,9 +244,9 @@ def test_one_sequence_probes_at_a_time_the_one_observed_longest_ago(
     observed_slots: list[int] = []
     observe = engine.drafter.observe  # type: ignore[union-attr]
 
-    def recording(slot: int, token_ids: list[int], width: int) -> list[int | None] | None:
+    def recording(slot: int, token_ids: list[int], width: int, since: int) -> list[int | None] | None:
         observed_slots.append(slot)
-        return observe(slot, token_ids, width)
+        return observe(slot, token_ids, width, since)
 
     engine.drafter.observe = recording  # type: ignore[union-attr,method-assign]
     probed, drafted = [], []
@@ -278,10 +278,10 @@ def test_observing_ranks_the_tokens_the_target_chose_and_catches_the_draft_up(ti
     prompt = random_prompts(5, (7,))[0]
     tokens = [*prompt, *reference(tiny_llama, [prompt], 12, ignore_eos=True)[0]]
     drafters = [ModelDrafter(NativeRunner(model, 2, 64)) for _ in range(2)]
-    ranks = drafters[0].observe(0, tokens, 3)
-    assert len(ranks) == len(tokens) - 1 and ranks[-12:] == [0] * 12  # the target's greedy tokens
+    assert drafters[0].observe(0, tokens[:12], 3, 7) == [0] * 5  # the first 5 replies, not the prompt
+    assert drafters[0].observe(0, tokens, 3, 7) == [0] * 6  # 7 more, less the first (no guess for it)
     shifted = [*prompt, *((t + 1) % 64 for t in tokens[7:])]
-    assert drafters[1].observe(1, shifted, 1)[-12:] == [None] * 12  # not the draft's first guess
+    assert drafters[1].observe(1, shifted, 1, 7) == [None] * 12  # never the draft's first guess
     request = [DraftRequest(0, [*tokens, 5], TreeBudget(3, 3, 9))]
     fresh = drafters[1].propose([replace(request[0], slot=0)])
     assert drafters[0].propose(request)[0].tree == fresh[0].tree

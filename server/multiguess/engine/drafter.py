@@ -74,10 +74,10 @@ class Drafter(Protocol):
         """The sequence in slot ``src`` now runs in the free slot ``dst``."""
         ...
 
-    def observe(self, slot: int, token_ids: list[int], width: int) -> list[int | None] | None:
-        """For each token of ``token_ids`` the drafter has not seen but the first, its rank among
-        the drafter's ``width`` best guesses there (None: not among them); None when the drafter
-        cannot tell without drafting a tree."""
+    def observe(self, slot: int, token_ids: list[int], width: int, since: int) -> list[int | None] | None:
+        """The rank of each ``token_ids[i]``, ``i >= since``, whose guess the drafter had not made
+        yet (it had not seen ``token_ids[i - 1]``) among its ``width`` best guesses there (None:
+        not among them), in order; None when the drafter cannot tell without drafting a tree."""
         ...
 
 
@@ -305,16 +305,21 @@ class ModelDrafter:
         )
         return [logits[b, : len(beam)] for b, beam in enumerate(beams)]
 
-    def observe(self, slot: int, token_ids: list[int], width: int) -> list[int | None]:
-        """Catch the draft's cache up on ``token_ids`` and rank each known token among the
-        draft's ``width`` best at its position: for a greedy sequence, whether a node with
-        ``width`` children there would have held the target's token. It costs one draft forward
-        over the catch-up that drafting would make anyway, and nothing on the target."""
+    def observe(self, slot: int, token_ids: list[int], width: int, since: int) -> list[int | None]:
+        """Catch the draft's cache up on ``token_ids`` and rank each known token from ``since``
+        on among the draft's ``width`` best at its position: for a greedy sequence's output,
+        whether a node with ``width`` children there would have held the target's token (a
+        prompt's tokens say little about that). It costs one draft forward over the catch-up
+        that drafting would make anyway, and nothing on the target."""
         start = self.cached.get(slot, 0)
+        if start >= len(token_ids):
+            return []
         logits = self.runner.forward_trees([slot], [start], [TokenTree.chain(token_ids[start:])])[0]
         self.cached[slot] = len(token_ids)
-        known = torch.tensor(token_ids[start + 1 :])
-        best = self._tokens(torch.topk(logits[: len(known)], min(width, logits.shape[-1])).indices)
+        first = max(start + 1, since)  # the first token ranked; row i guesses token start + 1 + i
+        known = torch.tensor(token_ids[first:], dtype=torch.long)
+        rows = logits[first - start - 1 : len(token_ids) - start - 1]
+        best = self._tokens(torch.topk(rows, min(width, rows.shape[-1])).indices)
         hits = best == known[:, None]
         return [int(row.nonzero()[0]) if row.any() else None for row in hits]
 

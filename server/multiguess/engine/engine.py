@@ -77,28 +77,38 @@ class EngineConfig:
         return max(self.max_nodes, self.num_candidates * self.depth) + 2
 
 
-def measure_forward_cost(runner: NativeRunner, limit: int, rounds: int = 5) -> ForwardCost:
-    """The target's forward time for 1, 2, 4, … ``limit`` tokens, as one chain on slot 0 before
-    any request runs (admission overwrites it). A batch of single tokens costs about the same as
-    a chain of as many: both are one matmul over that many rows.
+def measure_forward_cost(
+    runner: NativeRunner, limit: int, rounds: int = 5, context: int = 256
+) -> ForwardCost:
+    """The target's forward time for 1, 2, 4, … ``limit`` tokens, as one chain on slot 0 after
+    ``context`` cached tokens, before any request runs (admission overwrites it). A batch of
+    single tokens costs about the same as a chain of as many: both are one matmul over that
+    many rows, and attention over as many rows of context.
 
+    The context matters: without it attention is free, and two sequences' 4-node trees, which
+    cost 1.35x two roots after 256 tokens, were priced at 1.17x; at 2 clients the policy then
+    drafted trees that lost (a drafting step took 18 ms against 10 ms plain).
     The sizes take turns for ``rounds`` rounds and each keeps its fastest time, so a burst of
     load on a shared machine hits one sample, not one size; the curve is then made
     non-decreasing (more tokens never cost less). With best-of-two per size in a row, a noisy
     start measured 2 tokens slower than 4 and 16 tokens at 1.56x one, and trees were planned
     smaller than they pay."""
     counts = sorted({min(2**i, limit) for i in range(limit.bit_length() + 1)})
+    context = max(0, min(context, runner.capacity - limit))
+    if context:
+        runner.forward_trees([0], [0], [TokenTree.chain([0] * context)], last_only=True)
     best = dict.fromkeys(counts, float("inf"))
     for _ in range(rounds):
         for count in counts:
             start = time.perf_counter()
-            runner.forward_trees([0], [0], [TokenTree.chain([0] * count)])
+            runner.forward_trees([0], [context], [TokenTree.chain([0] * count)])
             if runner.device.type == "cuda":
                 torch.cuda.synchronize(runner.device)
             best[count] = min(best[count], time.perf_counter() - start)
     seconds = list(itertools.accumulate((best[c] for c in counts), max))
     log.info(
-        "target forward ms by tokens: %s",
+        "target forward ms by tokens after %d cached: %s",
+        context,
         {c: round(s * 1000, 2) for c, s in zip(counts, seconds, strict=True)},
     )
     return ForwardCost(tuple(counts), tuple(seconds))
@@ -299,7 +309,7 @@ class Engine:
             return False
         width = self.config.num_candidates
         try:
-            ranks = self.drafter.observe(seq.slot, seq.token_ids, width)
+            ranks = self.drafter.observe(seq.slot, seq.token_ids, width, len(seq.prompt_ids))
         except Exception as exc:  # a failing drafter must never fail a request
             self._decode_without_drafter(exc, [seq])
             return True

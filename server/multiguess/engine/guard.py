@@ -100,12 +100,12 @@ class GuardedDrafter:
             self.release(src)
             self.release(dst)
 
-    def observe(self, slot: int, token_ids: list[int], width: int) -> list[int | None] | None:
+    def observe(self, slot: int, token_ids: list[int], width: int, since: int) -> list[int | None] | None:
         """Nothing while paused; a failure trips the guard and drops the slot's state."""
         if self.clock() < self._paused_until:
             return None
         try:
-            return self.inner.observe(slot, token_ids, width)
+            return self.inner.observe(slot, token_ids, width, since)
         except Exception as exc:
             self._trip(f"observe failed: {type(exc).__name__}: {exc}")
             self.release(slot)

@@ -86,6 +86,6 @@ class NgramDrafter:
     def move(self, src: int, dst: int) -> None:
         """Nothing to move."""
 
-    def observe(self, slot: int, token_ids: list[int], width: int) -> None:
+    def observe(self, slot: int, token_ids: list[int], width: int, since: int) -> None:
         """A lookup ranks nothing: what it would have guessed depends on where the sequence
         repeated itself, so probe trees measure it."""

@@ -147,7 +147,7 @@ class RemoteDrafter:
         """The draft server keys sessions by slot: the sequence starts afresh under ``dst``."""
         self.release(src)
 
-    def observe(self, slot: int, token_ids: list[int], width: int) -> None:
+    def observe(self, slot: int, token_ids: list[int], width: int, since: int) -> None:
         """The protocol has no message for it: probe trees measure a remote draft."""
 
     def close(self) -> None:
