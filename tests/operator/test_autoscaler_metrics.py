@@ -10,10 +10,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from multiguess_operator.autoscaler.loop import Autoscaler, compute_signal
 from multiguess_operator.autoscaler.metrics import MetricsError, Snapshot, mean, merge, parse, quantile
-from multiguess_operator.autoscaler.scraper import PodTarget, ready_targets, scrape
+from multiguess_operator.autoscaler.scraper import PodTarget, fetch, ready_targets, scrape
 from multiguess_operator.spec import AutoscalingSpec
 
 from tests.operator.exporters import exporter, free_port
@@ -195,3 +196,12 @@ def test_the_serving_images_own_metrics_parse() -> None:
     parsed = parse(generate_latest(metrics.registry).decode())
     assert parsed.count == 4 and parsed.waiting == 3 and parsed.total == pytest.approx(4.62)
     assert quantile(0.5, parsed) <= 0.5 < quantile(0.95, parsed)
+
+
+async def test_a_failed_fetch_returns_its_error_instead_of_raising() -> None:
+    """kopf re-raises the error of every task alive when the operator stops, and each fetch is a
+    task: a pod refusing the scrape during shutdown failed the operator's exit (CI, stop 18)."""
+    port = free_port()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        error = await fetch(session, PodTarget("p", "u", f"http://127.0.0.4:{port}/metrics"))
+    assert isinstance(error, str) and error.startswith("ClientConnectorError:")

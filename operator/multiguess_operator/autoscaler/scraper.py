@@ -39,19 +39,25 @@ async def scrape(
     """(snapshots by pod uid, error by pod name) for all targets, fetched in parallel."""
     client_timeout = aiohttp.ClientTimeout(total=timeout)
     async with aiohttp.ClientSession(timeout=client_timeout) as session:
-        results = await asyncio.gather(*(_fetch(session, t) for t in targets), return_exceptions=True)
+        results = await asyncio.gather(*(fetch(session, t) for t in targets))
     snapshots: dict[str, Snapshot] = {}
     errors: dict[str, str] = {}
     for target, result in zip(targets, results, strict=True):
         if isinstance(result, Snapshot):
             snapshots[target.uid] = result
         else:
-            errors[target.name] = f"{type(result).__name__}: {result}".rstrip(": ")
+            errors[target.name] = result
     return snapshots, errors
 
 
-async def _fetch(session: aiohttp.ClientSession, target: PodTarget) -> Snapshot:
-    async with session.get(target.url) as response:
-        if response.status != 200:
-            raise MetricsError(f"HTTP {response.status} from {target.url}")
-        return parse(await response.text())
+async def fetch(session: aiohttp.ClientSession, target: PodTarget) -> Snapshot | str:
+    """The pod's snapshot, or why there is none. A failure is a value, not an exception: gather
+    runs each fetch as a task, and kopf re-raises the error of every task still alive when the
+    operator stops, so a pod that refused a scrape during shutdown failed ``kopf run``."""
+    try:
+        async with session.get(target.url) as response:
+            if response.status != 200:
+                raise MetricsError(f"HTTP {response.status} from {target.url}")
+            return parse(await response.text())
+    except Exception as e:  # any failure to scrape one pod is reported, never fatal
+        return f"{type(e).__name__}: {e}".rstrip(": ")
