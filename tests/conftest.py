@@ -34,3 +34,14 @@ def tiny_llama_draft(tiny_dir: Path, tiny_llama: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_draft(tiny_dir: Path, tiny_qwen2: Path) -> Path:
     return save_noisy_copy(tiny_qwen2, tiny_dir / "qwen2-draft", noise=0.5, seed=3)
+
+
+@pytest.fixture(scope="session")
+def gqa_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Heads shaped like the embedded target's (9 query heads over 3 of 64 wide), 4 layers:
+    enough that torch's attention gives a tree row and a lone token different last bits."""
+    folder = tmp_path_factory.mktemp("gqa")
+    tokenizer = build_tokenizer()
+    shape = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=4)
+    target = save_model(folder / "target", model_config("llama", len(tokenizer), **shape), 7, tokenizer)
+    return target, save_noisy_copy(target, folder / "draft", noise=0.3, seed=8)

@@ -18,7 +18,6 @@ from multiguess.models.loading import load_model
 
 from tests.engine.test_fast_path import CPU, linear
 from tests.engine.test_lossless import random_prompts
-from tests.tiny_models import build_tokenizer, model_config, save_model, save_noisy_copy
 
 needs_kernel = pytest.mark.skipif(
     bf16_kernel.library() is None, reason="the bf16 kernels need AVX512-BF16 and a C compiler"
@@ -139,17 +138,6 @@ def test_attention_matches_scaled_dot_product_attention(heads: int, kv_heads: in
     expected = expected.transpose(1, 2).reshape(batch, width, heads * dim)
     assert out.dtype == torch.bfloat16
     assert torch.allclose(out.float(), expected, rtol=2**-7, atol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def gqa_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """Heads shaped like the embedded target's (9 query heads over 3 of 64 wide), 4 layers:
-    enough that torch's attention gives a tree row and a lone token different last bits."""
-    folder = tmp_path_factory.mktemp("gqa")
-    tokenizer = build_tokenizer()
-    shape = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=4)
-    target = save_model(folder / "target", model_config("llama", len(tokenizer), **shape), 7, tokenizer)
-    return target, save_noisy_copy(target, folder / "draft", noise=0.3, seed=8)
 
 
 @needs_kernel

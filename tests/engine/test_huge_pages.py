@@ -9,7 +9,7 @@ from multiguess.engine import huge_pages
 from multiguess.engine.runner import NativeRunner
 from multiguess.models.loading import load_model
 
-from tests.engine.test_bf16_kernels import gqa_pair, needs_kernel  # noqa: F401 - the fixture
+from tests.engine.test_bf16_kernels import needs_kernel
 
 
 def test_copies_are_equal_back_to_back_and_the_block_starts_on_a_huge_page() -> None:
@@ -24,7 +24,7 @@ def test_copies_are_equal_back_to_back_and_the_block_starts_on_a_huge_page() -> 
 
 
 @needs_kernel
-def test_panels_move_once_and_runners_over_one_model_share_them(gqa_pair: tuple[Path, Path]) -> None:  # noqa: F811
+def test_panels_move_once_and_runners_over_one_model_share_them(gqa_pair: tuple[Path, Path]) -> None:
     """A second runner over the same model must not move panels the first one's layer structs
     point at."""
     loaded = load_model(str(gqa_pair[0]), dtype="bfloat16")
