@@ -25,15 +25,15 @@ def processed_probs(logits: torch.Tensor, rows: list[Processing]) -> torch.Tenso
     Top-p keeps the smallest set of most probable tokens whose mass reaches ``top_p`` (ties at
     the boundary resolved by sort order, as in transformers).
     """
-    vocab = logits.shape[-1]
-    temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float64)[:, None]
+    vocab, device = logits.shape[-1], logits.device
+    temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float64, device=device)[:, None]
     scores = logits.double() / temperature
     if all(r.top_p >= 1.0 and not 0 < r.top_k < vocab for r in rows):
         return torch.softmax(scores, dim=-1)  # nothing to truncate: skip the sort
-    top_k = torch.tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows])
-    top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float64)[:, None]
+    top_k = torch.tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows], device=device)
+    top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float64, device=device)[:, None]
     sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
-    ranks = torch.arange(vocab)[None, :]
+    ranks = torch.arange(vocab, device=device)[None, :]
     sorted_probs = torch.softmax(sorted_scores.masked_fill(ranks >= top_k[:, None], float("-inf")), dim=-1)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
     sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
