@@ -44,12 +44,12 @@ RUN pip install "/src[server]" \
 # Bake the converted embedded target (~20 s) so `multiguess serve` with no model arguments
 # starts in seconds and offline. The GGUF stays installed for caches prepared elsewhere.
 RUN MULTIGUESS_CACHE=/opt/multiguess/models multiguess embedded
-# The bf16 CPU kernel (engine/bf16_kernel.py), compiled here so the runtime image needs no
+# The bf16 CPU kernel (engine/backends/cpu/bf16_kernel.py), compiled here so the runtime image needs no
 # compiler; hosts without AVX512-BF16 ignore it. gcc stays in this build stage only.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
-    && MULTIGUESS_CACHE=/opt/multiguess/models python -m multiguess.engine.bf16_kernel \
+    && MULTIGUESS_CACHE=/opt/multiguess/models python -m multiguess.engine.backends.cpu.bf16_kernel \
     && rm -rf /var/lib/apt/lists/*
 
 FROM base AS operator

@@ -1,4 +1,4 @@
-"""multiguess's bf16 CPU kernels (engine/bf16_kernel.py): products, the ops fused around them,
+"""multiguess's bf16 CPU kernels (engine/backends/cpu/bf16_kernel.py): products, the ops fused around them,
 rotary and cache writes, attention; and why they matter: a tree node's logits are the bits of
 the same token decoded alone, so bf16 speculation is token for token bf16 plain decoding."""
 
@@ -10,13 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from multiguess import LLM, SamplingParams
-from multiguess.engine import bf16_kernel
-from multiguess.engine.linear import Projection, packing_supported, rms_norm
-from multiguess.engine.runner import NativeRunner, Placement, apply_rotary, rotary_tables
+from multiguess.engine.backends.cpu import bf16_kernel
+from multiguess.engine.backends.cpu.packed import PackedProjection, packing_supported
+from multiguess.engine.linear import Projection, rms_norm
+from multiguess.engine.placement import Placement, apply_rotary, rotary_tables
+from multiguess.engine.runner import NativeRunner
 from multiguess.engine.tree import TokenTree
 from multiguess.models.loading import load_model
 
-from tests.engine.test_fast_path import CPU, linear
+from tests.engine.test_fast_path import linear
 from tests.engine.test_lossless import random_prompts
 
 needs_kernel = pytest.mark.skipif(
@@ -33,7 +35,7 @@ def test_bf16_kernel_rows_do_not_depend_on_the_row_count(outputs: list[int], inp
     pairs reversed, tried) rounds differently somewhere."""
     torch.manual_seed(2)
     layers = [linear(n, inputs, torch.bfloat16, bias=True) for n in outputs]
-    projection = Projection.of(layers, pack=True)
+    projection = PackedProjection.of(layers)
     assert projection is not None and projection.panels is not None
     x = torch.randn(2, 20, inputs, dtype=torch.bfloat16)
     together = projection(x)
@@ -56,8 +58,8 @@ def test_bf16_kernel_fuses_norm_activation_and_residual_like_the_torch_ops() -> 
     norm = torch.nn.Module()
     norm.weight = torch.nn.Parameter((1 + 0.1 * torch.randn(width)).to(torch.bfloat16))
     norm.variance_epsilon = 1e-5
-    up = Projection.of([linear(2 * hidden, width, torch.bfloat16)], pack=True)
-    down = Projection.of([linear(width, hidden, torch.bfloat16)], pack=True)
+    up = PackedProjection.of([linear(2 * hidden, width, torch.bfloat16)])
+    down = PackedProjection.of([linear(width, hidden, torch.bfloat16)])
     assert up is not None and up.panels is not None and down is not None and down.panels is not None
     x = (3 * torch.randn(11, width)).to(torch.bfloat16)
 
@@ -71,7 +73,7 @@ def test_bf16_kernel_fuses_norm_activation_and_residual_like_the_torch_ops() -> 
     assert torch.equal(down(normed[7:9], gated=True), gated[7:9])
 
     assert torch.equal(down(normed, gated=True, residual=x), x + gated)
-    eager = Projection(down.weight, None, [width], pack=False)
+    eager = Projection(down.weight, None, [width])
     assert torch.allclose(
         eager(normed, gated=True, residual=x).float(), (x + gated).float(), rtol=2**-6, atol=5e-2
     )
@@ -91,8 +93,9 @@ def test_bf16_kernel_build_failure_falls_back_with_a_warning(
 
 
 def test_odd_input_width_falls_back_to_onednn() -> None:
-    projection = Projection.of([linear(8, 7, torch.bfloat16)], pack=packing_supported(CPU, torch.bfloat16))
-    assert projection is not None and projection.panels is None
+    kind = PackedProjection if packing_supported(torch.bfloat16) else Projection
+    projection = kind.of([linear(8, 7, torch.bfloat16)])
+    assert projection is not None and getattr(projection, "panels", None) is None
     x = torch.randn(3, 7, dtype=torch.bfloat16)
     assert torch.allclose(projection(x).float(), F.linear(x, projection.weight).float(), rtol=2**-7)
 
@@ -147,7 +150,7 @@ def test_tree_rows_are_the_bits_of_tokens_decoded_alone(gqa_pair: tuple[Path, Pa
     these 4 nodes differ in their last bits (checked when the test was written)."""
     loaded = load_model(str(gqa_pair[0]), dtype="bfloat16")
     together, alone = NativeRunner(loaded, 3, 512), NativeRunner(loaded, 3, 512)
-    assert together.layer_kernels
+    assert together.backend.layer_kernels
     prompt, other = random_prompts(6, (300, 11))
     together.forward_trees([0], [0], [TokenTree.chain(other)])
     together.forward_trees([1], [0], [TokenTree.chain(prompt)])
@@ -172,7 +175,7 @@ def test_bf16_speculation_equals_bf16_plain_decoding(
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     plain = LLM(str(target), None, dtype="bfloat16", max_batch=4)
     spec = LLM(str(target), str(draft), num_candidates, depth, dtype="bfloat16", max_batch=4, adaptive=False)
-    assert spec.engine.target.layer_kernels
+    assert spec.engine.target.backend.layer_kernels
     outputs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)] for llm in (plain, spec)]
     assert outputs[0] == outputs[1]
 
@@ -183,20 +186,20 @@ def test_layer_kernel_equals_the_per_op_kernels(gqa_pair: tuple[Path, Path]) -> 
     epsilons, biases and residuals wired right), for a batch of trees after cached prefixes."""
     loaded = load_model(str(gqa_pair[0]), dtype="bfloat16")
     fused, per_op = NativeRunner(loaded, 2, 256), NativeRunner(loaded, 2, 256)
-    assert fused.layer_kernels
+    assert fused.backend.layer_kernels
 
-    def layers(x: torch.Tensor, at: Placement) -> torch.Tensor:
+    def layers(_: NativeRunner, x: torch.Tensor, at: Placement) -> torch.Tensor:
         r, rope, mask = per_op, tuple(table[:, :, 0] for table in at.rope), at.mask[:, 0]
         where = (torch.tensor(at.slots), at.write_from.to(torch.int64).contiguous())
         for i, layer in enumerate(r.layers):
             qkv = r.qkv[i](x, norm=layer.input_layernorm).view(*x.shape[:2], -1, r.head_dim)
             q = bf16_kernel.rope_into_cache(qkv, *rope, r.cache.kv[i], *where, r.num_heads)
-            out = bf16_kernel.attention(q, r.cache.kv[i], where[0], mask, r._scale(i), at.length)
+            out = bf16_kernel.attention(q, r.cache.kv[i], where[0], mask, r.attention_scale(i), at.length)
             h = r.o[i](out, residual=x)
             x = r.down[i](r.gate_up[i](h, norm=layer.post_attention_layernorm), gated=True, residual=h)
         return x
 
-    per_op._layers_in_kernels = layers
+    per_op.backend._layers_in_kernels = layers
     prompts = random_prompts(13, (40, 9))
     trees = [TokenTree((30, 41, 42, 43), (-1, 0, 0, 1)), TokenTree((7, 8), (-1, 0))]
     for runner in (fused, per_op):

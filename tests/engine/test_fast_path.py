@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from multiguess import LLM, SamplingParams
-from multiguess.engine import bf16_kernel
-from multiguess.engine.linear import Projection, packing_supported
-from multiguess.engine.runner import NativeRunner, attention, fold_mask
+from multiguess.engine.backends.cpu import bf16_kernel
+from multiguess.engine.backends.cpu.backend import attention, fold_mask
+from multiguess.engine.backends.cpu.packed import PackedProjection, packing_supported
+from multiguess.engine.runner import NativeRunner
 from multiguess.models.loading import load_model
 from transformers import AutoModelForCausalLM
 
@@ -27,7 +28,7 @@ def linear(out_features: int, in_features: int, dtype: torch.dtype, bias: bool =
     return layer.to(dtype)
 
 
-@pytest.mark.skipif(not packing_supported(CPU, torch.bfloat16), reason="no oneDNN bf16 on this CPU")
+@pytest.mark.skipif(not packing_supported(torch.bfloat16), reason="no oneDNN bf16 on this CPU")
 def test_onednn_bf16_projection_is_bitwise_f_linear_for_every_row_count(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -35,7 +36,7 @@ def test_onednn_bf16_projection_is_bitwise_f_linear_for_every_row_count(
     torch.manual_seed(0)
     layers = [linear(96, 64, torch.bfloat16), linear(32, 64, torch.bfloat16)]
     plain = [m.weight.clone() for m in layers]
-    projection = Projection.of(layers, pack=True)
+    projection = PackedProjection.of(layers)
     assert projection is not None and projection.packed is not None and projection.panels is None
     x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
     for rows in (1, 2, 7, 16):
@@ -44,11 +45,11 @@ def test_onednn_bf16_projection_is_bitwise_f_linear_for_every_row_count(
         assert torch.equal(second, F.linear(x[:, :rows], plain[1]))
 
 
-@pytest.mark.skipif(not packing_supported(CPU, torch.float32), reason="no oneDNN on this build")
+@pytest.mark.skipif(not packing_supported(torch.float32), reason="no oneDNN on this build")
 def test_packed_fp32_projection_matches_f_linear_with_bias() -> None:
     torch.manual_seed(1)
     layer = linear(48, 64, torch.float32, bias=True)
-    projection = Projection.of([layer], pack=True)
+    projection = PackedProjection.of([layer])
     x = torch.randn(3, 5, 64)
     assert torch.allclose(projection(x), layer(x), atol=1e-5)
     assert torch.allclose(projection(x[:, 0]), layer(x[:, 0]), atol=1e-5)  # 2-D input (the lm head)
@@ -75,7 +76,7 @@ def test_fast_path_equals_eager_path_token_for_token(
     outputs = {}
     for eager in (False, True):
         llm = LLM(str(tiny_llama), str(tiny_llama_draft), 3, 4, dtype=dtype, adaptive=False, eager=eager)
-        assert llm.engine.target.packed is (not eager and packing_supported(CPU, llm.engine.target.dtype))
+        assert llm.engine.target.backend.packed is (not eager and packing_supported(llm.engine.target.dtype))
         outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outputs[False] == outputs[True]
 
@@ -114,7 +115,7 @@ def test_qwen3_and_mistral_speculation_matches_transformers(family_pair: tuple[P
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_is_bitwise_transformers(dtype: torch.dtype) -> None:
-    from multiguess.engine.runner import apply_rotary, rotary_tables
+    from multiguess.engine.placement import apply_rotary, rotary_tables
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     torch.manual_seed(3)

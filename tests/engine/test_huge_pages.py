@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from multiguess.engine import huge_pages
+from multiguess.engine.backends.cpu import huge_pages
 from multiguess.engine.runner import NativeRunner
 from multiguess.models.loading import load_model
 
@@ -37,4 +37,4 @@ def test_panels_move_once_and_runners_over_one_model_share_them(gqa_pair: tuple[
     second = NativeRunner(loaded, 1, 64)
     again = [p.panels for p in (*second.qkv, *second.o, *second.gate_up, *second.down, second.head)]
     assert all(p is q for p, q in zip(again, panels, strict=True))
-    assert [w.qkv for w in second.layer_weights] == [w.qkv for w in first.layer_weights]
+    assert [w.qkv for w in second.backend.layer_weights] == [w.qkv for w in first.backend.layer_weights]

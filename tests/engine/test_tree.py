@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from multiguess.engine.runner import region_attention_mask
+from multiguess.engine.placement import region_attention_mask
 from multiguess.engine.tree import TokenTree, pack_trees
 
 

@@ -10,12 +10,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from multiguess.commands.engine_args import add_engine_args, configure_threads
-
-if TYPE_CHECKING:  # the CLI imports torch only when a command runs
-    from multiguess.engine.runner import NativeRunner
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -110,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         "tree": {"num_candidates": args.num_candidates, "depth": args.depth, "max_nodes": args.max_nodes},
         "chain_depth": chain_cfg.depth,
         "adaptive": tree_cfg.adaptive,
-        "kernels": kernels_label(tree_engine.target),
+        "kernels": tree_engine.target.backend.label,
         "machine": platform.processor() or platform.machine(),
         "commit": git_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -126,13 +122,6 @@ def run(args: argparse.Namespace) -> int:
     write_report(report, args.out)
     print(bm.markdown_report(report))
     return 0
-
-
-def kernels_label(runner: NativeRunner) -> str:
-    """Which kernels the target ran: multiguess's bf16 kernels, oneDNN prepacked, or eager."""
-    if runner.layer_kernels:
-        return "multiguess bf16"
-    return "prepacked" if runner.packed else "eager"
 
 
 def git_commit() -> str:

@@ -1,4 +1,4 @@
-/* bf16 kernels for a decode step on CPUs with AVX512-BF16 (engine/bf16_kernel.py).
+/* bf16 kernels for a decode step on CPUs with AVX512-BF16 (bf16_kernel.py beside this folder).
  *
  * multiguess_bf16_matmul: y = x W^T (+ bias) with fp32 accumulation, optionally of RMSNorm(x)
  * or of silu(gate) * up, and plus a residual: the small ops around a decode step's
@@ -281,7 +281,7 @@ int multiguess_attention(const float *queries, const float *cache, const int64_t
   return failed ? -1 : 0;
 }
 
-/* One decoder layer's packed weights and cache (engine/bf16_kernel.py builds it once per layer). */
+/* One decoder layer's packed weights and cache (bf16_kernel.py builds it once per layer). */
 typedef struct {
   const uint16_t *input_norm, *post_norm; /* RMSNorm weights [d] */
   const uint16_t *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;

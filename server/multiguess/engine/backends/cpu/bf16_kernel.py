@@ -14,7 +14,7 @@ as well as in fp32.
 
 They are built with the system C compiler into the cache folder (keyed by the source and flags)
 the first time a model loads, in about a second, or ahead of time by ``python -m
-multiguess.engine.bf16_kernel`` (the server image does, so it needs no compiler); without a
+multiguess.engine.backends.cpu.bf16_kernel`` (the server image does, so it needs no compiler); without a
 compiler, on other CPUs, or with ``MULTIGUESS_BF16_KERNEL=0`` the forward uses oneDNN and torch.
 """
 

@@ -1,0 +1,58 @@
+"""One runner interface, a backend per device family.
+
+``NativeRunner`` (``engine/runner.py``) owns what every device shares: the model's parts, the
+KV cache, rotary positions, the region mask and the LM head. A backend owns what differs by
+device family: the cache's dtype, how projections keep their weights, the attention mask's
+form and how a forward runs every decoder layer. Nothing above the runner asks which device
+it is on.
+
+- ``cpu``: prepacked weights (multiguess's bf16 panels on huge pages, or oneDNN), whole layers
+  in multiguess's bf16 kernels where they apply, fp32 attention over an fp32 cache.
+- ``torch`` (CUDA and any other torch device): the model's dtype end to end, attention without
+  a dense mask where causality or a plain decode suffices (so fused flash kernels apply), CUDA
+  graphs on request (``backends/cuda/graphs.py``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from multiguess.engine.linear import Projection
+from multiguess.engine.placement import Placement
+
+if TYPE_CHECKING:
+    from multiguess.engine.runner import NativeRunner
+
+BACKENDS = ("auto", "cpu", "torch")
+
+
+class Backend(Protocol):
+    name: str
+    label: str  # which kernels run, as benchmarks report it
+    attn_dtype: torch.dtype  # the KV cache's and attention's dtype
+    projection: type[Projection]  # how fused projections keep their weights
+
+    def attach(self, runner: NativeRunner) -> None:
+        """Prepare per-model state once the runner has built its projections and cache."""
+
+    def mask(self, visible: torch.Tensor, plain: bool) -> torch.Tensor | None:
+        """The attention mask from the bool region mask ``[B, 1, T, L]``; ``plain`` when every row
+        sees exactly its own prefix and itself (one token per sequence, or a chain from 0)."""
+
+    def run_layers(self, runner: NativeRunner, x: torch.Tensor, at: Placement) -> torch.Tensor:
+        """Every decoder layer on ``x`` ``[B, T, D]``, writing keys and values into the cache."""
+
+
+def backend_for(device: torch.device, dtype: torch.dtype, eager: bool, name: str = "auto") -> Backend:
+    """``auto``: the CPU backend on CPUs, the torch backend on every other device."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {name!r}")
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        from multiguess.engine.backends.cpu.backend import CpuBackend
+
+        return CpuBackend(dtype, eager)
+    from multiguess.engine.backends.cuda.backend import TorchBackend
+
+    return TorchBackend(dtype)

@@ -1,0 +1,1 @@
+"""The torch/CUDA family: the model's dtype end to end, fused attention, CUDA graphs."""

@@ -1,0 +1,64 @@
+"""Where one forward's tokens go: rotary tables, the region attention mask, cache places.
+
+Device-neutral geometry shared by every backend (``engine/backends``): a batch of token trees,
+each placed after its sequence's prefix, attends to prefix + its own ancestors.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and a sign-folded ``sin`` for ``apply_rotary``, broadcast over heads of [B, T, H, D]."""
+    half = sin.shape[-1] // 2
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return cos[:, :, None], signed[:, :, None]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin``, bitwise (``(-a) * s == a * (-s)``), with
+    the negation folded into the table once per forward instead of once per layer."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
+
+
+def region_attention_mask(prefix_lens: torch.Tensor, visible: torch.Tensor, length: int) -> torch.Tensor:
+    """``[B, 1, T, length]`` bool attention mask over a cache of ``length`` positions.
+
+    Sequence b's committed prefix is cache ``[0, prefix_lens[b])``; after it lies a *region*
+    of tree nodes (this forward's and, for a drafter growing a tree level by level, earlier
+    levels'). Input row i sees the whole prefix and region column j where ``visible[b, i, j]``.
+    """
+    batch, width, region = visible.shape
+    rel = torch.arange(length, device=prefix_lens.device)[None, :] - prefix_lens[:, None]
+    in_region = (rel >= 0) & (rel < region)
+    cols = rel.clamp(0, region - 1)[:, None, :].expand(batch, width, length)
+    return ((rel < 0)[:, None, :] | (visible.gather(2, cols) & in_region[:, None, :]))[:, None]
+
+
+def sees_only_its_own(prefix_lens: list[int], write_from: torch.Tensor, visible: torch.Tensor, length: int) -> bool:
+    """Whether each row sees exactly its prefix and itself over all ``length`` cached positions:
+    one token per sequence after prefixes of one length, or one chain written from position 0.
+    Such a forward needs no mask (a decode step) or only causality (a prefill)."""
+    width = visible.shape[1]
+    if len(set(prefix_lens)) != 1 or visible.shape[2] != width or prefix_lens[0] + width != length:
+        return False
+    if width > 1 and prefix_lens[0] != 0:
+        return False
+    causal = torch.ones(width, width, dtype=torch.bool, device=visible.device).tril()
+    return bool((write_from == prefix_lens[0]).all()) and bool((visible == causal).all())
+
+
+class Placement(NamedTuple):
+    """Where one forward's tokens go: rotary tables ``[B, T, 1, D]``, the sequences' slots, the
+    cache row each starts writing at, the backend's attention mask (``[B, 1, T, L]``, or None
+    where the backend attends without one) and the attended length L."""
+
+    rope: tuple[torch.Tensor, torch.Tensor]
+    slots: list[int]
+    write_from: torch.Tensor
+    mask: torch.Tensor | None
+    length: int
