@@ -11,7 +11,7 @@ Two measurements, both medians over repeats:
   process on 127.0.0.1: ms per draft step, its wire share (round trip minus the server's own
   compute), ms per engine step and tokens/s.
 
-    .venv/bin/python bench/remote_overhead.py --json bench/remote_overhead.json
+    .venv/bin/python bench/remote_overhead.py     # JSON into docs/bench/, BENCHMARKS.md rendered again
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import httpx
 import torch
 import uvicorn
 from local_server import free_port, start_ready
+from multiguess import bench_docs
 from multiguess.engine.drafter import TreeBudget
 from multiguess.engine.engine import Engine, EngineConfig
 from multiguess.engine.tree import TokenTree
@@ -212,9 +213,12 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--max-nodes", type=int, default=16)
     parser.add_argument("--skip-engine", action="store_true", help="transport only (no models)")
-    parser.add_argument("--json", type=Path, help="write the results here too")
+    parser.add_argument(
+        "--out", type=Path, default=Path("docs"), help="docs folder: bench/ JSON and BENCHMARKS.md"
+    )
     args = parser.parse_args()
     results: dict[str, Any] = {
+        **bench_docs.provenance(),
         "load_average": os.getloadavg()[0],
         "transport": transport(args.transport_repeats),
     }
@@ -222,8 +226,9 @@ def main() -> None:
         results["engine"] = engine_comparison(args)
     text = json.dumps(results, indent=2)
     print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    (args.out / "bench").mkdir(parents=True, exist_ok=True)
+    (args.out / "bench" / bench_docs.REMOTE_FILE).write_text(text + "\n")
+    bench_docs.write(args.out)
 
 
 if __name__ == "__main__":

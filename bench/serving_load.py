@@ -11,8 +11,8 @@ package) at several concurrency levels:
 Machines are noisy (±5% between runs here), so each level is run ``--repeats`` times, the setups
 taking turns in a rotating order, and throughput is the median over repeats; latencies pool
 every request of a level. Reports generated tokens/s, requests/s, p50/p95 end-to-end latency and
-time to first token, (a) relative to (b) and (c), writes JSON and a plot under docs/, and the
-table into docs/BENCHMARKS.md between ``<!-- load:start -->`` markers.
+time to first token, (a) relative to (b) and (c), and writes JSON and a plot under docs/, from
+which docs/BENCHMARKS.md is rendered again (``multiguess.bench_docs``).
 Run: ``.venv/bin/python bench/serving_load.py``.
 """
 
@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,6 @@ SETUPS = {
     "b: batched, no speculation": ["--max-batch", "16", "--drafter", "none"],
     "c: unbatched speculation": ["--max-batch", "1"],
 }
-START, END = "<!-- load:start -->", "<!-- load:end -->"
 
 
 def start_server(extra: list[str], port: int, threads: int) -> subprocess.Popen:
@@ -177,29 +175,6 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_section(doc: Path, report: dict) -> None:
-    section = "\n".join(
-        [
-            START,
-            f"Run of {report['date']}: {report['max_tokens']} tokens per request, "
-            f"{report['rounds']} requests per client (at least {report['min_requests']} per level), "
-            f"{report['repeats']} repeats per level with the setups taking turns (tokens/s: median over "
-            "repeats; latency: all requests), embedded pair, greedy, chat prompts from the bench set.",
-            "",
-            markdown(report),
-            "",
-            *ratios(report),
-            "",
-            "![load](img/load.png)",
-            END,
-        ]
-    )
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    if START not in text:
-        text += "\n" + START + "\n" + END + "\n"
-    doc.write_text(re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: section, text, flags=re.S))
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", default="1,2,4,8,16")
@@ -213,12 +188,13 @@ def main() -> int:
     parser.add_argument("--setups", default="a,b,c", help="which setups to run (letters)")
     parser.add_argument("--out", type=Path, default=Path("docs"))
     args = parser.parse_args()
+    from multiguess import bench_docs
     from multiguess.benchmark import load_prompts
 
     prompts = [p["text"] for p in load_prompts()[1]]
     levels = [int(c) for c in args.concurrency.split(",")]
     names = [name for name in SETUPS if name[0] in set(args.setups.split(","))]
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "max_tokens": args.max_tokens}
+    report = {**bench_docs.provenance(), "max_tokens": args.max_tokens}
     report |= {"rounds": args.rounds, "min_requests": args.min_requests, "repeats": args.repeats}
     servers: dict[str, tuple[subprocess.Popen, int]] = {}
     try:
@@ -251,7 +227,7 @@ def main() -> int:
     (args.out / "img").mkdir(parents=True, exist_ok=True)
     (args.out / "bench" / "load.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(report, args.out / "img" / "load.png")
-    write_section(args.out / "BENCHMARKS.md", report)
+    bench_docs.write(args.out)
     print("\n".join([markdown(report), "", *ratios(report)]))
     return 0
 

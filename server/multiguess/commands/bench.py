@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
+from multiguess import bench_docs
 from multiguess.commands.engine_args import add_engine_args, configure_threads
 
 
@@ -107,9 +104,7 @@ def run(args: argparse.Namespace) -> int:
         "chain_depth": chain_cfg.depth,
         "adaptive": tree_cfg.adaptive,
         "kernels": tree_engine.target.backend.label,
-        "machine": platform.processor() or platform.machine(),
-        "commit": git_commit(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        **bench_docs.provenance(),
         "methods": [r.as_dict(reference, assisted, results["multiguess plain"]) for r in results.values()],
         "weight_bytes": weights,
         "bandwidth_gb_s": bound.bandwidth_gb_s,
@@ -124,57 +119,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def write_report(report: dict, out: Path) -> None:
-    """JSON and a plot under ``out``; the table replaces the marked section of BENCHMARKS.md.
+    """The run's JSON and plot under ``out``, then BENCHMARKS.md rendered again from all results.
 
     Each dtype has its own files and section, so a float32 run (bit-exact greedy output) and a
     bfloat16 run (speed) are reported side by side."""
     from multiguess import benchmark as bm
 
     dtype = report["dtype"]
-    start, end = f"<!-- bench:{dtype}:start -->", f"<!-- bench:{dtype}:end -->"
     (out / "bench").mkdir(parents=True, exist_ok=True)
     (out / "img").mkdir(parents=True, exist_ok=True)
     (out / "bench" / f"results-{dtype}.json").write_text(json.dumps(report, indent=2) + "\n")
     bm.plot_report(report, out / "img" / f"bench-{dtype}.png")
-    section = "\n".join(
-        [
-            start,
-            f"Run of {report['date']} at commit `{report['commit']}`: {report['prompts']} prompts "
-            f"(set v{report['prompt_set_version']}), {report['max_tokens']} tokens each, "
-            f"{report['repeats']} repeats, {report['threads']} threads, {report['dtype']}, "
-            f"{report['kernels']} kernels; target "
-            f"`{report['target']}`, draft `{report['draft']}`; tree {report['tree']}, chain depth "
-            f"{report['chain_depth']}.",
-            "",
-            bm.markdown_report(report),
-            "",
-            f"Plain decode step against the bandwidth bound, five rounds each timing 32 steps right "
-            f"after a bandwidth probe (medians): memory bandwidth {report['bandwidth_gb_s']} GB/s; "
-            f"weights read once per step would take {report['bandwidth_bound_step_ms']} ms; "
-            f"multiguess plain step {report['plain_step_ms']} ms, "
-            f"**{report['step_over_bound']}× the bound**. transformers generate: "
-            f"{report['generate_step_ms']} ms per token (prefill included).",
-            "",
-            "Target forward cost (ms) by tree nodes verified: "
-            + "; ".join(f"{d}: {c}" for d, c in report["verify_cost_ms"].items()),
-            "",
-            f"![benchmark, {dtype}](img/bench-{dtype}.png)",
-            end,
-        ]
-    )
-    doc = out / "BENCHMARKS.md"
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    if start not in text:
-        text += "\n" + start + "\n" + end + "\n"
-    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
-    doc.write_text(pattern.sub(lambda _: section, text))
+    bench_docs.write(out)

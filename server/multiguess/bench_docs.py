@@ -1,0 +1,464 @@
+"""docs/BENCHMARKS.md and the README's headline table, rendered from the raw results in docs/bench/.
+
+Every benchmark command writes its JSON under ``docs/bench/`` and then calls :func:`write`, so
+the prose and the numbers cannot drift apart: nothing in BENCHMARKS.md is typed by hand. Run it
+alone after editing the renderer or copying results in:
+
+    python -m multiguess.bench_docs            # docs/ and README.md of the current directory
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ENGINE_FILE = "results-{dtype}.json"
+LOAD_FILE = "load.json"
+REMOTE_FILE = "remote-overhead.json"
+SAMPLING_FILE = "sampling-exactness.json"
+GPU_FILE = "gpu-check.json"
+HEADLINE_START, HEADLINE_END = "<!-- headline:start -->", "<!-- headline:end -->"
+
+Report = dict[str, Any]
+
+
+def provenance() -> dict[str, str]:
+    """What a result needs to be traced: the commit measured, when, and on what machine."""
+    return {
+        "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine(),
+    }
+
+
+def git_commit() -> str:
+    """The short HEAD commit, with ``-dirty`` when tracked files differ from it."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], capture_output=True).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("-dirty" if dirty else "")
+
+
+def machine() -> str:
+    """CPU model, usable cores and the matrix/bf16 instructions that decide kernel choice, plus
+    the GPU when torch sees one (only if torch is already imported: this must stay cheap)."""
+    name, flags = platform.machine(), set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name == platform.machine():
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    isa = [label for flag, label in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX")) if flag in flags]
+    description = f"{name}, {cores} cores" + (f" ({', '.join(isa)})" if isa else "")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        description += f"; GPU {torch.cuda.get_device_name(0)}"
+    return description
+
+
+def load(bench: Path, name: str) -> Report | None:
+    path = bench / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def fmt(value: Any, digits: int = 2) -> str:
+    if value is None or value == "":
+        return ""
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def table(header: list[str], rows: list[list[Any]], align: str | None = None) -> list[str]:
+    """A markdown table; ``align`` is one letter per column, ``l`` or ``r`` (default: first left)."""
+    align = align or "l" + "r" * (len(header) - 1)
+    rule = ["---" if a == "l" else "---:" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
+    lines += ["| " + " | ".join(fmt(c) if not isinstance(c, str) else c for c in row) + " |" for row in rows]
+    return lines
+
+
+def provenance_line(report: Report, command: str) -> str:
+    return (
+        f"Commit `{report.get('commit', 'unknown')}`, {report.get('date', 'date unknown')}, "
+        f"{report.get('machine', 'machine not recorded')}. Reproduce: `{command}`"
+    )
+
+
+def missing(command: str, what: str) -> list[str]:
+    return [f"No result recorded yet: {what}. Run `{command}`; it writes `docs/bench/` and this page.", ""]
+
+
+# ---------------------------------------------------------------- engine (multiguess bench)
+
+
+def engine_command(report: Report) -> str:
+    parts = ["multiguess bench", f"--dtype {report['dtype']}"]
+    defaults = {"max_tokens": 96, "repeats": 3}
+    parts += [f"--{k.replace('_', '-')} {report[k]}" for k, v in defaults.items() if report.get(k, v) != v]
+    return " ".join(parts)
+
+
+def method(report: Report, name: str) -> Report:
+    return next((r for r in report["methods"] if r["method"] == name), {})
+
+
+def engine_section(report: Report | None, dtype: str) -> list[str]:
+    lines = [f"## Engine, {dtype} (`multiguess bench`)", ""]
+    if report is None:
+        return lines + missing(f"multiguess bench --dtype {dtype}", f"the {dtype} engine benchmark")
+    lines += [
+        provenance_line(report, engine_command(report)),
+        "",
+        f"{report['prompts']} chat prompts (set v{report['prompt_set_version']}), {report['max_tokens']} "
+        f"tokens each, {report['repeats']} repeats interleaved, batch 1, {report['threads']} threads, "
+        f"{report.get('kernels', '?')} kernels; tree {report['tree']['num_candidates']} wide, "
+        f"{report['tree']['depth']} deep, at most {report['tree']['max_nodes']} nodes "
+        f"({'adaptive' if report.get('adaptive', True) else 'fixed'}); chain depth {report['chain_depth']}; "
+        f"target `{Path(report['target']).name}`, draft `{Path(report['draft']).name}`.",
+        "",
+    ]
+    rows = [
+        [
+            r["method"],
+            r["tokens_per_second"],
+            r.get("speedup_vs_generate"),
+            r.get("speedup_vs_assisted"),
+            r.get("mean_accepted_length"),
+            r.get("acceptance_rate"),
+            r.get("identical_to_generate"),
+            r.get("identical_to_plain"),
+        ]
+        for r in report["methods"]
+    ]
+    header = ["method", "tokens/s (median)", "× generate", "× assisted", "mean accepted length"]
+    header += ["acceptance", "identical to generate", "identical to multiguess plain"]
+    lines += table(header, rows)
+    lines += [
+        "",
+        "*Identical* is the fraction of prompts whose greedy output equals that method's, token for "
+        "token. *Mean accepted length* is tokens emitted per target forward.",
+        "",
+    ]
+    if "plain_step_ms" in report:
+        lines += [
+            f"Plain decode step {report['plain_step_ms']} ms against {report['bandwidth_bound_step_ms']} ms "
+            f"to read the weights once at the {report['bandwidth_gb_s']} GB/s probed right before "
+            f"(**{report['step_over_bound']}× the bound**, medians of five paired rounds); transformers "
+            f"`generate` {report['generate_step_ms']} ms per token.",
+            "",
+        ]
+    costs = report.get("verify_cost_ms", {})
+    if costs:
+        sizes = sorted({int(n) for series in costs.values() for n in series})
+        lines += ["Target forward cost (ms) by tokens verified in one forward:", ""]
+        lines += table(
+            ["dtype", *map(str, sizes)], [[d, *(s.get(str(n)) for n in sizes)] for d, s in costs.items()]
+        )
+        lines.append("")
+    image = f"img/bench-{dtype}.png"
+    return [*lines, f"![engine benchmark, {dtype}]({image})", ""]
+
+
+# ---------------------------------------------------------------- serving load (bench/serving_load.py)
+
+
+def load_ratio(report: Report, other: str, paired: bool = False) -> dict[int, float]:
+    setups = {name[0]: levels for name, levels in report["setups"].items()}
+    if "a" not in setups or other not in setups:
+        return {}
+    out = {}
+    for a, o in zip(setups["a"], setups[other], strict=True):
+        if paired:
+            ratios = sorted(
+                x / y for x, y in zip(a["tokens_per_second_runs"], o["tokens_per_second_runs"], strict=True)
+            )
+            mid = len(ratios) // 2
+            value = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+        else:
+            value = a["tokens_per_second"] / o["tokens_per_second"]
+        out[a["concurrency"]] = round(value, 3)
+    return out
+
+
+def latency(level: Report) -> list[float]:
+    return [level[k] for k in ("e2e_p50", "e2e_p95", "ttft_p50", "ttft_p95")]
+
+
+def load_section(report: Report | None) -> list[str]:
+    command = ".venv/bin/python bench/serving_load.py"
+    lines = ["## Serving under load (`bench/serving_load.py`)", ""]
+    if report is None:
+        return lines + missing(command, "the HTTP load benchmark")
+    lines += [
+        provenance_line(report, command),
+        "",
+        f"Real `multiguess serve` processes on 127.0.0.1, embedded pair, greedy chat prompts, "
+        f"{report['max_tokens']} tokens per request, {report['rounds']} requests per client (at least "
+        f"{report['min_requests']} per level), {report['repeats']} repeats per level with the setups "
+        "taking turns; tokens/s is the median over repeats, latencies pool every request. Setups: "
+        "(a) batched + adaptive speculation, (b) batched plain decoding, (c) unbatched speculation.",
+        "",
+    ]
+    rows = [
+        [setup, *(r[k] for k in ("concurrency", "tokens_per_second", "requests_per_second")), *latency(r)]
+        for setup, levels in report["setups"].items()
+        for r in levels
+    ]
+    header = ["setup", "clients", "tokens/s", "requests/s", "e2e p50 s", "e2e p95 s", "TTFT p50 s"]
+    lines += table([*header, "TTFT p95 s"], rows)
+    lines.append("")
+    ratio_rows = []
+    for other in ("b", "c"):
+        for paired, label in ((False, "of medians"), (True, "median within rounds")):
+            values = load_ratio(report, other, paired)
+            if values:
+                ratio_rows.append([f"(a) / ({other}), {label}", *(f"{v:.3f}" for v in values.values())])
+    if ratio_rows:
+        levels = list(load_ratio(report, "b") or load_ratio(report, "c"))
+        lines += ["Throughput ratios by clients:", ""]
+        lines += table(["ratio", *map(str, levels)], ratio_rows)
+        lines.append("")
+    return [*lines, "![serving load](img/load.png)", ""]
+
+
+# ---------------------------------------------------------------- remote draft (bench/remote_overhead.py)
+
+
+def remote_section(report: Report | None) -> list[str]:
+    command = ".venv/bin/python bench/remote_overhead.py"
+    lines = ["## Remote draft overhead (`bench/remote_overhead.py`)", ""]
+    if report is None:
+        return lines + missing(command, "the remote-draft overhead on loopback")
+    lines += [provenance_line(report, command), ""]
+    t = report["transport"]
+    lines += [
+        f"Round trip of one step message ({t['request_bytes']} B request, {t['reply_bytes']} B reply) on "
+        "loopback, medians:",
+        "",
+        *table(
+            ["transport", "round trip µs"],
+            [
+                ["WebSocket, binary frames", t["websocket_us"]],
+                ["HTTP/1.1 keep-alive POST", t["http_post_us"]],
+            ],
+        ),
+        "",
+    ]
+    engine = report.get("engine")
+    if engine:
+        tree = engine["tree"]
+        local, remote = engine["local"], engine["remote"]
+        lines += [
+            f"Embedded pair, greedy, batch {engine['batch']}, {engine['max_tokens']} tokens, "
+            f"{engine['repeats']} repeats, tree {tree[0]} × {tree[1]} ({tree[2]} nodes), "
+            f"{engine['threads_per_process']} thread(s) per process, the draft server as its own "
+            "process on the same machine:",
+            "",
+            *table(
+                [
+                    "drafter",
+                    "draft ms per step",
+                    "engine step ms",
+                    "tokens/s",
+                    "wire ms median",
+                    "wire ms p90",
+                ],
+                [
+                    ["local", local["draft_ms"], local["step_ms"], local["tokens_per_s"], "", ""],
+                    [
+                        "remote",
+                        *(remote[k] for k in ("draft_ms", "step_ms", "tokens_per_s")),
+                        remote["wire_ms_median"],
+                        remote["wire_ms_p90"],
+                    ],
+                ],
+            ),
+            "",
+            "*Wire* is the round trip minus the compute the server reports. Protocol and failure "
+            "handling: [REMOTE_DRAFT.md](REMOTE_DRAFT.md).",
+            "",
+        ]
+    return lines
+
+
+# ---------------------------------------------------------------- sampling exactness
+
+
+def sampling_section(report: Report | None) -> list[str]:
+    command = ".venv/bin/python bench/sampling_exactness.py"
+    lines = ["## Sampling exactness (`bench/sampling_exactness.py`)", ""]
+    if report is None:
+        return lines + missing(command, "the sampling-exactness statistics")
+    lines += [
+        provenance_line(report, command),
+        "",
+        "The cases of `tests/engine/test_sampling_exact.py`: tiny models with an 8-token vocabulary, "
+        "every 3-token continuation enumerated, so the target's exact distribution is known. A "
+        "speculative sampler is exact when its samples are consistent with it (the test fails below "
+        "p = 0.001); sampling from the draft alone must be rejected, which shows the test can fail.",
+        "",
+    ]
+    rows = [
+        [
+            c["case"],
+            c["samples"],
+            f"{c['p_value']:.3g}",
+            f"{c['total_variation']:.4f}",
+            c.get("mean_accepted_length"),
+        ]
+        for c in report["cases"]
+    ]
+    lines += table(["case", "samples", "chi-square p", "total variation", "mean accepted length"], rows)
+    return [*lines, ""]
+
+
+# ---------------------------------------------------------------- GPU check (make gpu-check)
+
+
+def gpu_section(report: Report | None) -> list[str]:
+    lines = ["## GPU check (`make gpu-check`)", ""]
+    if report is None:
+        return [
+            *lines,
+            "Not yet run on a GPU. `make gpu-check` on a machine with one CUDA GPU writes "
+            f"`docs/bench/{GPU_FILE}` and this section.",
+            "",
+        ]
+    lines += [provenance_line(report, report.get("command", "make gpu-check")), ""]
+    for block in report.get("tables", []):
+        lines += [f"**{block['title']}**", "", *table(block["header"], block["rows"]), ""]
+    return lines
+
+
+# ---------------------------------------------------------------- the page and the headline
+
+
+def headline_rows(bench: Path) -> list[list[Any]]:
+    rows: list[list[Any]] = []
+    for dtype in ("bfloat16", "float32"):
+        report = load(bench, ENGINE_FILE.format(dtype=dtype))
+        if report is None:
+            continue
+        tree, plain = method(report, "multiguess tree"), method(report, "multiguess plain")
+        same = tree.get("identical_to_plain" if dtype != "float32" else "identical_to_generate")
+        against = "multiguess plain" if dtype != "float32" else "transformers `generate`"
+        identical = round((same or 0) * report["prompts"])
+        rows.append(
+            [
+                f"engine, {dtype}, batch 1",
+                f"plain {fmt(plain.get('speedup_vs_generate'))}×, tree {fmt(tree.get('speedup_vs_generate'))}× "
+                f"`generate` (tree {fmt(tree.get('speedup_vs_assisted'))}× assisted generation); greedy "
+                f"output identical to {against} for {identical} of {report['prompts']} prompts",
+                f"`{report.get('commit')}`",
+            ]
+        )
+    report = load(bench, LOAD_FILE)
+    if report is not None:
+        ratios = load_ratio(report, "b")
+        ends = ", ".join(f"{ratios[c]:.2f} at {c}" for c in (min(ratios), max(ratios))) if ratios else ""
+        rows.append(
+            [
+                "HTTP load",
+                f"batched speculation / batched plain: {ends} clients",
+                f"`{report.get('commit', 'unknown')}`",
+            ]
+        )
+    report = load(bench, SAMPLING_FILE)
+    if report is not None:
+        exact = [c["p_value"] for c in report["cases"] if not c.get("must_reject")]
+        rejected = [c["p_value"] for c in report["cases"] if c.get("must_reject")]
+        rows.append(
+            [
+                "sampling exactness",
+                f"{len(exact)} cases, chi-square p {min(exact):.2f}–{max(exact):.2f}; "
+                f"the draft's own distribution rejected at p {max(rejected):.1g}",
+                f"`{report.get('commit', 'unknown')}`",
+            ]
+        )
+    return rows
+
+
+def headline(bench: Path) -> str:
+    rows = headline_rows(bench)
+    lines = table(["benchmark", "result", "commit"], rows, "lll") if rows else ["No results recorded yet."]
+    return "\n".join(
+        [
+            HEADLINE_START,
+            *lines,
+            "",
+            "All results, machines and commands: [docs/BENCHMARKS.md](docs/BENCHMARKS.md).",
+            HEADLINE_END,
+        ]
+    )
+
+
+SECTIONS: list[Callable[[Path], list[str]]] = [
+    lambda b: engine_section(load(b, ENGINE_FILE.format(dtype="bfloat16")), "bfloat16"),
+    lambda b: engine_section(load(b, ENGINE_FILE.format(dtype="float32")), "float32"),
+    lambda b: load_section(load(b, LOAD_FILE)),
+    lambda b: remote_section(load(b, REMOTE_FILE)),
+    lambda b: sampling_section(load(b, SAMPLING_FILE)),
+    lambda b: gpu_section(load(b, GPU_FILE)),
+]
+
+
+def render(docs: Path) -> str:
+    """The whole of BENCHMARKS.md from ``docs/bench/*.json``."""
+    bench = docs / "bench"
+    lines = [
+        "# Benchmarks",
+        "",
+        "<!-- Generated by `python -m multiguess.bench_docs` from docs/bench/*.json: edit the "
+        "renderer (server/multiguess/bench_docs.py), not this file. -->",
+        "",
+        "The latest result of each of the project's benchmarks, with the commit and machine it ran "
+        "on and the command that reproduces it. The raw results are in [bench/](bench/). Ratios "
+        "are taken within one run (the methods take turns, so machine noise hits all alike); "
+        "tokens/s are medians over repeats. How to measure honestly: "
+        "[CONTRIBUTING.md](../CONTRIBUTING.md#benchmarking-honestly).",
+        "",
+    ]
+    for section in SECTIONS:
+        lines += section(bench)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write(docs: Path = Path("docs"), readme: Path | None = None) -> Path:
+    """Rewrite ``docs/BENCHMARKS.md`` and the README's marked headline table, if it has one."""
+    target = docs / "BENCHMARKS.md"
+    target.write_text(render(docs))
+    readme = readme or docs.resolve().parent / "README.md"
+    if readme.exists() and HEADLINE_START in (text := readme.read_text()):
+        pattern = re.compile(re.escape(HEADLINE_START) + ".*?" + re.escape(HEADLINE_END), re.S)
+        readme.write_text(pattern.sub(lambda _: headline(docs / "bench"), text))
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="render docs/BENCHMARKS.md from docs/bench/*.json")
+    parser.add_argument("--docs", type=Path, default=Path("docs"), help="the docs folder (bench/ inside)")
+    args = parser.parse_args(argv)
+    print(write(args.docs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,78 @@
+"""docs/BENCHMARKS.md and the README's headline are renderings of docs/bench/*.json, nothing else."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from multiguess import bench_docs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_committed_benchmarks_page_is_the_rendering_of_the_committed_json() -> None:
+    """A number edited by hand in BENCHMARKS.md, or a JSON result without its page, fails here."""
+    assert (ROOT / "docs" / "BENCHMARKS.md").read_text() == bench_docs.render(ROOT / "docs")
+
+
+def test_readme_headline_is_the_rendering_of_the_committed_json() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert bench_docs.headline(ROOT / "docs" / "bench") in readme
+
+
+def test_every_recorded_result_names_its_commit_machine_and_command() -> None:
+    for path in sorted((ROOT / "docs" / "bench").glob("*.json")):
+        report = json.loads(path.read_text())
+        assert report.get("commit") and report.get("machine") and report.get("date"), path.name
+    page = bench_docs.render(ROOT / "docs")
+    sections = page.split("\n## ")[1:]
+    assert len(sections) == len(bench_docs.SECTIONS)
+    for section in sections:
+        assert "Reproduce: `" in section or "No result recorded yet" in section or "Not yet run" in section
+
+
+def test_empty_results_render_as_not_yet_measured(tmp_path: Path) -> None:
+    (tmp_path / "bench").mkdir()
+    page = bench_docs.render(tmp_path)
+    assert page.count("No result recorded yet") == 5
+    assert "Not yet run on a GPU" in page
+    assert "No results recorded yet." in bench_docs.headline(tmp_path / "bench")
+
+
+def test_write_replaces_the_page_and_only_the_readme_headline(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    shutil.copytree(ROOT / "docs" / "bench", docs / "bench")
+    (docs / "BENCHMARKS.md").write_text("stale\n")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{bench_docs.HEADLINE_START}\nold\n{bench_docs.HEADLINE_END}\noutro\n")
+    report = json.loads((docs / "bench" / "results-bfloat16.json").read_text())
+    tree = next(r for r in report["methods"] if r["method"] == "multiguess tree")
+    tree["speedup_vs_generate"] = 9.876
+    report["commit"] = "abc1234"
+    (docs / "bench" / "results-bfloat16.json").write_text(json.dumps(report))
+    bench_docs.write(docs)
+    page = (docs / "BENCHMARKS.md").read_text()
+    assert "Commit `abc1234`" in page and "| multiguess tree | 109.76 | 9.88 |" in page
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text
+    assert "tree 9.88× `generate`" in text and "`abc1234`" in text
+
+
+def test_gpu_check_tables_render_when_its_json_exists(tmp_path: Path) -> None:
+    (tmp_path / "bench").mkdir()
+    gpu = {
+        "commit": "f00d123",
+        "date": "2026-12-01 22:00 UTC",
+        "machine": "NVIDIA H200",
+        "command": "make gpu-check",
+        "tables": [{"title": "decoding", "header": ["method", "tokens/s"], "rows": [["plain", 123.4]]}],
+    }
+    (tmp_path / "bench" / bench_docs.GPU_FILE).write_text(json.dumps(gpu))
+    page = bench_docs.render(tmp_path)
+    assert "Not yet run on a GPU" not in page
+    assert "Commit `f00d123`" in page and "| plain | 123.40 |" in page
+
+
+def test_machine_names_the_cores() -> None:
+    assert "cores" in bench_docs.machine()
