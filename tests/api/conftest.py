@@ -61,7 +61,9 @@ def tiny_loader(
         if engine.drafter is not None:
             inner = FaultyDrafter(engine.drafter, faults) if faults else engine.drafter
             clock = faults.clock if faults else time.monotonic
-            engine.drafter = GuardedDrafter(inner, step_timeout=step_timeout, cooldown=0.5, clock=clock)
+            engine.drafter = GuardedDrafter(
+                inner, engine.target.vocab_size, step_timeout=step_timeout, cooldown=0.5, clock=clock
+            )
         return engine
 
     return load

@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.drafter import DraftRequest, Proposal, TreeBudget
-from multiguess.engine.guard import DrafterUnavailable, GuardedDrafter
+from multiguess.engine.guard import DrafterUnavailable, GuardedDrafter, InvalidDraft, proposal_problem
 from multiguess.engine.tree import TokenTree
+
+VOCAB = 100
 
 
 class Clock:
@@ -53,7 +56,7 @@ def requests(*slots: int) -> list[DraftRequest]:
 
 def test_failure_pauses_for_the_cooldown_then_recovers() -> None:
     inner, clock = ChainDrafter(), Clock()
-    guard = GuardedDrafter(inner, step_timeout=1.0, cooldown=10.0, clock=clock)
+    guard = GuardedDrafter(inner, VOCAB, step_timeout=1.0, cooldown=10.0, clock=clock)
     assert len(guard.propose(requests(0))) == 1 and not guard.degraded
     inner.fail = True
     with pytest.raises(RuntimeError, match="boom"):
@@ -77,7 +80,7 @@ def test_a_slow_step_is_used_but_pauses_speculation() -> None:
             clock.now += 3.0
             return super().propose(requests)
 
-    guard = GuardedDrafter(Slow(), step_timeout=1.0, cooldown=5.0, clock=clock)
+    guard = GuardedDrafter(Slow(), VOCAB, step_timeout=1.0, cooldown=5.0, clock=clock)
     assert guard.propose(requests(0))[0].tree.tokens == (3, 7)  # correct, so kept
     assert guard.degraded and "longer than the limit of 1 s" in (guard.reason or "")
     with pytest.raises(DrafterUnavailable):
@@ -94,7 +97,7 @@ def test_a_failing_commit_is_contained() -> None:
             raise ValueError("cache out of step")
 
     inner = BadCommit()
-    guard = GuardedDrafter(inner, cooldown=5.0, clock=Clock())
+    guard = GuardedDrafter(inner, VOCAB, cooldown=5.0, clock=Clock())
     proposal = guard.propose(requests(4))[0]
     guard.commit(4, proposal, Acceptance([0], [3]))
     assert guard.degraded and "cache out of step" in (guard.reason or "")
@@ -103,7 +106,7 @@ def test_a_failing_commit_is_contained() -> None:
 
 def test_a_failing_observation_is_contained_and_pauses_observing_too() -> None:
     inner, clock = ChainDrafter(), Clock()
-    guard = GuardedDrafter(inner, cooldown=5.0, clock=clock)
+    guard = GuardedDrafter(inner, VOCAB, cooldown=5.0, clock=clock)
     assert guard.observe(2, [1, 7, 3], 3, 0) == [0, None]
     inner.fail = True
     assert guard.observe(2, [1, 7, 3], 3, 0) is None
@@ -116,12 +119,12 @@ def test_a_failing_observation_is_contained_and_pauses_observing_too() -> None:
 
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="step_timeout"):
-        GuardedDrafter(ChainDrafter(), step_timeout=0)
+        GuardedDrafter(ChainDrafter(), VOCAB, step_timeout=0)
 
 
 def test_paused_steps_do_not_flood_the_engine_log(caplog: pytest.LogCaptureFixture) -> None:
     inner, clock = ChainDrafter(), Clock()
-    guard = GuardedDrafter(inner, cooldown=10.0, clock=clock)
+    guard = GuardedDrafter(inner, VOCAB, cooldown=10.0, clock=clock)
     inner.fail = True
     engine_log = logging.getLogger("multiguess.engine.engine")
     with caplog.at_level(logging.WARNING):
@@ -133,3 +136,63 @@ def test_paused_steps_do_not_flood_the_engine_log(caplog: pytest.LogCaptureFixtu
     engine_lines = [r for r in caplog.records if r.name == engine_log.name]
     assert len(engine_lines) == 1 and "boom" in engine_lines[0].getMessage()
     assert sum("unavailable" in r.getMessage() for r in caplog.records) == 1
+
+
+def sampled(tokens: tuple[int, ...], parents: tuple[int, ...], rows: dict) -> Proposal:
+    return Proposal(TokenTree(tokens, parents), rows)
+
+
+def uniform() -> torch.Tensor:
+    return torch.full((VOCAB,), 1.0 / VOCAB)
+
+
+@pytest.mark.parametrize(
+    ("proposal", "problem"),
+    [
+        (Proposal(TokenTree((3, VOCAB), (-1, 0))), "outside the vocabulary"),
+        (Proposal(TokenTree((3, -1), (-1, 0))), "outside the vocabulary"),
+        (Proposal(TokenTree((4, 7), (-1, 0))), "root is token 4"),
+        (Proposal(TokenTree.chain([3, 5, 6])), "2 deep, the budget allows 1"),
+        (Proposal(TokenTree((3, 5, 6), (-1, 0, 0))), "2 drafted nodes, the budget allows 1"),
+        (sampled((3, 5), (-1, 0), {0: torch.ones(VOCAB + 1)}), "float row of 100 entries"),
+        (sampled((3, 5), (-1, 0), {3: uniform()}), "outside the 2-node tree"),
+        (sampled((3, 5), (-1, 0), {0: uniform() * float("nan")}), "could have been drawn"),
+        (sampled((3, 5), (-1, 0), {0: -uniform()}), "could have been drawn"),
+        (sampled((3, 5), (-1, 0), {0: torch.eye(VOCAB)[6]}), "could have been drawn"),  # child 5 has no mass
+        ("not a proposal", "not a Proposal"),
+    ],
+)
+def test_proposals_that_do_not_fit_the_request_are_named(proposal: object, problem: str) -> None:
+    assert problem in (proposal_problem(requests(0)[0], proposal, VOCAB) or "")
+
+
+def test_fitting_proposals_pass() -> None:
+    request = DraftRequest(0, [1, 3], TreeBudget(2, 2, 3))
+    tree = TokenTree((3, 5, 6, 8), (-1, 0, 0, 1))
+    assert proposal_problem(request, Proposal(tree), VOCAB) is None
+    assert proposal_problem(request, Proposal(tree, {0: uniform(), 1: torch.eye(VOCAB)[8]}), VOCAB) is None
+
+
+def test_an_invalid_proposal_is_a_draft_failure_that_pauses_speculation() -> None:
+    clock = Clock()
+
+    class OutOfVocabulary(ChainDrafter):
+        def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+            return [Proposal(TokenTree((r.token_ids[-1], VOCAB + 5), (-1, 0))) for r in requests]
+
+    guard = GuardedDrafter(OutOfVocabulary(), VOCAB, cooldown=5.0, clock=clock)
+    with pytest.raises(InvalidDraft, match="slot 0: a tree has token ids outside"):
+        guard.propose(requests(0))
+    assert guard.degraded and "invalid draft" in (guard.reason or "")
+    with pytest.raises(DrafterUnavailable):
+        guard.propose(requests(0))
+
+
+def test_a_wrong_number_of_proposals_is_a_draft_failure() -> None:
+    class Short(ChainDrafter):
+        def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+            return super().propose(requests)[:-1]
+
+    guard = GuardedDrafter(Short(), VOCAB, clock=Clock())
+    with pytest.raises(InvalidDraft, match="1 proposals for 2 requests"):
+        guard.propose(requests(0, 1))

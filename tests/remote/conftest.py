@@ -14,9 +14,12 @@ from multiguess.engine.engine import Engine, EngineConfig
 from multiguess.engine.guard import GuardedDrafter
 from multiguess.models.loading import LoadedModel, load_model
 from multiguess.params import SamplingParams
+from multiguess.remote import handshake
 from multiguess.remote.client import RemoteDrafter
+from multiguess.remote.protocol import ServerInfo, websocket_url
 from multiguess.remote.server import DraftServerSettings, create_draft_app
 from prometheus_client import generate_latest
+from websockets.sync.client import ClientConnection, connect
 
 from tests.servers import wait_ready
 
@@ -104,7 +107,10 @@ def remote_engine(target: LoadedModel, url: str, **client: object) -> tuple[Engi
     options: dict = {"step_timeout": 2.0, "backoff": (0.05, 0.2)} | client
     drafter = RemoteDrafter(url, target.tokenizer, **options)
     engine = Engine(
-        target, None, CONFIG, drafter=GuardedDrafter(drafter, step_timeout=2.0, cooldown=COOLDOWN)
+        target,
+        None,
+        CONFIG,
+        drafter=GuardedDrafter(drafter, target.model.config.vocab_size, step_timeout=2.0, cooldown=COOLDOWN),
     )
     return engine, drafter
 
@@ -117,3 +123,15 @@ def add_all(engine: Engine, prompts: list[list[int]], max_tokens: int, prefix: s
 def finish(engine: Engine) -> None:
     while engine.has_unfinished():
         engine.step()
+
+
+def open_connection(
+    url: str, secret: bytes | None = None, client: str = "test"
+) -> tuple[ClientConnection, ServerInfo]:
+    """A raw protocol connection, past the handshake: for tests that send their own frames."""
+    conn = connect(websocket_url(url), max_size=None)
+    nonce = handshake.new_nonce()
+    conn.send(handshake.client_hello(client, nonce))
+    challenge = handshake.parse_challenge(conn.recv(timeout=5))
+    conn.send(handshake.answer(nonce, challenge.nonce, secret))
+    return conn, ServerInfo.from_json(conn.recv(timeout=5))

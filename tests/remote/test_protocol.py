@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multiguess.engine.drafter import TreeBudget
 from multiguess.engine.tree import TokenTree
+from multiguess.remote import handshake
+from multiguess.remote.handshake import ClientHello
 from multiguess.remote.protocol import (
     Commit,
     Drafted,
@@ -25,7 +28,7 @@ from multiguess.remote.protocol import (
     decode_step,
     encode_reply,
     encode_step,
-    parse_client_hello,
+    model_display_name,
     tokenizer_fingerprint,
     websocket_url,
 )
@@ -135,9 +138,50 @@ def test_hellos() -> None:
     assert ServerInfo.from_json(info.to_json()) == info
     with pytest.raises(ProtocolError, match="protocol 2"):
         ServerInfo.from_json(ServerInfo("draft", "abc", 64, 256, 4, version=2).to_json())
-    assert parse_client_hello('{"client": "pod-1", "version": 1}') == "pod-1"
-    with pytest.raises(ProtocolError):
-        parse_client_hello('{"version": 1}')
+    nonce = handshake.new_nonce()
+    assert handshake.parse_client_hello(handshake.client_hello("pod-1", nonce)) == ClientHello("pod-1", nonce)
+    for bad in ('{"version": 1}', '{"client": "a", "version": 1, "nonce": "zz"}', "[]", "nope"):
+        with pytest.raises(ProtocolError):
+            handshake.parse_client_hello(bad)
+    with pytest.raises(ProtocolError, match="1 to 128 characters"):
+        handshake.parse_client_hello(handshake.client_hello("x" * 129, nonce))
+
+
+def test_the_handshake_proves_the_secret_without_sending_it() -> None:
+    secret = b"s3cret-of-the-deployment"
+    client_nonce, server_nonce = handshake.new_nonce(), handshake.new_nonce()
+    challenge = handshake.challenge(server_nonce, client_nonce, secret)
+    answer = handshake.answer(client_nonce, server_nonce, secret)
+    assert secret.decode() not in challenge + answer
+    parsed = handshake.parse_challenge(challenge)
+    assert parsed.auth and handshake.verified(secret, "server", server_nonce, client_nonce, parsed.proof)
+    claimed = handshake.parse_answer(answer)
+    assert handshake.verified(secret, "client", client_nonce, server_nonce, claimed)
+    # A proof is bound to its role, both nonces and the secret: none can be reused elsewhere.
+    assert not handshake.verified(secret, "client", server_nonce, client_nonce, parsed.proof)
+    assert not handshake.verified(secret, "client", client_nonce, handshake.new_nonce(), claimed)
+    assert not handshake.verified(b"another", "client", client_nonce, server_nonce, claimed)
+    assert not handshake.verified(secret, "client", client_nonce, server_nonce, None)
+    open_challenge = handshake.parse_challenge(handshake.challenge(server_nonce, client_nonce, None))
+    assert not open_challenge.auth and open_challenge.proof is None
+
+
+def test_secrets_come_from_a_value_or_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "secret"
+    path.write_text("from-a-file\n")
+    assert handshake.load_secret(None, str(path)) == b"from-a-file"
+    assert handshake.load_secret("flag", None) == b"flag"
+    assert handshake.load_secret(None, None) is None and handshake.load_secret("", None) is None
+    with pytest.raises(ValueError, match="not both"):
+        handshake.load_secret("flag", str(path))
+    path.write_text("")
+    with pytest.raises(ValueError, match="empty"):
+        handshake.load_secret(None, str(path))
+
+
+def test_the_model_is_announced_by_name_never_by_path() -> None:
+    assert model_display_name("/models/cache/org--draft/") == "org--draft"
+    assert model_display_name("HuggingFaceTB/SmolLM2-135M") == "SmolLM2-135M"
 
 
 @settings(max_examples=300, deadline=None)

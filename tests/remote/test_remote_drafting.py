@@ -21,9 +21,7 @@ from multiguess.errors import IncompatibleDraftError
 from multiguess.models.loading import LoadedModel
 from multiguess.params import SamplingParams
 from multiguess.remote.client import RemoteDrafter, RemoteDraftError
-from multiguess.remote.protocol import ServerInfo, client_hello, websocket_url
 from websockets.exceptions import ConnectionClosed
-from websockets.sync.client import connect
 
 from tests.engine.test_lossless import random_prompts, reference
 from tests.remote.conftest import (
@@ -33,6 +31,7 @@ from tests.remote.conftest import (
     client_metric,
     finish,
     metric_value,
+    open_connection,
     remote_engine,
 )
 from tests.servers import wait_ready
@@ -250,9 +249,8 @@ def test_a_malformed_frame_closes_the_connection_with_a_protocol_error(
     draft_server: Callable[..., DraftServer],
 ) -> None:
     server = draft_server()
-    with connect(websocket_url(server.url)) as conn:
-        conn.send(client_hello("fuzzer"))
-        ServerInfo.from_json(conn.recv(timeout=5))
+    conn, _ = open_connection(server.url)
+    with conn:
         conn.send(b"\x01\x01garbage")
         with pytest.raises(ConnectionClosed) as closed:
             conn.recv(timeout=5)

@@ -108,6 +108,7 @@ def test_bad_requests_fail_alone(draft: LoadedModel) -> None:
             Request(2, 0, (5, 9), TreeBudget(8, 8, 16)),
             Request(3, 0, (5, 9), BUDGET),
             Request(3, 0, (5, 9, 10), BUDGET),
+            Request(4, 0, (5, 9), TreeBudget(3, 0, 8)),
         )
     )
     (reply,), _ = remote.handle([("a", message)])
@@ -116,6 +117,7 @@ def test_bad_requests_fail_alone(draft: LoadedModel) -> None:
     assert isinstance(reply.results[2], Failed) and "tree budget" in reply.results[2].reason
     assert isinstance(reply.results[3], Drafted)
     assert isinstance(reply.results[4], Failed) and "twice" in reply.results[4].reason
+    assert isinstance(reply.results[5], Failed) and "depth >= 1" in reply.results[5].reason
 
 
 def test_sampled_rows_are_what_children_were_drawn_from(draft: LoadedModel) -> None:
@@ -131,3 +133,31 @@ def test_sampled_rows_are_what_children_were_drawn_from(draft: LoadedModel) -> N
     for node, q in result.draft_probs.items():
         assert q.dtype == torch.float32 and abs(float(q.double().sum()) - 1) < 1e-5
         assert all(q[result.tree.tokens[c]] > 0 for c in children[node])
+
+
+def test_a_request_that_fails_the_batched_draft_fails_alone(
+    draft: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should a batched propose fail anyway, each request is drafted alone from its whole
+    sequence: the others get the tree they would have got, only the culprit fails."""
+    remote = service(draft)
+    batched = remote.drafter.propose
+
+    def poisoned(requests: list[DraftRequest]) -> list:
+        if any(13 in r.token_ids for r in requests):
+            raise RuntimeError("a request the drafter cannot handle")
+        return batched(requests)
+
+    first = StepMessage(requests=(Request(0, 0, (5, 9, 11), BUDGET),))
+    (warm,), _ = remote.handle([("a", first)])
+    path = deepest_path(drafted(warm.results[0]).tree.parents)
+    monkeypatch.setattr(remote.drafter, "propose", poisoned)
+    tokens = tuple(drafted(warm.results[0]).tree.tokens[n] for n in path[1:])
+    good = StepMessage(commits=(Commit(0, tuple(path)),), requests=(Request(0, 3, (*tokens, 7), BUDGET),))
+    bad = StepMessage(requests=(Request(0, 0, (5, 13), BUDGET),))
+    (mine, theirs), _ = remote.handle([("a", good), ("b", bad)])
+    assert isinstance(theirs.results[0], Failed) and "cannot handle" in theirs.results[0].reason
+    alone = ModelDrafter(NativeRunner(draft, 1, 128)).propose(
+        [DraftRequest(0, [5, 9, 11, *tokens, 7], BUDGET)]
+    )
+    assert drafted(mine.results[0]).tree == alone[0].tree

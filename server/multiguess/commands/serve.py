@@ -47,6 +47,7 @@ def build_engine(args: argparse.Namespace, registry: Any = None) -> Any:
         from multiguess.engine.engine import EngineConfig
         from multiguess.llm import build_engine as build_local
         from multiguess.remote.client import RemoteDrafter
+        from multiguess.remote.handshake import load_secret
 
         config = EngineConfig(
             args.num_candidates,
@@ -54,16 +55,23 @@ def build_engine(args: argparse.Namespace, registry: Any = None) -> Any:
             args.max_nodes,
             args.max_batch,
             args.max_model_len,
+            adaptive=not args.no_adaptive,
             eager=args.eager,
         )
         engine = build_local(config, args.target, None, "none", args.dtype, args.device)
         engine.drafter = RemoteDrafter(
-            args.draft_url, engine.tokenizer, step_timeout=args.draft_step_timeout, registry=registry
+            args.draft_url,
+            engine.tokenizer,
+            step_timeout=args.draft_step_timeout,
+            registry=registry,
+            secret=load_secret(args.draft_secret, args.draft_secret_file),
         )
     else:
         engine = build_llm(args).engine
     if engine.drafter is not None:
-        engine.drafter = GuardedDrafter(engine.drafter, args.draft_step_timeout, args.draft_cooldown)
+        engine.drafter = GuardedDrafter(
+            engine.drafter, engine.target.vocab_size, args.draft_step_timeout, args.draft_cooldown
+        )
     return engine
 
 
@@ -118,6 +126,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def add_draft_secret_flags(parser: argparse.ArgumentParser) -> None:
+    """The draft protocol's shared secret, on both ends (the operator mounts one per deployment)."""
+    add_flag(parser, "--draft-secret", None, str, help="shared secret of the draft protocol (both ends)")
+    add_flag(
+        parser, "--draft-secret-file", None, str, help="file holding the draft secret (a mounted Secret)"
+    )
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
@@ -133,6 +149,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         str,
         help="draft server (multiguess serve-draft) instead of a local draft",
     )
+    add_draft_secret_flags(parser)
     add_flag(parser, "--host", "0.0.0.0", str, help="address to listen on")
     add_flag(parser, "--port", 8000, int, help="port to listen on")
     add_flag(parser, "--max-queue", 64, int, help="waiting samples beyond the batch before 429")

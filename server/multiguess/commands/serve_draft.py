@@ -12,7 +12,7 @@ import signal
 from typing import Any
 
 from multiguess.commands.engine_args import add_flag, add_switch
-from multiguess.commands.serve import LOG_FORMAT, log_level, positive_float
+from multiguess.commands.serve import LOG_FORMAT, add_draft_secret_flags, log_level, positive_float
 
 
 def load_draft(args: argparse.Namespace) -> Any:
@@ -33,10 +33,17 @@ def load_draft(args: argparse.Namespace) -> Any:
 def make_server(args: argparse.Namespace) -> Any:
     import uvicorn
 
+    from multiguess.remote.handshake import load_secret
     from multiguess.remote.server import DraftServerSettings, create_draft_app
 
     settings = DraftServerSettings(
-        args.max_sessions, args.session_idle_timeout, args.max_model_len, args.max_tree_nodes, args.eager
+        args.max_sessions,
+        args.session_idle_timeout,
+        args.max_model_len,
+        args.max_tree_nodes,
+        args.eager,
+        secret=load_secret(args.draft_secret, args.draft_secret_file),
+        max_client_sessions=args.max_client_sessions,
     )
     app = create_draft_app(lambda: load_draft(args), settings)
     return uvicorn.Server(
@@ -83,6 +90,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         positive_float,
         help="seconds before an idle session is evicted",
     )
+    add_flag(
+        parser,
+        "--max-client-sessions",
+        8,
+        positive_int,
+        help="sessions one target connection may hold (its --max-batch); past it, its own are evicted",
+    )
+    add_draft_secret_flags(parser)
     add_flag(parser, "--max-model-len", 2048, positive_int, help="longest sequence a session may hold")
     add_flag(
         parser, "--max-tree-nodes", 64, positive_int, help="largest tree: max(max_nodes, candidates x depth)"

@@ -9,6 +9,10 @@ The inner drafter runs inline and its time is checked afterwards: handing each s
 watchdog thread cost ~3 ms per step on a busy CPU, more than a GPU step can spare. A slow
 step's proposal is still used (it is correct, and already paid for); the pause starts after
 it. A drafter that can block indefinitely (a remote one) must bound its own calls.
+
+Nothing a drafter returns reaches the target unchecked: a remote draft server is another
+process on the network. Every proposal is validated (``proposal_problem``) before the engine
+sees it; one that does not fit its request is a draft failure like an exception.
 """
 
 from __future__ import annotations
@@ -17,14 +21,78 @@ import logging
 import time
 from collections.abc import Callable
 
+import torch
+
 from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.drafter import Drafter, DraftRequest, Proposal
+from multiguess.engine.tree import TokenTree
 
 log = logging.getLogger(__name__)
 
 
 class DrafterUnavailable(RuntimeError):
     """Raised from ``propose`` while speculation is paused."""
+
+
+class InvalidDraft(ValueError):
+    """A drafter returned proposals that do not fit the requests (wrong count, tree or rows)."""
+
+
+def tree_problem(tree: object, request: DraftRequest, vocab_size: int) -> str | None:
+    """Why ``tree`` cannot be verified for ``request``, or None: shape, root, sizes, token ids."""
+    if not isinstance(tree, TokenTree):
+        return f"a proposal's tree is a {type(tree).__name__}, not a TokenTree"
+    tokens, parents = tree.tokens, tree.parents
+    if not tokens or len(parents) != len(tokens) or parents[0] != -1:
+        return "a tree needs the root first and one parent per token"
+    if any(not 0 <= p < i for i, p in enumerate(parents[1:], start=1)):
+        return "a tree's parents must precede their children"
+    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in tokens):
+        return f"a tree has token ids outside the vocabulary [0, {vocab_size})"
+    if tokens[0] != request.token_ids[-1]:
+        return f"a tree's root is token {tokens[0]}, the sequence ends in {request.token_ids[-1]}"
+    budget = request.budget
+    depths = [0] * len(tokens)
+    for i, p in enumerate(parents[1:], start=1):
+        depths[i] = depths[p] + 1
+    if max(depths) > budget.depth:
+        return f"a tree is {max(depths)} deep, the budget allows {budget.depth}"
+    if len(tokens) - 1 > budget.max_nodes:
+        return f"a tree has {len(tokens) - 1} drafted nodes, the budget allows {budget.max_nodes}"
+    return None
+
+
+def rows_problem(proposal: Proposal, vocab_size: int) -> str | None:
+    """Why the draft distributions cannot be used by sampled acceptance, or None: one finite,
+    non-negative row of the vocabulary's size per node, giving each of its children mass
+    (checked on all rows stacked: a step's rows cost a few tensor operations, not one each)."""
+    tree, probs = proposal.tree, proposal.draft_probs
+    if not probs:
+        return None
+    if any(not isinstance(node, int) or not 0 <= node < len(tree) for node in probs):
+        return f"a distribution names a node outside the {len(tree)}-node tree"
+    rows = list(probs.values())
+    if any(
+        not isinstance(r, torch.Tensor) or r.shape != (vocab_size,) or not r.is_floating_point() for r in rows
+    ):
+        return f"a distribution is not a float row of {vocab_size} entries"
+    stacked = torch.stack([r.to(rows[0].device, torch.float64) for r in rows])
+    children = tree.children()
+    kids = [(i, tree.tokens[c]) for i, node in enumerate(probs) for c in children[node]]
+    index = torch.tensor(kids, dtype=torch.long, device=stacked.device).reshape(-1, 2)
+    valid = torch.isfinite(stacked).all() & (stacked >= 0).all() & (stacked.sum(dim=1) > 0).all()
+    if not bool(valid & (stacked[index[:, 0], index[:, 1]] > 0).all()):
+        return "a distribution is not one its children could have been drawn from"
+    return None
+
+
+def proposal_problem(request: DraftRequest, proposal: object, vocab_size: int) -> str | None:
+    """Why ``proposal`` must not reach the target for ``request``, or None."""
+    if not isinstance(proposal, Proposal):
+        return f"a proposal is a {type(proposal).__name__}, not a Proposal"
+    if not isinstance(proposal.draft_probs, dict):
+        return "a proposal's distributions are not a dict"
+    return tree_problem(proposal.tree, request, vocab_size) or rows_problem(proposal, vocab_size)
 
 
 class _PausedStepFilter(logging.Filter):
@@ -43,6 +111,7 @@ class GuardedDrafter:
     def __init__(
         self,
         inner: Drafter,
+        vocab_size: int,
         step_timeout: float = 2.0,
         cooldown: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
@@ -50,6 +119,7 @@ class GuardedDrafter:
         if step_timeout <= 0 or cooldown < 0:
             raise ValueError("step_timeout must be > 0 and cooldown >= 0")
         self.inner = inner
+        self.vocab_size = vocab_size
         self.step_timeout = step_timeout
         self.cooldown = cooldown
         self.clock = clock
@@ -69,6 +139,10 @@ class GuardedDrafter:
         except Exception as exc:
             self._trip(f"{type(exc).__name__}: {exc}")
             raise
+        problem = self._problem(requests, proposals)
+        if problem is not None:
+            self._trip(f"invalid draft: {problem}")
+            raise InvalidDraft(problem)
         elapsed = self.clock() - started
         if elapsed > self.step_timeout:
             self._trip(f"a draft step took {elapsed:.2f} s, longer than the limit of {self.step_timeout:g} s")
@@ -76,6 +150,15 @@ class GuardedDrafter:
             log.info("drafter recovered; speculation resumed")
             self.degraded, self.reason = False, None
         return proposals
+
+    def _problem(self, requests: list[DraftRequest], proposals: object) -> str | None:
+        if not isinstance(proposals, list) or len(proposals) != len(requests):
+            return f"{len(proposals) if isinstance(proposals, list) else 'no'} proposals for {len(requests)} requests"
+        for request, proposal in zip(requests, proposals, strict=True):
+            problem = proposal_problem(request, proposal, self.vocab_size)
+            if problem is not None:
+                return f"slot {request.slot}: {problem}"
+        return None
 
     def commit(self, slot: int, proposal: Proposal, acceptance: Acceptance) -> None:
         """A failing commit leaves the inner drafter unsure of that slot: drop its state."""

@@ -8,7 +8,9 @@ next step's message instead of costing round trips of their own.
 Failures raise, within the per-step deadline, so the engine decodes that step with the target
 alone; wrap this drafter in ``GuardedDrafter`` for the cool-down and readiness. The
 connection is re-opened on the next step after a failure, with exponential backoff between
-failed attempts. Output never depends on the server: the target verifies every tree.
+failed attempts. Output never depends on the server: the target verifies every tree, and
+``GuardedDrafter`` checks every proposal before the target sees it. With ``secret`` set, the
+handshake proves both sides hold it (``handshake``); a server that cannot is refused.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.drafter import DraftRequest, Proposal
 from multiguess.engine.tree import TokenTree
 from multiguess.errors import IncompatibleDraftError
+from multiguess.remote import handshake
+from multiguess.remote.handshake import AuthenticationFailed
 from multiguess.remote.metrics import ClientMetrics
 from multiguess.remote.protocol import (
     Commit,
@@ -41,7 +45,6 @@ from multiguess.remote.protocol import (
     Sampling,
     ServerInfo,
     StepMessage,
-    client_hello,
     decode_reply,
     encode_step,
     tokenizer_fingerprint,
@@ -81,8 +84,10 @@ class RemoteDrafter:
         registry: CollectorRegistry | None = None,
         client_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        secret: bytes | None = None,
     ) -> None:
-        """``tokenizer`` is the target's: the server's must match it (checked on connect)."""
+        """``tokenizer`` is the target's: the server's must match it (checked on connect).
+        ``secret`` is the deployment's draft secret (``--draft-secret``), if it has one."""
         if step_timeout <= 0 or connect_timeout <= 0 or not 0 < backoff[0] <= backoff[1]:
             raise ValueError("timeouts must be > 0 and backoff (first, max) with 0 < first <= max")
         self.url = websocket_url(url)
@@ -91,6 +96,7 @@ class RemoteDrafter:
         self.connect_timeout = connect_timeout
         self.backoff = backoff
         self.client_id = client_id or default_client_id()
+        self.secret = secret
         self.clock = clock
         self.metrics = ClientMetrics(registry or CollectorRegistry())
         self.info: ServerInfo | None = None
@@ -120,6 +126,9 @@ class RemoteDrafter:
         except (OSError, WebSocketException) as exc:
             self._fail("connection")
             raise RemoteDraftError(f"draft server connection failed: {type(exc).__name__}: {exc}") from None
+        except AuthenticationFailed:
+            self._fail("auth")
+            raise
         except ProtocolError:
             self._fail("protocol")
             raise
@@ -187,7 +196,7 @@ class RemoteDrafter:
         for req, start, result in zip(requests, starts, results, strict=True):
             if isinstance(result, Drafted):
                 self._sent[req.slot] = len(req.token_ids)
-                proposals.append(self._proposal(req, result))
+                proposals.append(self._proposal(result))
             else:
                 self._sent[req.slot] = start if isinstance(result, Failed) else 0
                 refused.append(result.reason if isinstance(result, Failed) else "session lost twice")
@@ -205,20 +214,19 @@ class RemoteDrafter:
         if req.sample is None:
             return None
         p = req.sample.processing
-        seed = int(torch.randint(0, 2**63 - 1, (), generator=req.sample.generator))
+        seed = int(torch.randint(0, 2**63 - 1, (), generator=req.sample.generators.on(torch.device("cpu"))))
         return Sampling(p.temperature, p.top_p, p.top_k, seed)
 
-    def _proposal(self, req: DraftRequest, result: Drafted) -> Proposal:
-        """Check the tree answers this request, and turn float32 rows into the float64
-        distributions children were drawn from (the sampler normalised them the same way)."""
-        tree = result.tree
-        if tree.tokens[0] != req.token_ids[-1] or len(tree) - 1 > req.budget.max_nodes:
-            raise ProtocolError(f"draft server returned a tree that does not fit slot {req.slot}'s request")
+    @staticmethod
+    def _proposal(result: Drafted) -> Proposal:
+        """Float32 rows as the float64 distributions children were drawn from (the sampler
+        normalised them the same way). Whether the tree fits its request is ``GuardedDrafter``'s
+        check, the one every drafter's proposals pass."""
         probs = {}
         for node, row in result.draft_probs.items():
             q = row.double()
             probs[node] = q / q.sum()
-        return Proposal(tree, probs)
+        return Proposal(result.tree, probs)
 
     def _exchange(self, conn: ClientConnection, message: StepMessage, deadline: float) -> list:
         conn.send(encode_step(message))
@@ -243,9 +251,7 @@ class RemoteDrafter:
             self.url, open_timeout=timeout, close_timeout=0.5, compression=None, max_size=None, legacy=True
         )
         try:
-            conn.send(client_hello(self.client_id))
-            hello = conn.recv(timeout=max(0.01, deadline - self.clock()))
-            info = ServerInfo.from_json(hello if isinstance(hello, str) else hello.decode())
+            info = self._handshake(conn, deadline)
             if self.fingerprint is not None and info.fingerprint != self.fingerprint:
                 raise IncompatibleDraftError(
                     f"draft server's model {info.model!r} has a different tokenizer from the target's; "
@@ -259,6 +265,25 @@ class RemoteDrafter:
         self.info, self._conn = info, conn
         self._delay = self.backoff[0]
         return conn
+
+    def _handshake(self, conn: ClientConnection, deadline: float) -> ServerInfo:
+        """Hello, the server's challenge (and proof), our answer, then the server's info."""
+
+        def receive() -> str | bytes:
+            return conn.recv(timeout=max(0.01, deadline - self.clock()))
+
+        nonce = handshake.new_nonce()
+        conn.send(handshake.client_hello(self.client_id, nonce))
+        challenge = handshake.parse_challenge(receive())
+        if self.secret is None and challenge.auth:
+            raise AuthenticationFailed("the draft server requires the draft secret (--draft-secret)")
+        if self.secret is not None and not handshake.verified(
+            self.secret, "server", challenge.nonce, nonce, challenge.proof
+        ):
+            raise AuthenticationFailed("the draft server did not prove it holds the draft secret")
+        conn.send(handshake.answer(nonce, challenge.nonce, self.secret))
+        hello = receive()
+        return ServerInfo.from_json(hello if isinstance(hello, str) else hello.decode())
 
     def _fail(self, kind: str) -> None:
         """Drop the connection (a late reply must never answer the next step) and back off."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
-FAILURE_KINDS = ("timeout", "connection", "protocol", "server", "incompatible")
+FAILURE_KINDS = ("timeout", "connection", "protocol", "server", "incompatible", "auth")
 EVICTION_REASONS = ("lru", "idle")
 
 
@@ -88,6 +88,11 @@ class ServerMetrics:
         )
         self.connections = Gauge(
             "multiguess_draft_connections", "Open client connections.", registry=registry
+        )
+        self.auth_failures = Counter(
+            "multiguess_draft_auth_failures",
+            "Connections refused because they did not prove they hold the draft secret.",
+            registry=registry,
         )
         for reason in EVICTION_REASONS:
             self.evictions.labels(reason=reason)

@@ -18,6 +18,7 @@ import hashlib
 import json
 import struct
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
@@ -292,6 +293,11 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def model_display_name(name: str) -> str:
+    """The last component of a model's folder or hub id: what a peer may be told about it."""
+    return Path(name.rstrip("/")).name or "draft"
+
+
 def websocket_url(url: str) -> str:
     """``http://host:port`` (what the operator sets) -> ``ws://host:port/v1/draft``."""
     parts = urlsplit(url)
@@ -304,7 +310,9 @@ def websocket_url(url: str) -> str:
 
 @dataclass(frozen=True)
 class ServerInfo:
-    """What the server announces on connect (a JSON text frame), before any step."""
+    """What the server announces after the handshake (a JSON text frame), before any step.
+
+    ``model`` is a display name, never a filesystem path (``model_display_name``)."""
 
     model: str
     fingerprint: str
@@ -325,19 +333,3 @@ class ServerInfo:
         if info.version != VERSION:
             raise ProtocolError(f"draft server speaks protocol {info.version}, this client {VERSION}")
         return info
-
-
-def client_hello(client_id: str) -> str:
-    """The client's first frame: its id keys its sessions (with each slot) on the server."""
-    return json.dumps({"client": client_id, "version": VERSION})
-
-
-def parse_client_hello(text: str) -> str:
-    try:
-        hello = json.loads(text)
-        client, version = str(hello["client"]), int(hello["version"])
-    except (TypeError, ValueError, KeyError) as exc:
-        raise ProtocolError(f"bad client hello: {exc!r}") from None
-    if version != VERSION or not client:
-        raise ProtocolError(f"client speaks protocol {version}, this server {VERSION}")
-    return client

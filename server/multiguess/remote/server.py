@@ -4,12 +4,17 @@ One worker thread owns the draft model (it is not thread-safe): it loads it, the
 batches. Step messages from all connections queue up while a batch runs and the next batch
 takes all of them, so several target servers share one batched draft forward. The event
 loop only decodes, queues, and encodes.
+
+Each connection first completes the handshake (``handshake``: with ``secret`` set, proof of
+the shared secret) within ``handshake_timeout``; its sessions live in its own namespace and
+are freed when it closes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import queue
 import threading
@@ -17,7 +22,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, Response
@@ -25,6 +30,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from multiguess.engine.runner import NativeRunner
 from multiguess.models.loading import LoadedModel
+from multiguess.remote import handshake
+from multiguess.remote.handshake import AuthenticationFailed
 from multiguess.remote.metrics import ServerMetrics
 from multiguess.remote.protocol import (
     PATH,
@@ -34,7 +41,7 @@ from multiguess.remote.protocol import (
     StepReply,
     decode_step,
     encode_reply,
-    parse_client_hello,
+    model_display_name,
     tokenizer_fingerprint,
 )
 from multiguess.remote.service import DraftService
@@ -43,6 +50,7 @@ log = logging.getLogger(__name__)
 
 TRY_AGAIN_LATER = 1013  # WebSocket close code: not ready (loading or failed)
 PROTOCOL_ERROR = 1002
+POLICY_VIOLATION = 1008  # the handshake's proof of the secret failed
 INTERNAL_ERROR = 1011
 
 
@@ -53,13 +61,21 @@ class DraftServerSettings:
     max_model_len: int = 2048
     max_tree_nodes: int = 64  # room past a sequence for its tree: max(max_nodes, candidates x depth)
     eager: bool = False  # plain PyTorch kernels, no prepacked CPU weights
+    secret: bytes | None = field(default=None, repr=False)  # clients must prove they hold it
+    max_client_sessions: int = 8  # sessions one connection may hold (a target's --max-batch)
+    handshake_timeout: float = 10.0
 
     def __post_init__(self) -> None:
-        if min(self.max_sessions, self.max_model_len, self.max_tree_nodes) < 1 or self.idle_seconds <= 0:
-            raise ValueError("max_sessions, max_model_len, max_tree_nodes must be >= 1 and idle_seconds > 0")
+        sizes = (self.max_sessions, self.max_model_len, self.max_tree_nodes, self.max_client_sessions)
+        if min(sizes) < 1 or self.idle_seconds <= 0 or self.handshake_timeout <= 0:
+            raise ValueError(
+                "max_sessions, max_model_len, max_tree_nodes, max_client_sessions must be >= 1; "
+                "idle_seconds and handshake_timeout > 0"
+            )
 
 
-Job = tuple[str, StepMessage, "Future[StepReply]"]
+# A job is a step message of one connection, or None: that connection closed.
+Job = tuple[str, StepMessage | None, "Future[StepReply | None]"]
 
 
 class DraftWorker:
@@ -84,8 +100,9 @@ class DraftWorker:
         self._jobs.put(None)
         self._thread.join(timeout=10)
 
-    def submit(self, client: str, message: StepMessage) -> Future[StepReply]:
-        future: Future[StepReply] = Future()
+    def submit(self, client: str, message: StepMessage | None) -> Future[StepReply | None]:
+        """Queue a step of ``client``'s connection, or (``None``) free its sessions."""
+        future: Future[StepReply | None] = Future()
         if self.state != "ready":
             future.set_exception(RuntimeError(f"draft server is {self.state}"))
         else:
@@ -131,15 +148,27 @@ class DraftWorker:
         capacity = s.max_model_len + s.max_tree_nodes + 2
         runner = NativeRunner(loaded, s.max_sessions, capacity, s.eager, loaded.draft_vocab)
         self.info = ServerInfo(
-            model=loaded.name,
+            model=model_display_name(loaded.name),
             fingerprint=tokenizer_fingerprint(loaded.tokenizer),
             vocab_size=runner.vocab_size,
             max_model_len=s.max_model_len,
             max_sessions=s.max_sessions,
         )
-        return DraftService(runner, s.max_sessions, s.max_model_len, s.idle_seconds)
+        return DraftService(
+            runner, s.max_sessions, s.max_model_len, s.idle_seconds, per_client=s.max_client_sessions
+        )
 
-    def _serve(self, service: DraftService, jobs: list[Job]) -> None:
+    def _serve(self, service: DraftService, all_jobs: list[Job]) -> None:
+        jobs = []
+        for client, message, future in all_jobs:
+            if message is None:
+                service.drop_client(client)
+                future.set_result(None)
+            else:
+                jobs.append((client, message, future))
+        self.metrics.sessions.set(len(service.sessions))
+        if not jobs:
+            return
         started = time.perf_counter()
         try:
             replies, events = service.handle([(client, message) for client, message, _ in jobs])
@@ -170,6 +199,7 @@ def create_draft_app(load: Callable[[], LoadedModel], settings: DraftServerSetti
     registry = CollectorRegistry()
     metrics = ServerMetrics(registry)
     worker = DraftWorker(load, settings, metrics)
+    connections = itertools.count()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -206,10 +236,13 @@ def create_draft_app(load: Callable[[], LoadedModel], settings: DraftServerSetti
             await websocket.close(TRY_AGAIN_LATER, f"draft server is {worker.state}")
             return
         metrics.connections.inc()
+        connection = f"connection-{next(connections)}"
         try:
-            code, reason = await converse(websocket, worker)
+            code, reason = await converse(websocket, worker, connection)
         finally:
             metrics.connections.dec()
+            with contextlib.suppress(Exception):  # the worker may have stopped meanwhile
+                await asyncio.wrap_future(worker.submit(connection, None))
         if code is not None:
             with contextlib.suppress(Exception):  # the peer may be gone already
                 await websocket.close(code, reason[:120])
@@ -217,18 +250,43 @@ def create_draft_app(load: Callable[[], LoadedModel], settings: DraftServerSetti
     return app
 
 
-async def converse(websocket: WebSocket, worker: DraftWorker) -> tuple[int | None, str]:
-    """Hello, then step after step until the client leaves; returns how to close otherwise."""
+async def authenticate(websocket: WebSocket, settings: DraftServerSettings) -> str:
+    """The handshake's server side; returns the client's own name for itself (for logs)."""
+    hello = handshake.parse_client_hello(await websocket.receive_text())
+    nonce = handshake.new_nonce()
+    await websocket.send_text(handshake.challenge(nonce, hello.nonce, settings.secret))
+    claimed = handshake.parse_answer(await websocket.receive_text())
+    if settings.secret is not None and not handshake.verified(
+        settings.secret, "client", hello.nonce, nonce, claimed
+    ):
+        raise AuthenticationFailed(f"client {hello.client!r} did not prove it holds the draft secret")
+    return hello.client
+
+
+async def converse(websocket: WebSocket, worker: DraftWorker, connection: str) -> tuple[int | None, str]:
+    """Handshake, then step after step until the client leaves; returns how to close otherwise.
+
+    ``connection`` names this connection's sessions: no other connection can reach them."""
     assert worker.info is not None
     try:
-        client = parse_client_hello(await websocket.receive_text())
+        client = await asyncio.wait_for(
+            authenticate(websocket, worker.settings), worker.settings.handshake_timeout
+        )
+        log.info("draft client %r connected as %s", client, connection)
         await websocket.send_text(worker.info.to_json())
         while True:
             message = decode_step(await websocket.receive_bytes())
-            reply = await asyncio.wrap_future(worker.submit(client, message))
+            reply = await asyncio.wrap_future(worker.submit(connection, message))
+            assert reply is not None
             await websocket.send_bytes(encode_reply(reply))
     except WebSocketDisconnect:
         return None, ""
+    except AuthenticationFailed as exc:
+        worker.metrics.auth_failures.inc()
+        log.warning("refusing a draft connection: %s", exc)
+        return POLICY_VIOLATION, "authentication failed"
+    except TimeoutError:
+        return POLICY_VIOLATION, f"no handshake within {worker.settings.handshake_timeout:g} s"
     except (ProtocolError, KeyError) as exc:  # KeyError: a text frame where bytes belong, or back
         log.warning("closing a draft connection: %s", exc)
         return PROTOCOL_ERROR, f"protocol error: {exc}"

@@ -3,6 +3,10 @@
 It drives an ordinary ``ModelDrafter``: a session is one of its slots, and the drafter's own
 per-slot cache bookkeeping (``cached``) is kept equal to ``len(session.tokens)``. Messages of
 several target servers that arrive together are served by one batched ``propose``.
+
+Nothing a client sends can fail another client's requests: a request is checked before it joins
+the batch, and should a batched ``propose`` still fail, each request is drafted again alone, so
+only the one that fails alone is answered ``Failed``.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.drafter import DraftRequest, ModelDrafter, Proposal, SampleSpec
 from multiguess.engine.engine import EngineConfig
 from multiguess.engine.runner import NativeRunner
-from multiguess.engine.sampling import Processing
+from multiguess.engine.sampling import Generators, Processing
 from multiguess.remote.protocol import (
     Commit,
     Drafted,
@@ -80,11 +84,12 @@ class DraftService:
         max_model_len: int,
         idle_seconds: float,
         clock: Callable[[], float] = time.monotonic,
+        per_client: int | None = None,
     ) -> None:
         self.drafter = WireExactDrafter(runner)
         self.vocab_size = runner.vocab_size
         self.max_model_len = max_model_len
-        self.sessions = SessionTable(max_sessions, idle_seconds, clock)
+        self.sessions = SessionTable(max_sessions, idle_seconds, clock, per_client)
 
     def handle(self, batch: list[tuple[str, StepMessage]]) -> tuple[list[StepReply], ServiceEvents]:
         """Serve the messages of several clients together; one reply per message, in order."""
@@ -125,6 +130,13 @@ class DraftService:
         events.failed += sum(isinstance(r, Failed) for row in results for r in row)
         events.drafted += sum(isinstance(r, Drafted) for row in results for r in row)
         return replies, events
+
+    def drop_client(self, client: str) -> int:
+        """Free the sessions of a connection that closed; returns how many."""
+        sessions = self.sessions.remove_client(client)
+        for session in sessions:
+            self.drafter.release(session.slot)
+        return len(sessions)
 
     def _drop(self, key: Key) -> None:
         session = self.sessions.remove(key)
@@ -179,13 +191,14 @@ class DraftService:
         sample = None
         if req.sampling is not None:
             s = req.sampling
-            generator = torch.Generator().manual_seed(s.seed)
-            sample = SampleSpec(Processing(s.temperature, s.top_p, s.top_k), generator)
+            sample = SampleSpec(Processing(s.temperature, s.top_p, s.top_k), Generators(s.seed))
         return session, DraftRequest(session.slot, sequence, req.budget, sample)
 
     def _check(self, sequence: list[int], req: Request) -> str | None:
         if not sequence:
             return "empty sequence"
+        if req.budget.depth < 1:
+            return "a draft request needs depth >= 1"
         if max(sequence) >= self.vocab_size:
             return f"token id {max(sequence)} is outside the draft's vocabulary of {self.vocab_size}"
         if len(sequence) > self.max_model_len:
@@ -201,13 +214,21 @@ class DraftService:
         results: list[list[Result | None]],
         batch: list[tuple[str, StepMessage]],
     ) -> None:
+        """Draft ``todo`` in one batch; if that fails, each request alone from its whole sequence."""
         try:
             proposals = self.drafter.propose([req for _, _, _, req in todo])
         except Exception as exc:  # the drafter's state for these slots is unknown now
-            log.exception("draft propose failed")
-            for i, j, _, _ in todo:
+            if len(todo) == 1:
+                i, j, _, _ = todo[0]
+                log.exception("draft propose failed")
                 self._drop((batch[i][0], batch[i][1].requests[j].slot))
                 results[i][j] = Failed(f"draft failed: {type(exc).__name__}: {exc}")
+                return
+            log.warning("a batched draft propose failed (%s); drafting its requests one by one", exc)
+            for item in todo:
+                self.drafter.release(item[2].slot)
+                item[2].tokens = []
+                self._propose([item], results, batch)
             return
         for (i, j, session, req), proposal in zip(todo, proposals, strict=True):
             session.tokens = list(req.token_ids)

@@ -5,6 +5,11 @@ slots; when they are all taken the least recently used session is evicted, and a
 for too long is evicted too (a target that died never says goodbye). An evicted session's next
 request is answered with ``Resend`` and the target sends the whole sequence again, so eviction
 costs a re-prefill, never wrong output.
+
+The client part of a key is the server's name for one connection, never what a client claims:
+a connection reaches only its own sessions. Each connection holds at most ``per_client``
+sessions; past that its own least recently used one makes room, so one connection cannot
+evict everybody else's.
 """
 
 from __future__ import annotations
@@ -34,10 +39,15 @@ class SessionsFull(RuntimeError):
 
 class SessionTable:
     def __init__(
-        self, max_sessions: int, idle_seconds: float, clock: Callable[[], float] = time.monotonic
+        self,
+        max_sessions: int,
+        idle_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+        per_client: int | None = None,
     ) -> None:
-        if max_sessions < 1 or idle_seconds <= 0:
-            raise ValueError("max_sessions must be >= 1 and idle_seconds > 0")
+        if max_sessions < 1 or idle_seconds <= 0 or (per_client is not None and per_client < 1):
+            raise ValueError("max_sessions and per_client must be >= 1 and idle_seconds > 0")
+        self.per_client = min(per_client or max_sessions, max_sessions)
         self.idle_seconds = idle_seconds
         self.clock = clock
         self._sessions: OrderedDict[Key, Session] = OrderedDict()  # least recently used first
@@ -59,14 +69,25 @@ class SessionTable:
 
         Sessions in ``pinned`` (the rest of the batch being served) are never evicted.
         """
-        evicted = []
         self.remove(key)
-        if not self._free:
+        own = [k for k in self._sessions if k[0] == key[0]]
+        if len(own) >= self.per_client:
+            candidates, full = own, f"this connection holds its limit of {self.per_client} draft sessions"
+        elif not self._free:
+            candidates, full = (
+                list(self._sessions),
+                f"all {len(self._sessions)} draft sessions are in use by this batch",
+            )
+        else:
+            candidates, full = [], ""
+        evicted: list[Session] = []
+        if full:
             keep = set(pinned)
-            victim = next((k for k in self._sessions if k not in keep), None)
+            victim = next((k for k in candidates if k not in keep), None)
             if victim is None:
-                raise SessionsFull(f"all {len(self._sessions)} draft sessions are in use by this batch")
-            evicted.append(self.remove(victim))  # type: ignore[arg-type]
+                raise SessionsFull(full)
+            evicted.append(self._sessions[victim])
+            self.remove(victim)
         session = Session(self._free.pop(0), last_used=self.clock())
         self._sessions[key] = session
         return session, evicted
@@ -76,6 +97,11 @@ class SessionTable:
         if session is not None:
             self._free.append(session.slot)
         return session
+
+    def remove_client(self, client: str) -> list[Session]:
+        """Drop every session of one connection (it closed)."""
+        keys = [k for k in self._sessions if k[0] == client]
+        return [s for s in (self.remove(k) for k in keys) if s is not None]
 
     def expire(self) -> list[Session]:
         """Evict the sessions idle for longer than ``idle_seconds``."""
