@@ -19,3 +19,11 @@ class IncompatibleDraftError(MultiguessError):
 
 class InvalidRequestError(MultiguessError, ValueError):
     """A prompt or sampling parameter is out of range."""
+
+
+class EngineConfigError(MultiguessError, ValueError):
+    """An engine setting does not fit the model: a context length above the model's own, say."""
+
+
+class InsufficientMemoryError(EngineConfigError):
+    """The models, their activations and one sequence's KV cache do not fit the device memory allowed."""

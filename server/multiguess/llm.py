@@ -7,6 +7,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import replace
 
 from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION
 from multiguess.engine.ngram import NgramDrafter
 from multiguess.models.loading import LoadedModel, check_draft_compatible, load_model
 from multiguess.options import DRAFTERS
@@ -71,7 +72,9 @@ class LLM:
 
     ``LLM()`` uses the embedded default pair. ``draft=None`` (with an explicit target) or
     ``drafter="none"`` is plain decoding through the same engine; ``drafter="ngram"`` drafts
-    from the sequence itself, with no draft model.
+    from the sequence itself, with no draft model. ``max_model_len=None`` is the target's own
+    limit (at most 2048 on CPUs); on GPUs the KV caches take what ``gpu_memory_utilization`` of
+    the device leaves after weights and activations, for at most ``max_batch`` sequences.
     """
 
     def __init__(
@@ -86,11 +89,12 @@ class LLM:
         draft_device: str | None = None,
         draft_quantization: str | None = None,
         max_batch: int = 8,
-        max_model_len: int = 2048,
+        max_model_len: int | None = None,
         drafter: str = "model",
         adaptive: bool = True,
         eager: bool = False,
         draft_vocab: bool = True,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
     ) -> None:
         config = EngineConfig(
             num_candidates,
@@ -101,6 +105,7 @@ class LLM:
             adaptive,
             eager=eager,
             draft_vocab=draft_vocab,
+            gpu_memory_utilization=gpu_memory_utilization,
         )
         self.engine = build_engine(
             config, target, draft, drafter, dtype, device, draft_device, draft_quantization

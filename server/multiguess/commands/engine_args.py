@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from multiguess.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION, check_utilization
 from multiguess.options import DRAFTERS, DTYPE_NAMES, QUANTIZATIONS
 
 
@@ -48,11 +49,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--depth", 4, int, help="levels drafted per step")
     add_flag(parser, "--max-nodes", 16, int, help="drafted nodes per tree at most")
     add_flag(parser, "--max-batch", 8, int, help="sequences decoded together at most")
-    add_flag(parser, "--max-model-len", 2048, int, help="context length (prompt + output)")
+    add_flag(
+        parser,
+        "--max-model-len",
+        None,
+        int,
+        help="context length (prompt + output); default and upper bound: the target's config",
+    )
+    add_flag(
+        parser,
+        "--gpu-memory-utilization",
+        DEFAULT_GPU_MEMORY_UTILIZATION,
+        utilization,
+        help="share of each GPU's memory for weights, activations and KV caches, in (0, 1]",
+    )
     add_flag(parser, "--threads", 0, int, help="CPU threads for torch (0: the cores this process may use)")
     add_switch(parser, "--no-adaptive", "always draft the full tree budget")
     add_switch(parser, "--eager", "plain PyTorch kernels, no prepacked CPU weights (escape hatch)")
     add_switch(parser, "--full-draft-vocab", "the draft scores every token, not only its draft_vocab.json")
+
+
+def utilization(text: str) -> float:
+    """A share in (0, 1]; argparse reports the ValueError as a bad flag value."""
+    return check_utilization(float(text))
 
 
 def add_switch(parser: argparse.ArgumentParser, flag: str, help_text: str) -> None:
@@ -98,4 +117,5 @@ def build_llm(args: argparse.Namespace) -> Any:
         adaptive=not args.no_adaptive,
         eager=args.eager,
         draft_vocab=not args.full_draft_vocab,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )

@@ -26,6 +26,8 @@ from multiguess.engine.adaptive import (
     level_outcomes,
 )
 from multiguess.engine.drafter import Drafter, DraftRequest, ModelDrafter, Proposal, SampleSpec, TreeBudget
+from multiguess.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION, check_utilization
+from multiguess.engine.memory_probe import fit_to_memory
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.sampling import Processing, processed_probs
 from multiguess.engine.sequence import Sequence, SpecStats
@@ -46,17 +48,21 @@ class EngineConfig:
     ``eager`` runs plain PyTorch kernels (no prepacked weights): the escape hatch.
     ``draft_vocab`` lets a draft score only its own vocabulary when it ships one
     (``models/draft_vocab.py``); off, it scores every token.
+    ``max_model_len`` None is the target config's own limit (see ``memory_plan``); on GPUs
+    ``max_batch`` is cut to the sequences whose KV caches fit in ``gpu_memory_utilization`` of
+    the device (``memory_probe.fit_to_memory``).
     """
 
     num_candidates: int = 3
     depth: int = 4
     max_nodes: int = 16
     max_batch: int = 8
-    max_model_len: int = 2048
+    max_model_len: int | None = None
     adaptive: bool = True
     policy: AdaptivePolicy = field(default_factory=AdaptivePolicy)
     eager: bool = False
     draft_vocab: bool = True
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
 
     def __post_init__(self) -> None:
         TreeBudget(self.num_candidates, self.depth, self.max_nodes)  # validates
@@ -64,8 +70,9 @@ class EngineConfig:
             raise ValueError(
                 f"depth must be at least 1, got {self.depth} (use drafter 'none' for plain decoding)"
             )
-        if self.max_batch < 1 or self.max_model_len < 2:
+        if self.max_batch < 1 or (self.max_model_len is not None and self.max_model_len < 2):
             raise ValueError("max_batch must be >= 1 and max_model_len >= 2")
+        check_utilization(self.gpu_memory_utilization)
 
     @property
     def budget(self) -> TreeBudget:
@@ -132,7 +139,9 @@ class Engine:
         config: EngineConfig | None = None,
         drafter: Drafter | None = None,
     ) -> None:
-        self.config = config or EngineConfig()
+        self.config, self.memory_plan = fit_to_memory(
+            config or EngineConfig(), target, draft if drafter is None else None
+        )
         self.tokenizer = target.tokenizer
         capacity = self.config.max_model_len + self.config.tree_slack
         eager = self.config.eager

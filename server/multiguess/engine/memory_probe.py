@@ -1,0 +1,170 @@
+"""Measures what ``memory_plan`` plans with, and fits an engine's config to the device.
+
+On each planned device (CUDA): the weights of the models on it (each storage counted once, so
+a draft sharing the target's weights adds none), the activation peak of the largest forwards
+the engine runs (a verification forward of ``max_batch`` trees at the tree slack's width, and
+one prefill of ``max_model_len`` tokens) on short-lived probe runners, and what the device
+holds outside this process's allocator. CPUs are not planned: their caches stay
+``max_batch × max_model_len``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from multiguess.engine.memory_plan import (
+    DeviceMemory,
+    MemoryPlan,
+    ModelMemory,
+    gib,
+    plan_memory,
+    resolve_max_model_len,
+)
+from multiguess.engine.runner import NativeRunner
+from multiguess.engine.tree import TokenTree
+from multiguess.errors import InsufficientMemoryError
+from multiguess.models.loading import LoadedModel
+
+if TYPE_CHECKING:
+    from multiguess.engine.engine import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+class MemoryMeter(Protocol):
+    """A device's memory as the plan needs it."""
+
+    def device_memory(self, device: torch.device) -> DeviceMemory: ...
+
+    def peak(self, device: torch.device, run: Callable[[], object]) -> int:
+        """Bytes allocated on ``device`` while ``run`` runs, above what was allocated before."""
+        ...
+
+
+class CudaMeter:
+    def device_memory(self, device: torch.device) -> DeviceMemory:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        return DeviceMemory(total, max(0, total - free - torch.cuda.memory_reserved(device)))
+
+    def peak(self, device: torch.device, run: Callable[[], object]) -> int:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        run()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+
+
+def meter_for(device: torch.device) -> MemoryMeter | None:
+    """The meter of a device whose memory is planned; None where caches are not planned."""
+    return CudaMeter() if device.type == "cuda" else None
+
+
+def weight_bytes(module: torch.nn.Module, seen: set[int]) -> int:
+    """Bytes of ``module``'s parameters and buffers whose storages are not in ``seen`` (updated)."""
+    total = 0
+    for tensor in [*module.parameters(), *module.buffers()]:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def probe(
+    loaded: LoadedModel,
+    meter: MemoryMeter,
+    slots: int,
+    tree: TokenTree,
+    eager: bool,
+    head_vocab: torch.Tensor | None,
+    last_only: bool = False,
+) -> tuple[int, int]:
+    """(activation peak, KV bytes per token) of one forward of ``slots`` copies of ``tree`` on a
+    probe runner sized to them; its cache is allocated before the measurement starts."""
+    runner = NativeRunner(loaded, slots, len(tree), eager, head_vocab)
+    per_token = runner.cache.kv.nbytes // (slots * len(tree))
+
+    def forward() -> None:
+        runner.forward_trees(list(range(slots)), [0] * slots, [tree] * slots, last_only=last_only)
+
+    return meter.peak(loaded.device, forward), per_token
+
+
+def measure_forwards(
+    loaded: LoadedModel,
+    meter: MemoryMeter,
+    max_batch: int,
+    width: int,
+    max_model_len: int,
+    eager: bool,
+    head_vocab: torch.Tensor | None,
+) -> tuple[int, int]:
+    """(activation peak, KV bytes per token) of ``loaded``: the larger peak of a verification
+    forward of ``max_batch`` chains of ``width`` tokens and a prefill of ``max_model_len - 1``."""
+    verify, per_token = probe(loaded, meter, max_batch, TokenTree.chain([0] * width), eager, head_vocab)
+    prompt = TokenTree.chain([0] * (max_model_len - 1))
+    try:
+        prefill, _ = probe(loaded, meter, 1, prompt, eager, head_vocab, last_only=True)
+    except torch.OutOfMemoryError as exc:
+        raise InsufficientMemoryError(
+            f"{loaded.device}: a prefill of {max_model_len} tokens of {loaded.name} does not fit in "
+            f"the memory left after the weights; lower --max-model-len ({exc})"
+        ) from exc
+    return max(verify, prefill), per_token
+
+
+def fit_to_memory(
+    config: EngineConfig, target: LoadedModel, draft: LoadedModel | None
+) -> tuple[EngineConfig, MemoryPlan | None]:
+    """``config`` with its context length resolved against the target's config and, where a
+    model is on a planned device, ``max_batch`` cut to the sequences whose caches fit."""
+    models = {"target": target} | ({} if draft is None else {"draft": draft})
+    meters = {name: meter_for(m.device) for name, m in models.items()}
+    planned = {name: m for name, m in models.items() if meters[name] is not None}
+    limit = getattr(target.model.config, "max_position_embeddings", None)
+    config = replace(
+        config, max_model_len=resolve_max_model_len(config.max_model_len, limit, planned=bool(planned))
+    )
+    if not planned:
+        return config, None
+    assert config.max_model_len is not None
+    measured, seen = [], {}
+    for name, loaded in planned.items():
+        meter = meters[name]
+        assert meter is not None
+        vocab = loaded.draft_vocab if name == "draft" and config.draft_vocab else None
+        peak, per_token = measure_forwards(
+            loaded, meter, config.max_batch, config.tree_slack, config.max_model_len, config.eager, vocab
+        )
+        weights = weight_bytes(loaded.model, seen.setdefault(str(loaded.device), set()))
+        measured.append(ModelMemory(name, str(loaded.device), weights, peak, per_token))
+    devices = {
+        str(m.device): meters[name].device_memory(m.device)  # type: ignore[union-attr]
+        for name, m in planned.items()
+    }
+    plan = plan_memory(
+        measured,
+        devices,
+        config.gpu_memory_utilization,
+        config.max_batch,
+        config.max_model_len,
+        config.max_model_len + config.tree_slack,
+    )
+    for line in plan.lines():
+        log.info(line)
+    if plan.sequences < config.max_batch:
+        log.warning(
+            "max_batch %d lowered to %d: the KV caches of more sequences do not fit (%s left for them)",
+            config.max_batch,
+            plan.sequences,
+            gib(min(d.kv_room for d in plan.devices)),
+        )
+    return replace(config, max_batch=plan.sequences), plan
