@@ -63,7 +63,7 @@ def reply_records(
         last = [reply[-1] if reply else row[-1] for row, reply in zip(rows, replies, strict=True)]
         prefix_lens = [len(row) - 1 + step for row in rows]
         logits = runner.forward_trees(slots, prefix_lens, [TokenTree.chain([t]) for t in last])
-        values, indices = torch.log_softmax(logits[:, 0], dim=-1).topk(k, dim=-1)
+        values, indices = (t.cpu() for t in torch.log_softmax(logits[:, 0], dim=-1).topk(k, dim=-1))
         for i, reply in enumerate(replies):
             if reply and reply[-1] == eos_id:
                 continue
@@ -96,8 +96,8 @@ def teacher_forced_records(
     for i, s in enumerate(sequences):
         ids[i, : len(s)] = torch.tensor(s)
     mask = (torch.arange(width)[None, :] < torch.tensor([len(s) for s in sequences])[:, None]).long()
-    logprobs = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
-    values, indices = logprobs.topk(k, dim=-1)
+    logits = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits
+    values, indices = (t.cpu() for t in torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1))
     for i, (context, sequence) in enumerate(zip(contexts, sequences, strict=True)):
         start = len(context)
         if start >= len(sequence):

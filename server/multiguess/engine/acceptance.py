@@ -59,7 +59,7 @@ def accept_sampled(
     while True:
         p = target_probs[node].double()
         sampled_q = draft_probs.get(node)
-        q = sampled_q.double().clone() if sampled_q is not None else None
+        q = sampled_q.to(p.device, torch.float64, copy=True) if sampled_q is not None else None
         chosen = None
         for child in children[node]:
             x = tree.tokens[child]
@@ -67,7 +67,7 @@ def accept_sampled(
                 q = torch.zeros_like(p)
                 q[x] = 1.0
             assert q is not None
-            if q[x] > 0 and torch.rand((), generator=generator, dtype=torch.float64) * q[x] < p[x]:
+            if q[x] > 0 and torch.rand((), generator=generator, dtype=torch.float64, device=p.device) * q[x] < p[x]:
                 chosen = child
                 break
             residual = torch.clamp(p - q, min=0.0)

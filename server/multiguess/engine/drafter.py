@@ -18,7 +18,7 @@ import torch
 
 from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.runner import NativeRunner
-from multiguess.engine.sampling import Processing, processed_probs
+from multiguess.engine.sampling import Generators, Processing, processed_probs
 from multiguess.engine.tree import TokenTree
 
 
@@ -53,7 +53,7 @@ class DraftRequest:
 @dataclass
 class SampleSpec:
     processing: Processing
-    generator: torch.Generator | None
+    generators: Generators
 
 
 @dataclass
@@ -246,7 +246,7 @@ class ModelDrafter:
             for parent, q in zip(beam, dists, strict=True):
                 probs[parent] = self._over_vocabulary(q)
                 support = int((q > 0).sum())
-                picks = torch.multinomial(q, min(k, support), generator=req.sample.generator)
+                picks = torch.multinomial(q, min(k, support), generator=req.sample.generators.on(q.device))
                 choices.append((self._tokens(picks).tolist(), torch.log(q[picks]).tolist()))
         for parent, (picks, scores) in zip(beam, choices, strict=True):
             base = 0.0 if parent == -1 else cands[parent].score
@@ -317,11 +317,11 @@ class ModelDrafter:
         logits = self.runner.forward_trees([slot], [start], [TokenTree.chain(token_ids[start:])])[0]
         self.cached[slot] = len(token_ids)
         first = max(start + 1, since)  # the first token ranked; row i guesses token start + 1 + i
-        known = torch.tensor(token_ids[first:], dtype=torch.long)
         rows = logits[first - start - 1 : len(token_ids) - start - 1]
         best = self._tokens(torch.topk(rows, min(width, rows.shape[-1])).indices)
-        hits = best == known[:, None]
-        return [int(row.nonzero()[0]) if row.any() else None for row in hits]
+        known = torch.tensor(token_ids[first:], dtype=torch.long, device=best.device)
+        hits = (best == known[:, None]).tolist()  # one copy to the host for all rows
+        return [row.index(True) if True in row else None for row in hits]
 
     def commit(self, slot: int, proposal: Proposal, acceptance: Acceptance) -> None:
         """Keep the draft KV of accepted nodes that were fed to the draft (a prefix of the path)."""

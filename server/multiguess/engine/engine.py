@@ -29,7 +29,7 @@ from multiguess.engine.drafter import Drafter, DraftRequest, ModelDrafter, Propo
 from multiguess.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION, check_utilization
 from multiguess.engine.memory_probe import fit_to_memory
 from multiguess.engine.runner import NativeRunner
-from multiguess.engine.sampling import Processing, processed_probs
+from multiguess.engine.sampling import Generators, Processing, processed_probs
 from multiguess.engine.sequence import Sequence, SpecStats
 from multiguess.engine.tree import TokenTree
 from multiguess.errors import InvalidRequestError
@@ -46,6 +46,7 @@ class EngineConfig:
     With ``adaptive`` on, each step's tree follows the draft's measured acceptance and the batch
     size (see ``AdaptivePolicy``), never above the budget; off, every tree uses the budget.
     ``eager`` runs plain PyTorch kernels (no prepacked weights): the escape hatch.
+    ``backend`` names the runners' device-family backend (``engine/backends``; auto: the device's).
     ``draft_vocab`` lets a draft score only its own vocabulary when it ships one
     (``models/draft_vocab.py``); off, it scores every token.
     ``max_model_len`` None is the target config's own limit (see ``memory_plan``); on GPUs
@@ -61,6 +62,7 @@ class EngineConfig:
     adaptive: bool = True
     policy: AdaptivePolicy = field(default_factory=AdaptivePolicy)
     eager: bool = False
+    backend: str = "auto"
     draft_vocab: bool = True
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
 
@@ -144,11 +146,11 @@ class Engine:
         )
         self.tokenizer = target.tokenizer
         capacity = self.config.max_model_len + self.config.tree_slack
-        eager = self.config.eager
-        self.target = NativeRunner(target, self.config.max_batch, capacity, eager)
+        eager, backend = self.config.eager, self.config.backend
+        self.target = NativeRunner(target, self.config.max_batch, capacity, eager, backend=backend)
         if drafter is None and draft is not None:
             vocab = draft.draft_vocab if self.config.draft_vocab else None
-            drafter = ModelDrafter(NativeRunner(draft, self.config.max_batch, capacity, eager, vocab))
+            drafter = ModelDrafter(NativeRunner(draft, self.config.max_batch, capacity, eager, vocab, backend))
         self.drafter = drafter
         self.eos_ids = frozenset(eos_token_ids(target))
         self.waiting: deque[Sequence] = deque()
@@ -189,12 +191,10 @@ class Engine:
         vocab = self.target.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        generator = None
+        generators = None
         if not params.greedy:
-            generator = torch.Generator().manual_seed(
-                params.seed if params.seed is not None else random.getrandbits(63)
-            )
-        seq = Sequence(request_id, list(prompt_ids), params, generator)
+            generators = Generators(params.seed if params.seed is not None else random.getrandbits(63))
+        seq = Sequence(request_id, list(prompt_ids), params, generators)
         self.waiting.append(seq)
         return seq
 
@@ -239,7 +239,7 @@ class Engine:
                     proposal.tree,
                     target_probs[b],
                     proposal.draft_probs,
-                    seq.generator,
+                    seq.generators.on(logits.device),
                     with_replacement=False,
                 )
             self.target.cache.compact(seq.slot, seq.cache_len, acceptance.path)
@@ -411,7 +411,7 @@ def processing(params: SamplingParams) -> Processing:
 
 def sample_spec(seq: Sequence) -> SampleSpec | None:
     """Sampled requests draw their children from the draft; greedy ones take its top-k."""
-    return None if seq.params.greedy else SampleSpec(processing(seq.params), seq.generator)
+    return None if seq.params.greedy else SampleSpec(processing(seq.params), seq.generators)
 
 
 def target_distributions(

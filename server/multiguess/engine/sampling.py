@@ -7,6 +7,8 @@ batch, each row with its own request's settings.
 
 from __future__ import annotations
 
+import hashlib
+
 from dataclasses import dataclass
 
 import torch
@@ -39,3 +41,23 @@ def processed_probs(logits: torch.Tensor, rows: list[Processing]) -> torch.Tenso
     sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
     sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
     return torch.zeros_like(sorted_probs).scatter(-1, order, sorted_probs)
+
+
+class Generators:
+    """A sampled sequence's random streams, one per device it samples on, all from one seed.
+
+    A generator samples only tensors on its own device, and a draft may live on another device
+    than its target. Each device's stream is seeded from the seed and the device's name, so a
+    seeded request repeats itself and two devices never share a stream."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._by_device: dict[torch.device, torch.Generator] = {}
+
+    def on(self, device: torch.device) -> torch.Generator:
+        generator = self._by_device.get(device)
+        if generator is None:
+            digest = hashlib.blake2b(f"{self.seed}:{device}".encode(), digest_size=8).digest()
+            generator = torch.Generator(device=device).manual_seed(int.from_bytes(digest) >> 1)
+            self._by_device[device] = generator
+        return generator

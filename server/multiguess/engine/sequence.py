@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from multiguess.engine.detokenizer import IncrementalText
+from multiguess.engine.sampling import Generators
 from multiguess.params import SamplingParams
 
 
@@ -39,7 +39,7 @@ class Sequence:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    generators: Generators | None  # sampled sequences' random streams
     slot: int = -1
     drafted_at: int = -1  # the last engine step it drafted in (probes go to the oldest)
     cache_len: int = 0  # target KV entries: every token but the last (the next tree's root)
