@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup tools run test lint format bench e2e clean
+.PHONY: setup tools run test lint format bench e2e clean gpu-check
 
 setup: $(STAMP)
 
@@ -42,6 +42,14 @@ bench: setup
 
 e2e: setup tools
 	$(PY) -m pytest -q -m e2e tests/e2e
+
+# The CUDA check (bench/gpu_check.py) on a machine with one GPU and only torch + transformers:
+# no set-up, the tree on PYTHONPATH, the venv's python where there is one, else python3.
+# DEVICE=cpu is its quick dry run with tiny shapes (part of the test suite).
+DEVICE ?= cuda
+GPU_CHECK_PY := $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	PYTHONPATH=server$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(GPU_CHECK_PY) bench/gpu_check.py --device $(DEVICE)
 
 clean:
 	rm -rf $(VENV) .tools .cache

@@ -1,0 +1,16 @@
+"""CUDA tests: marked ``cuda`` and skipped, saying why, where no GPU is visible."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+NO_GPU = "needs a CUDA GPU; none is visible here (torch.cuda.is_available() is False)"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/gpu/" in item.nodeid.replace("\\", "/"):
+            item.add_marker(pytest.mark.cuda)
+            if not torch.cuda.is_available():
+                item.add_marker(pytest.mark.skip(reason=NO_GPU))
