@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import logging
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import kopf
-import urllib3.exceptions
 
-from multiguess_operator.autoscaler.loop import Autoscaler, step
+from multiguess_operator.autoscaler import daemon as autoscaling
 from multiguess_operator.kube import SPECDEPLOYS, Kube
 from multiguess_operator.names import GROUP, INSTANCE_LABEL, MANAGED_BY_LABEL, MANAGER, PLURAL, VERSION
 from multiguess_operator.reconcile import Outcome, delete_children, reconcile, status_changed
 from multiguess_operator.settings import Settings
-from multiguess_operator.spec import SpecError, parse_spec
 
 CHILD_RESOURCES = (("apps/v1", "deployments"), ("v1", "services"), ("policy/v1", "poddisruptionbudgets"))
 OWNED = {MANAGED_BY_LABEL: MANAGER}
@@ -74,40 +70,26 @@ def _autoscaling_enabled(spec: kopf.Spec, **_: Any) -> bool:
     return bool((spec.get("autoscaling") or {}).get("enabled"))
 
 
+def _draft_autoscaling_enabled(spec: kopf.Spec, **_: Any) -> bool:
+    draft = spec.get("draft") or {}
+    return draft.get("placement") == "separate" and bool((draft.get("autoscaling") or {}).get("enabled"))
+
+
 @kopf.daemon(GROUP, VERSION, PLURAL, when=_autoscaling_enabled, cancellation_timeout=10.0)
 async def autoscale(
     stopped: kopf.DaemonStopped, body: kopf.Body, name: str, namespace: str, logger: kopf.Logger, **_: Any
 ) -> None:
-    """Per resource, every ``intervalSeconds`` (read afresh each round, so spec edits apply at once).
+    """The target pods' autoscaler, every ``autoscaling.intervalSeconds``. A daemon rather than a
+    kopf timer: a timer's interval is fixed when the handler is registered."""
+    await autoscaling.run(autoscaling.TARGETS, stopped, body, name, namespace, logger)
 
-    A daemon rather than a kopf timer: a timer's interval is fixed when the handler is registered.
-    It pauses with ``asyncio.sleep`` and stops when kopf cancels it: ``await stopped.wait(n)`` runs
-    a helper task that ends in TimeoutError, and kopf re-raises the error of every task alive when
-    the operator stops, so a daemon paused at that moment would fail ``kopf run``.
-    """
-    scaler = Autoscaler.restore(body.get("status"))
-    kube = Kube()
-    while not stopped:
-        try:
-            spec = parse_spec(body.get("spec") or {})
-        except SpecError:
-            await asyncio.sleep(15)  # reported by the reconciler; wait for a fix
-            continue
-        try:
-            result = await step(kube, scaler, name, namespace, spec, time.time())
-        except (TimeoutError, OSError, RuntimeError, urllib3.exceptions.HTTPError) as e:  # API trouble: retry
-            logger.warning(f"autoscaler step failed: {e}")
-        else:
-            if result.unreachable:
-                logger.warning(f"could not scrape: {', '.join(sorted(result.unreachable))}")
-            if result.decision.replicas != result.current:
-                direction = "ScaledUp" if result.decision.replicas > result.current else "ScaledDown"
-                message = (
-                    f"{result.current} -> {result.decision.replicas} replicas ({result.decision.reason}; "
-                    f"{spec.autoscaling.metric} {result.signal.value}, ratio {result.signal.ratio})"
-                )
-                kopf.info(dict(body), reason=direction, message=message)
-        await asyncio.sleep(spec.autoscaling.interval_seconds)
+
+@kopf.daemon(GROUP, VERSION, PLURAL, when=_draft_autoscaling_enabled, cancellation_timeout=10.0)
+async def autoscale_draft(
+    stopped: kopf.DaemonStopped, body: kopf.Body, name: str, namespace: str, logger: kopf.Logger, **_: Any
+) -> None:
+    """The draft pool's autoscaler (``placement: separate``), every ``draft.autoscaling.intervalSeconds``."""
+    await autoscaling.run(autoscaling.DRAFTS, stopped, body, name, namespace, logger)
 
 
 def run_pass(kube: Kube, body: Mapping[str, Any], config: Settings, logger: kopf.Logger) -> Outcome:

@@ -95,9 +95,11 @@ TARGET_MAX_BATCH = 8  # the serving image's default --max-batch
 
 
 def draft_sessions(spec: DeploymentSpec, draft: DraftSpec) -> int:
-    """Sequences one draft pod may hold: its share of the most target pods, each a full batch."""
+    """Sequences one draft pod may hold: its share of the most target pods, each a full batch. An
+    autoscaled draft pool is sized at its fewest pods, so scaling it never changes the pod template."""
     targets = spec.autoscaling.max_replicas if spec.autoscaling.enabled else spec.replicas
-    return -(-targets // draft.replicas) * TARGET_MAX_BATCH
+    drafts = draft.autoscaling.min_replicas if draft.autoscaling.enabled else draft.replicas
+    return -(-targets // drafts) * TARGET_MAX_BATCH
 
 
 def draft_deployment(

@@ -50,12 +50,29 @@ class TargetSpec:
 
 
 @dataclass(frozen=True)
+class DraftAutoscalingSpec:
+    """The draft pool's own autoscaling (``placement: separate``): the targets' policy, on the draft
+    servers' busy time and step latency and on the targets' fallbacks to plain decoding."""
+
+    enabled: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_busy_fraction: float = 0.7
+    target_step_latency_seconds: float = 0.05
+    target_fallback_fraction: float = 0.02
+    interval_seconds: int = 15
+    scale_down_stabilization_seconds: int = 300
+    max_scale_up_factor: float = 2.0
+
+
+@dataclass(frozen=True)
 class DraftSpec:
     model: str
     placement: Literal["colocated", "separate"] = "colocated"
     gpu: GpuSpec | None = None
     quantization: Literal["none", "int8"] = "none"
     replicas: int = 1
+    autoscaling: DraftAutoscalingSpec = field(default_factory=DraftAutoscalingSpec)
 
 
 @dataclass(frozen=True)
@@ -161,6 +178,15 @@ def check_rules(spec: DeploymentSpec) -> None:
         raise SpecError("InvalidSpec", "speculation.maxNodes must be at least speculation.depth")
     if spec.autoscaling.min_replicas > spec.autoscaling.max_replicas:
         raise SpecError("InvalidSpec", "autoscaling.minReplicas must not exceed autoscaling.maxReplicas")
+    scaling = spec.draft.autoscaling if spec.draft is not None else None
+    if scaling is not None and scaling.enabled and spec.separate_draft is None:
+        raise SpecError("InvalidSpec", "draft.autoscaling is only allowed with placement: separate")
+    if scaling is not None and scaling.min_replicas > scaling.max_replicas:
+        raise SpecError(
+            "InvalidSpec", "draft.autoscaling.minReplicas must not exceed draft.autoscaling.maxReplicas"
+        )
+    if scaling is not None and scaling.target_busy_fraction > 1:
+        raise SpecError("InvalidSpec", "draft.autoscaling.targetBusyFraction must be at most 1")
     cache = spec.model_cache
     if cache is not None and (cache.pvc is None) == (cache.empty_dir is None):
         raise SpecError("InvalidSpec", "modelCache needs exactly one of pvc or emptyDir")

@@ -1,4 +1,5 @@
-"""Queue-latency signal: parsing real exporter output, interval deltas, resets, bucket interpolation;
+"""Both pools' signals: parsing real exporter output (histograms and counters), interval deltas,
+resets, bucket interpolation, tokens per step, the draft pool's three ratios and its learned share;
 scraping real HTTP exporters on 127.0.0.x including an unreachable pod and a restarted one."""
 
 from __future__ import annotations
@@ -12,10 +13,32 @@ from typing import Any
 
 import aiohttp
 import pytest
-from multiguess_operator.autoscaler.loop import Autoscaler, compute_signal
-from multiguess_operator.autoscaler.metrics import MetricsError, Snapshot, mean, merge, parse, quantile
+from multiguess_operator.autoscaler.loop import (
+    Autoscaler,
+    DraftAutoscaler,
+    DraftSignal,
+    compute_draft_signal,
+    compute_signal,
+    tokens_per_step,
+)
+from multiguess_operator.autoscaler.metrics import (
+    ACCEPTED_TOKENS,
+    DRAFT_FAILURES,
+    DRAFT_REFUSED,
+    DRAFT_REQUESTS,
+    FALLBACK_STEPS,
+    VERIFY_STEPS,
+    MetricsError,
+    Snapshot,
+    mean,
+    merge,
+    parse,
+    parse_draft,
+    quantile,
+)
+from multiguess_operator.autoscaler.policy import PolicyConfig, decide
 from multiguess_operator.autoscaler.scraper import PodTarget, fetch, ready_targets, scrape
-from multiguess_operator.spec import AutoscalingSpec
+from multiguess_operator.spec import AutoscalingSpec, DraftAutoscalingSpec
 
 from tests.operator.exporters import exporter, free_port
 
@@ -179,7 +202,7 @@ def test_autoscaler_state_survives_a_restart_through_the_status() -> None:
     assert first.replicas == 4  # a fresh autoscaler holds: the current size counts as recommended
     scaler.capacity = 1.5
     status = scaler.status(compute_signal([], [snap({INF: 0})], spec), first, 1, {}, "queueLatencyP95")
-    restored = Autoscaler.restore({"autoscaling": status})
+    restored = Autoscaler.restore(status)
     assert restored.window == scaler.window and restored.capacity == 1.5
     assert restored.history == scaler.history
 
@@ -205,3 +228,134 @@ async def test_a_failed_fetch_returns_its_error_instead_of_raising() -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
         error = await fetch(session, PodTarget("p", "u", f"http://127.0.0.4:{port}/metrics"))
     assert isinstance(error, str) and error.startswith("ClientConnectorError:")
+
+
+def counted(buckets: dict[float, float], total: float = 0.0, **counters: float) -> Snapshot:
+    """A snapshot with counters given by series (``kind_timeout`` for ``...{kind=timeout}``)."""
+    series = {}
+    for key, value in counters.items():
+        name, _, kind = key.partition("_kind_")
+        series[f"{name}{{kind={kind}}}" if kind else name] = value
+    items = tuple(sorted(buckets.items()))
+    return Snapshot(items, items[-1][1], total, 0.0, tuple(sorted(series.items())))
+
+
+VERIFY, ACCEPTED, FALLBACK = VERIFY_STEPS, ACCEPTED_TOKENS, FALLBACK_STEPS
+
+
+def target_counters(steps: float, accepted: float, fallbacks: float = 0.0, **failures: float) -> Snapshot:
+    values = {VERIFY: steps, ACCEPTED: accepted, FALLBACK: fallbacks}
+    values |= {f"{DRAFT_FAILURES}{{kind={k}}}": v for k, v in failures.items()}
+    return Snapshot(((INF, 0.0),), 0.0, 0.0, 0.0, tuple(sorted(values.items())))
+
+
+def test_counters_parse_by_series_and_subtract_like_the_histogram() -> None:
+    page = (
+        "# TYPE multiguess_request_queue_seconds histogram\n"
+        'multiguess_request_queue_seconds_bucket{le="+Inf"} 3\n'
+        "multiguess_request_queue_seconds_count 3\nmultiguess_request_queue_seconds_sum 1\n"
+        "# TYPE multiguess_spec_verify_steps counter\nmultiguess_spec_verify_steps_total 40\n"
+        "# TYPE multiguess_remote_draft_failures counter\n"
+        'multiguess_remote_draft_failures_total{kind="timeout"} 2\n'
+        'multiguess_remote_draft_failures_total{kind="connection"} 1\n'
+    )
+    before = parse(page)
+    assert before.counter(VERIFY) == 40 and before.counter(DRAFT_FAILURES) == 3
+    assert before.counter(DRAFT_FAILURES, kind="timeout") == 2
+    after = parse(page.replace("_total 40", "_total 70").replace('"timeout"} 2', '"timeout"} 5'))
+    delta = after.minus(before)
+    assert delta.counter(VERIFY) == 30 and delta.counter(DRAFT_FAILURES, kind="timeout") == 3
+    restarted = parse(page.replace("_total 40", "_total 4"))
+    assert restarted.minus(before) == restarted  # a counter went down: the pod restarted
+
+
+def test_tokens_per_step_is_the_mean_accepted_length() -> None:
+    scaler = Autoscaler()
+    spec = AutoscalingSpec(enabled=True)
+    queue = {0.5: 0, INF: 0}
+    scaler.observe({"p": counted(queue, **{VERIFY: 100, ACCEPTED: 50})}, now=0.0, interval=15.0)
+    deltas, elapsed = scaler.observe({"p": counted(queue, **{VERIFY: 300, ACCEPTED: 350})}, 15.0, 15.0)
+    assert compute_signal(deltas, deltas, spec, elapsed).tokens_per_step == pytest.approx(2.5)
+    assert tokens_per_step(None) is None
+
+
+DRAFT_SPEC = DraftAutoscalingSpec(
+    enabled=True, target_busy_fraction=0.5, target_step_latency_seconds=0.1, target_fallback_fraction=0.05
+)
+
+
+def draft_delta(steps: int, seconds: float) -> Snapshot:
+    return Snapshot(((0.05, 0.0), (0.1, float(steps)), (INF, float(steps))), float(steps), steps * seconds, 0)
+
+
+@pytest.mark.parametrize(
+    ("targets", "ratio", "counted"),
+    [
+        ([], 0.8 / 0.5, False),  # busy 80 % of 10 s on each of 2 pods (no targets scraped)
+        ([target_counters(100, 200)], 0.8 / 0.5, True),  # no fallbacks
+        ([target_counters(100, 100, 50, timeout=5)], 0.5 / 0.05, True),  # half the steps timed out
+        ([target_counters(100, 100, 50, server=5)], 0.5 / 0.05, True),  # refused: out of sessions
+        ([target_counters(100, 100, 50, connection=5)], 0.8 / 0.5, False),  # breakage is no reason
+    ],
+)
+def test_draft_signal_is_the_largest_of_busy_time_step_latency_and_fallbacks(
+    targets: list[Snapshot], ratio: float, counted: bool
+) -> None:
+    drafts = [draft_delta(100, 0.08), draft_delta(100, 0.08)]  # 8 s of drafting per pod in 10 s
+    signal = compute_draft_signal(drafts, 2, targets, DRAFT_SPEC, elapsed=10.0)
+    assert signal.value == pytest.approx(0.8) and signal.fallbacks_counted == counted
+    assert signal.ratio == pytest.approx(ratio, rel=0.02)
+    assert signal.step_p95 is not None and signal.step_p95 <= 0.1
+
+
+def test_draft_signal_without_draft_pods_or_deltas_is_none() -> None:
+    assert compute_draft_signal([], 0, [], DRAFT_SPEC, None).ratio is None
+    assert compute_draft_signal([], 2, [target_counters(10, 10)], DRAFT_SPEC, None).ratio is None
+
+
+def test_drafts_per_target_is_learned_from_loaded_intervals_and_leads_target_scale_ups() -> None:
+    scaler = DraftAutoscaler()
+    scaler.drafts.stable = True
+    idle = DraftSignal(0.1, 0.1, fallback_fraction=0.0)
+    scaler.learn(idle, 2, 8, DRAFT_SPEC)
+    assert scaler.per_target is None  # an idle pool says nothing about what a target needs
+    loaded = DraftSignal(0.8, 0.4, fallback_fraction=0.0)  # 2 drafts at 80 % of their target, 8 targets
+    scaler.learn(loaded, 2, 8, DRAFT_SPEC)
+    assert scaler.per_target == pytest.approx(2 * 0.8 / 8)
+    scaler.learn(DraftSignal(5.0, 0.4, fallback_fraction=0.3), 2, 8, DRAFT_SPEC)
+    assert scaler.per_target == pytest.approx(0.2)  # a saturated pool's share is not the need
+    assert scaler.follow(16, 8) == 4  # 8 more targets coming: drafts for all 16 now
+    assert scaler.follow(8, 8) == 0  # the targets are serving: the drafts' own signal rules
+    status = scaler.status(loaded, decide(2, 0.8, 0.0, (), PolicyConfig(1, 4)), 2, {}, 8)
+    assert DraftAutoscaler.restore(status).per_target == pytest.approx(0.2)
+
+
+def test_the_serving_images_speculation_and_draft_metrics_parse() -> None:
+    """Contract check against the real registries: the target's speculation counters and remote
+    drafter failures by kind, the draft server's step histogram."""
+    server_metrics = pytest.importorskip("multiguess.metrics", reason="serving package not installed")
+    remote = pytest.importorskip("multiguess.remote.metrics", reason="serving package not installed")
+    from prometheus_client import generate_latest
+
+    target = server_metrics.Metrics()
+    client = remote.ClientMetrics(target.registry)
+    target.queue.observe(0.1)
+    target.spec["verify_steps"].inc(10)
+    target.spec["accepted_tokens"].inc(15)
+    target.spec["fallback_steps"].inc(2)
+    client.failures.labels(kind="timeout").inc(3)
+    client.refused.inc(1)
+    page = parse(generate_latest(target.registry).decode())
+    assert tokens_per_step(page) == pytest.approx(2.5)
+    assert page.counter(FALLBACK_STEPS) == 2 and page.counter(DRAFT_FAILURES, kind="timeout") == 3
+    assert page.counter(DRAFT_REFUSED) == 1
+
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    draft = remote.ServerMetrics(registry)
+    for seconds in (0.004, 0.006):
+        draft.step.observe(seconds)
+    draft.requests.inc(8)
+    parsed = parse_draft(generate_latest(registry).decode())
+    assert parsed.count == 2 and parsed.total == pytest.approx(0.01) and parsed.counter(DRAFT_REQUESTS) == 8

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from multiguess_operator.autoscaler.policy import Decision, PolicyConfig, Recommendation, decide
+from multiguess_operator.autoscaler.policy import Decision, PolicyConfig, Recommendation, capacity_at, decide
 
 CFG = PolicyConfig(min_replicas=1, max_replicas=10, stabilization_seconds=300)
 
@@ -137,3 +137,33 @@ def test_capacity_is_learned_from_an_overflow_and_floors_the_scale_down() -> Non
 def test_capacity_is_not_learned_while_pods_come_and_go() -> None:
     decision = decide(4, 2.0, now=0.0, window=(), config=CFG, serving=4, throughput=8.0, learn=False)
     assert decision.capacity is None
+
+
+def test_follow_raises_the_recommendation_to_another_pools_share() -> None:
+    led = decide(2, 1.0, now=1000.0, window=(), config=CFG, follow=5)
+    assert (led.replicas, led.reason) == (5, "FollowTargets")
+    own = decide(2, 4.0, now=1000.0, window=(), config=CFG, follow=3)  # its own signal wants more
+    assert (own.replicas, own.reason) == (4, "ScaleUpLimited")
+    held = decide(6, 0.0, now=1000.0, window=(), config=CFG, follow=5)  # no scale-down below it
+    assert held.replicas == 5
+
+
+def test_capacity_is_learned_once_and_carried_to_another_acceptance() -> None:
+    learned = decide(4, 2.0, now=0.0, window=(), config=CFG, serving=4, throughput=8.0)
+    assert learned.learned and learned.capacity == 2.0
+    kept = decide(4, 1.0, now=15.0, window=(), config=CFG, serving=4, throughput=8.0, capacity=2.0)
+    assert not kept.learned and kept.capacity == 2.0
+    # Learned at 3 tokens per step; acceptance falls to 1.5 tokens per step: half the requests/s.
+    assert capacity_at(2.0, 3.0, 1.5) == pytest.approx(1.0)
+    assert capacity_at(2.0, None, 1.5) == 2.0 and capacity_at(None, 3.0, 1.5) is None
+
+
+def test_a_fall_in_acceptance_raises_the_throughput_floor_at_once() -> None:
+    """The same throughput at half the tokens per step needs twice the pods: the floor says so
+    without waiting for the queue to overflow again."""
+    window = (Recommendation(0.0, 4),)
+    at_learned = decide(8, 0.2, now=1000.0, window=window, config=CFG, throughput=6.0, capacity=2.0)
+    assert at_learned.replicas == 4  # ceil(6 / (0.75 × 2))
+    halved = capacity_at(2.0, 3.0, 1.5)
+    at_lower = decide(8, 0.2, now=1000.0, window=window, config=CFG, throughput=6.0, capacity=halved)
+    assert (at_lower.replicas, at_lower.reason) == (8, "ThroughputFloor")  # needs ceil(6 / 0.75) = 8

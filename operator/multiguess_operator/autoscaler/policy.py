@@ -15,6 +15,15 @@ and says nothing about how much spare there is. So a scale-down goes only as far
   T / (HEADROOM × capacity) pods. Throughput is linear in load where latency is not: the floor follows
   a falling load down, and a size that proved too small is not tried again at the same load, so
   the autoscaler does not cycle between too small and big enough.
+
+A recommendation never goes below ``follow``: the pods another pool's size says are needed (the
+draft pool's learned share of the target pods), so drafts are added with the targets, not after
+the targets have started falling back to plain decoding.
+
+With speculation a target pod's requests/s depend on the tokens each verification step emits
+(mean accepted length): its steps/s are set by the hardware, each step emits that many tokens per
+sequence. ``capacity_at`` carries a capacity learned at one acceptance over to another, so a fall
+in acceptance lowers the floor's idea of a pod at once instead of after the next overflow.
 """
 
 from __future__ import annotations
@@ -58,6 +67,7 @@ class Decision:
     reason: str
     window: tuple[Recommendation, ...]  # recommendations to remember for the next decisions
     capacity: float | None = None  # requests/s per pod when the queue last overflowed the target
+    learned: bool = False  # ``capacity`` was measured in this decision
 
 
 def decide(
@@ -70,11 +80,13 @@ def decide(
     throughput: float | None = None,
     capacity: float | None = None,
     learn: bool = True,
+    follow: int = 0,
 ) -> Decision:
     """One decision. ``current``: replicas asked for now; ``serving``: pods the signal came from
     (default: all of them); ``ratio``: signal / target, None when no pod could be scraped;
     ``throughput``: requests/s those pods started; ``capacity``: the last decision's; ``learn``: the
-    same pods served the whole interval (pods that joined midway would dilute the rate)."""
+    same pods served the whole interval (pods that joined midway would dilute the rate);
+    ``follow``: the least any recommendation may be (another pool's share)."""
     recent = tuple(r for r in window if now - r.time < config.stabilization_seconds)
     if ratio is None:
         held = config.clamp(current)
@@ -89,19 +101,32 @@ def decide(
         wanted = math.ceil(base * ratio - 1e-9)  # the epsilon keeps 2 × 1.5 at 3, not 4
         limit = max(math.ceil(base * config.max_scale_up), base + 1)
         raw, limited = min(wanted, limit), config.clamp(limit) < config.clamp(wanted)
+    learned = False
     if learn and base > 0 and ratio > 1.0 + config.tolerance and throughput:
-        capacity = throughput / base  # per pod, while `base` pods were not enough
-    recommended = config.clamp(raw)
+        capacity, learned = throughput / base, True  # per pod, while `base` pods were not enough
+    followed = follow > raw
+    recommended = config.clamp(max(raw, follow))
     recent = (*recent, Recommendation(now, recommended))
     if recommended > current:
-        reason = "ScaleUpLimited" if limited else "ScaleUp"
-        return Decision(recommended, recommended, reason, recent, capacity)
+        reason = "FollowTargets" if followed else "ScaleUpLimited" if limited else "ScaleUp"
+        return Decision(recommended, recommended, reason, recent, capacity, learned)
     stabilized = max(r.replicas for r in recent)
     floor = math.ceil(throughput / (HEADROOM * capacity)) if capacity and throughput else 0
     replicas = config.clamp(min(current, max(stabilized, floor)))
     if replicas < current:
-        return Decision(replicas, recommended, "ScaleDown", recent, capacity)
+        return Decision(replicas, recommended, "ScaleDown", recent, capacity, learned)
     if recommended < current:
         reason = "ScaleDownStabilized" if stabilized >= current or floor < current else "ThroughputFloor"
-        return Decision(replicas, recommended, reason, recent, capacity)
-    return Decision(replicas, recommended, "AtBounds" if recommended != raw else "Steady", recent, capacity)
+        return Decision(replicas, recommended, reason, recent, capacity, learned)
+    reason = "AtBounds" if recommended != max(raw, follow) else "Steady"
+    return Decision(replicas, recommended, reason, recent, capacity, learned)
+
+
+def capacity_at(
+    capacity: float | None, learned_at: float | None, tokens_per_step: float | None
+) -> float | None:
+    """A pod's requests/s at ``tokens_per_step``, from ``capacity`` measured at ``learned_at`` tokens
+    per verification step (unchanged when either is unknown)."""
+    if capacity is None or not learned_at or not tokens_per_step:
+        return capacity
+    return capacity * tokens_per_step / learned_at

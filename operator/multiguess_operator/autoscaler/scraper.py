@@ -1,9 +1,9 @@
-"""Fetch /metrics from every ready target pod, concurrently; a pod that fails is reported, not fatal."""
+"""Fetch /metrics from every ready pod of a pool, concurrently; a pod that fails is reported, not fatal."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,13 +33,17 @@ def ready_targets(pods: Sequence[Mapping[str, Any]], port: int) -> list[PodTarge
     return sorted(targets, key=lambda t: t.name)
 
 
+Reader = Callable[[str], Snapshot]
+
+
 async def scrape(
-    targets: Sequence[PodTarget], timeout: float = 5.0
+    targets: Sequence[PodTarget], timeout: float = 5.0, parse: Reader = parse
 ) -> tuple[dict[str, Snapshot], dict[str, str]]:
-    """(snapshots by pod uid, error by pod name) for all targets, fetched in parallel."""
+    """(snapshots by pod uid, error by pod name) for all targets, fetched in parallel and read
+    with ``parse`` (target pods' pages by default)."""
     client_timeout = aiohttp.ClientTimeout(total=timeout)
     async with aiohttp.ClientSession(timeout=client_timeout) as session:
-        results = await asyncio.gather(*(fetch(session, t) for t in targets))
+        results = await asyncio.gather(*(fetch(session, t, parse) for t in targets))
     snapshots: dict[str, Snapshot] = {}
     errors: dict[str, str] = {}
     for target, result in zip(targets, results, strict=True):
@@ -50,7 +54,7 @@ async def scrape(
     return snapshots, errors
 
 
-async def fetch(session: aiohttp.ClientSession, target: PodTarget) -> Snapshot | str:
+async def fetch(session: aiohttp.ClientSession, target: PodTarget, parse: Reader = parse) -> Snapshot | str:
     """The pod's snapshot, or why there is none. A failure is a value, not an exception: gather
     runs each fetch as a task, and kopf re-raises the error of every task still alive when the
     operator stops, so a pod that refused a scrape during shutdown failed ``kopf run``."""
