@@ -85,11 +85,12 @@ def probe(
     tree: TokenTree,
     eager: bool,
     head_vocab: torch.Tensor | None,
+    backend: str,
     last_only: bool = False,
 ) -> tuple[int, int]:
     """(activation peak, KV bytes per token) of one forward of ``slots`` copies of ``tree`` on a
     probe runner sized to them; its cache is allocated before the measurement starts."""
-    runner = NativeRunner(loaded, slots, len(tree), eager, head_vocab)
+    runner = NativeRunner(loaded, slots, len(tree), eager, head_vocab, backend)
     per_token = runner.cache.kv.nbytes // (slots * len(tree))
 
     def forward() -> None:
@@ -106,13 +107,15 @@ def measure_forwards(
     max_model_len: int,
     eager: bool,
     head_vocab: torch.Tensor | None,
+    backend: str,
 ) -> tuple[int, int]:
     """(activation peak, KV bytes per token) of ``loaded``: the larger peak of a verification
     forward of ``max_batch`` chains of ``width`` tokens and a prefill of ``max_model_len - 1``."""
-    verify, per_token = probe(loaded, meter, max_batch, TokenTree.chain([0] * width), eager, head_vocab)
+    chain = TokenTree.chain([0] * width)
+    verify, per_token = probe(loaded, meter, max_batch, chain, eager, head_vocab, backend)
     prompt = TokenTree.chain([0] * (max_model_len - 1))
     try:
-        prefill, _ = probe(loaded, meter, 1, prompt, eager, head_vocab, last_only=True)
+        prefill, _ = probe(loaded, meter, 1, prompt, eager, head_vocab, backend, last_only=True)
     except torch.OutOfMemoryError as exc:
         raise InsufficientMemoryError(
             f"{loaded.device}: a prefill of {max_model_len} tokens of {loaded.name} does not fit in "
@@ -142,7 +145,14 @@ def fit_to_memory(
         assert meter is not None
         vocab = loaded.draft_vocab if name == "draft" and config.draft_vocab else None
         peak, per_token = measure_forwards(
-            loaded, meter, config.max_batch, config.tree_slack, config.max_model_len, config.eager, vocab
+            loaded,
+            meter,
+            config.max_batch,
+            config.tree_slack,
+            config.max_model_len,
+            config.eager,
+            vocab,
+            config.backend,
         )
         weights = weight_bytes(loaded.model, seen.setdefault(str(loaded.device), set()))
         measured.append(ModelMemory(name, str(loaded.device), weights, peak, per_token))
