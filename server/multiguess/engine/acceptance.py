@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from multiguess.engine.sampling import draw
 from multiguess.engine.tree import TokenTree
 
 
@@ -80,7 +81,7 @@ def accept_sampled(
                     break
                 q = q / q.sum()
         if chosen is None:
-            bonus = int(torch.multinomial(p, 1, generator=generator).item())
+            bonus = draw(p, generator)
             return Acceptance(path, [tree.tokens[i] for i in path[1:]] + [bonus])
         node = chosen
         path.append(node)

@@ -18,7 +18,7 @@ import torch
 
 from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.runner import NativeRunner
-from multiguess.engine.sampling import Generators, Processing, processed_probs
+from multiguess.engine.sampling import Generators, Processing, draw_without_replacement, processed_probs
 from multiguess.engine.tree import TokenTree
 
 
@@ -245,8 +245,8 @@ class ModelDrafter:
             choices = []
             for parent, q in zip(beam, dists, strict=True):
                 probs[parent] = self._over_vocabulary(q)
-                support = int((q > 0).sum())
-                picks = torch.multinomial(q, min(k, support), generator=req.sample.generators.on(q.device))
+                generator = req.sample.generators.on(q.device)
+                picks = torch.tensor(draw_without_replacement(q, k, generator), device=q.device)
                 choices.append((self._tokens(picks).tolist(), torch.log(q[picks]).tolist()))
         for parent, (picks, scores) in zip(beam, choices, strict=True):
             base = 0.0 if parent == -1 else cands[parent].score

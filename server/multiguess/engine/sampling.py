@@ -1,17 +1,26 @@
-"""Turning logits into the distribution a request samples from (temperature, top-k, top-p).
+"""Turning logits into the distribution a request samples from (temperature, top-k, top-p),
+and drawing from it.
 
 The same processing defines the target's distribution (the truth speculation must preserve)
 and the draft's proposal distribution. It runs once per step over every sampled row of the
 batch, each row with its own request's settings.
+
+Truncation looks only at a ``torch.topk`` prefix of each row when that provably holds the
+whole kept set (top-k within the prefix; top-p mass reached inside it), and sorts the whole
+row otherwise: sorting a large vocabulary costs far more than a model step's sampling should.
+Draws use the inverse CDF with one uniform each, for the same reason (``torch.multinomial``
+on CPU walks the whole row several times).
 """
 
 from __future__ import annotations
 
 import hashlib
-
 from dataclasses import dataclass
 
 import torch
+
+# Prefix widths a row's truncation tries, in turn, before it sorts the whole row.
+PREFIXES = (64, 2048)
 
 
 @dataclass(frozen=True)
@@ -24,23 +33,139 @@ class Processing:
 def processed_probs(logits: torch.Tensor, rows: list[Processing]) -> torch.Tensor:
     """Float64 probabilities ``[N, V]`` after temperature, then top-k, then top-p, per row.
 
-    Top-p keeps the smallest set of most probable tokens whose mass reaches ``top_p`` (ties at
-    the boundary resolved by sort order, as in transformers).
+    Top-p keeps the smallest set of most probable tokens whose mass reaches ``top_p``; tokens
+    tied at the boundary are kept in rank order. Equal to ``sorted_processed_probs``.
     """
+    temperature, top_k, top_p, truncated = _settings(logits, rows)
+    vocab = logits.shape[-1]
+    widest_k = max((r.top_k for r in rows if 0 < r.top_k < vocab), default=0)
+    if not any(truncated):
+        return torch.softmax(logits.double() / temperature, dim=-1)
+    if all(truncated):
+        return _truncated(logits, temperature, top_k, top_p, widest_k, PREFIXES)
+    out = logits.new_zeros(logits.shape, dtype=torch.float64)
+    cut = torch.tensor([i for i, t in enumerate(truncated) if t], device=logits.device)
+    keep = torch.tensor([i for i, t in enumerate(truncated) if not t], device=logits.device)
+    out[keep] = torch.softmax(logits[keep].double() / temperature[keep], dim=-1)
+    out[cut] = _truncated(logits[cut], temperature[cut], top_k[cut], top_p[cut], widest_k, PREFIXES)
+    return out
+
+
+def _truncated(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    widest_k: int,
+    widths: tuple[int, ...],
+) -> torch.Tensor:
+    """Rows that truncate: by the first prefix width, the rows it does not settle by the next,
+    and whatever is left by sorting whole rows."""
+    vocab = logits.shape[-1]
+    width = max(widths[0], widest_k) if widths else vocab
+    if width >= vocab:
+        return _sorted(logits.double() / temperature, top_k, top_p)
+    probs, order, settled = _prefix(logits, temperature, top_k, top_p, width)
+    out = logits.new_zeros(logits.shape, dtype=torch.float64).scatter_(-1, order, probs)
+    if not bool(settled.all()):
+        rest = (~settled).nonzero()[:, 0]
+        out[rest] = _truncated(logits[rest], temperature[rest], top_k[rest], top_p[rest], widest_k, widths[1:])
+    return out
+
+
+def _prefix(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Processing over each row's ``width`` best tokens: kept probabilities in rank order,
+    their token ids, and which rows the prefix settles (it holds their whole kept set).
+
+    Only the prefix is tempered in float64; the whole row is read by ``topk`` and, for rows
+    without top-k, by the softmax normaliser."""
+    values, order = torch.topk(logits, width, dim=-1)  # temperature does not change the order
+    values = values.double() / temperature
+    # Each rank's mass after top-k: normalised over the first top_k ranks when top-k applies
+    # (the prefix then holds all of them), over the whole row otherwise.
+    ranks = torch.arange(width, device=logits.device)[None, :]
+    within_k = top_k <= width
+    outside_k = ranks >= top_k[:, None]
+    if bool(within_k.all()):
+        normaliser = torch.logsumexp(values.masked_fill(outside_k, float("-inf")), dim=-1)
+    else:
+        normaliser = torch.where(
+            within_k,
+            torch.logsumexp(values.masked_fill(outside_k, float("-inf")), dim=-1),
+            _log_normaliser(logits, temperature, values[:, :1]),
+        )
+    probs = torch.exp(values - normaliser[:, None]).masked_fill(outside_k, 0.0)
+    # Every rank past the prefix has at least the prefix's mass before it: top-p cuts it.
+    settled = within_k | (torch.cumsum(probs, dim=-1)[:, -1] >= top_p[:, 0])
+    return _nucleus(probs, top_p), order, settled
+
+
+def _log_normaliser(logits: torch.Tensor, temperature: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    """log sum exp(logits / temperature) per row, in float64 through float32 exponents."""
+    shifted = (logits.float() / temperature.float() - best.float()).exp_()
+    return best[:, 0] + torch.log(shifted.sum(dim=-1, dtype=torch.float64))
+
+
+def sorted_processed_probs(logits: torch.Tensor, rows: list[Processing]) -> torch.Tensor:
+    """The reference processing: what ``processed_probs`` computes, by sorting every row whole."""
+    temperature, top_k, top_p, truncated = _settings(logits, rows)
+    scores = logits.double() / temperature
+    out = torch.softmax(scores, dim=-1)
+    rest = torch.tensor([i for i, t in enumerate(truncated) if t], dtype=torch.long, device=logits.device)
+    if len(rest):
+        out[rest] = _sorted(scores[rest], top_k[rest], top_p[rest])
+    return out
+
+
+def _settings(
+    logits: torch.Tensor, rows: list[Processing]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[bool]]:
+    """Each row's temperature ``[N, 1]``, top-k (the vocabulary size when off), top-p
+    ``[N, 1]``, and whether it truncates at all."""
     vocab, device = logits.shape[-1], logits.device
     temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float64, device=device)[:, None]
-    scores = logits.double() / temperature
-    if all(r.top_p >= 1.0 and not 0 < r.top_k < vocab for r in rows):
-        return torch.softmax(scores, dim=-1)  # nothing to truncate: skip the sort
     top_k = torch.tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows], device=device)
     top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float64, device=device)[:, None]
+    truncated = [0 < r.top_k < vocab or r.top_p < 1.0 for r in rows]
+    return temperature, top_k, top_p, truncated
+
+
+def _sorted(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    vocab = scores.shape[-1]
     sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=device)[None, :]
+    ranks = torch.arange(vocab, device=scores.device)[None, :]
     sorted_probs = torch.softmax(sorted_scores.masked_fill(ranks >= top_k[:, None], float("-inf")), dim=-1)
+    return torch.zeros_like(sorted_probs).scatter(-1, order, _nucleus(sorted_probs, top_p))
+
+
+def _nucleus(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Probabilities in descending order, cut where the mass before a rank reaches top_p."""
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
-    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
-    return torch.zeros_like(sorted_probs).scatter(-1, order, sorted_probs)
+    kept = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from ``probs`` (``[V]``, any non-negative mass) by the inverse CDF."""
+    cdf = torch.cumsum(probs.double(), dim=0)
+    u = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device)
+    return int(torch.searchsorted(cdf, (u * cdf[-1])[None], right=True).clamp_(max=len(cdf) - 1))
+
+
+def draw_without_replacement(probs: torch.Tensor, count: int, generator: torch.Generator | None) -> list[int]:
+    """``count`` distinct tokens, each drawn from ``probs`` without those drawn before it
+    (what ``torch.multinomial(probs, count)`` samples); fewer when the support is smaller."""
+    left = probs.double().clone()
+    picks: list[int] = []
+    for _ in range(count):
+        if not bool((left > 0).any()):
+            break
+        token = draw(left, generator)
+        picks.append(token)
+        left[token] = 0.0
+    return picks
 
 
 class Generators:

@@ -1,0 +1,83 @@
+"""The fast processing (a top-k prefix) equals the reference (a whole-row sort), and the
+inverse-CDF draws sample what they should."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from multiguess.engine import sampling
+from multiguess.engine.sampling import (
+    Processing,
+    draw,
+    draw_without_replacement,
+    processed_probs,
+    sorted_processed_probs,
+)
+from scipy.stats import chisquare
+
+VOCAB = 4096
+ROWS = [
+    Processing(0.7, 0.9),
+    Processing(1.0, 0.95),
+    Processing(0.7, 1.0, 50),
+    Processing(1.3, 0.8, 40),
+    Processing(1.0, 0.5, 300),  # top-k wider than the prefix
+    Processing(1.0),  # nothing to truncate, in a batch that truncates
+    Processing(0.5, 0.99, 1),
+]
+
+
+def peaked_logits(rows: int, seed: int, scale: float) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, VOCAB, generator=generator) * scale
+
+
+@pytest.mark.parametrize("scale", [8.0, 3.0, 0.1])  # peaked (prefix settles), flat (falls back)
+def test_fast_processing_equals_the_sorted_reference(scale: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    sorted_rows = []
+    reference_sort = sampling._sorted
+
+    def counting(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        sorted_rows.append(len(scores))
+        return reference_sort(scores, top_k, top_p)
+
+    logits = peaked_logits(len(ROWS) * 3, seed=int(scale * 10), scale=scale)
+    rows = ROWS * 3
+    expected = sorted_processed_probs(logits, rows)
+    monkeypatch.setattr(sampling, "_sorted", counting)
+    fast = processed_probs(logits, rows)
+    assert torch.equal(fast > 0, expected > 0), "the kept sets differ"
+    torch.testing.assert_close(fast, expected, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(fast.sum(-1), torch.ones(len(rows), dtype=torch.float64))
+    if scale == 8.0:
+        assert not sorted_rows, "peaked rows are settled by the prefix alone"
+    if scale == 0.1:
+        assert sum(sorted_rows) > 0, "flat top-p rows need the whole sort"
+
+
+def test_untruncated_rows_are_a_plain_softmax() -> None:
+    logits = peaked_logits(3, seed=1, scale=2.0)
+    probs = processed_probs(logits, [Processing(0.8)] * 3)
+    torch.testing.assert_close(probs, torch.softmax(logits.double() / 0.8, dim=-1))
+
+
+def test_draw_samples_the_distribution() -> None:
+    probs = torch.tensor([0.0, 0.1, 0.0, 0.4, 0.2, 0.3], dtype=torch.float64)
+    generator = torch.Generator().manual_seed(0)
+    counts = Counter(draw(probs, generator) for _ in range(4000))
+    assert set(counts) <= {1, 3, 4, 5}
+    observed = [counts[i] for i in (1, 3, 4, 5)]
+    assert chisquare(observed, [400, 1600, 800, 1200]).pvalue > 1e-3
+
+
+def test_draw_without_replacement_matches_sequential_draws() -> None:
+    """P(first = a, second = b) = p(a) * p(b) / (1 - p(a)): what torch.multinomial draws."""
+    probs = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    generator = torch.Generator().manual_seed(1)
+    counts = Counter(tuple(draw_without_replacement(probs, 2, generator)) for _ in range(6000))
+    pairs = [(a, b) for a in range(3) for b in range(3) if a != b]
+    expected = [6000 * probs[a].item() * probs[b].item() / (1 - probs[a].item()) for a, b in pairs]
+    assert chisquare([counts[p] for p in pairs], expected).pvalue > 1e-3
+    assert draw_without_replacement(torch.tensor([0.0, 1.0, 0.0]), 3, generator) == [1]
