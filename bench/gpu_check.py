@@ -358,16 +358,17 @@ def lossless_greedy(p: Profile, section: Section, budget: Budget) -> None:
     section.row(
         "transformers generate, fp32", "info", identical_to_plain=identical(hf.outputs, plain.outputs[:1])
     )
-    cases = {
-        "tree k=3 depth=4": (lambda: draft, 3, 4, None),
-        "chain depth=4": (lambda: draft, 1, 4, None),
-        "draft = target, tree": (lambda: target, 3, 4, None),
-        "n-gram": (lambda: None, 3, 4, NgramDrafter),
+    cases = {  # name: (draft, num_candidates, depth, drafter, adaptive)
+        "tree k=3 depth=4": (lambda: draft, 3, 4, None, False),
+        "chain depth=4": (lambda: draft, 1, 4, None, False),
+        "draft = target, tree": (lambda: target, 3, 4, None, False),
+        "n-gram": (lambda: None, 3, 4, NgramDrafter, False),
+        "adaptive tree (the policy, its probes and observations)": (lambda: draft, 3, 4, None, True),
     }
-    for name, (which, k, depth, drafter) in cases.items():
+    for name, (which, k, depth, drafter, adaptive) in cases.items():
         for together in (False, True):
             budget.check(f"greedy {name}")
-            config = engine_config(k, depth, len(prompts), max_len)
+            config = replace(engine_config(k, depth, len(prompts), max_len), adaptive=adaptive)
             engine = Engine(target, which(), config, drafter() if drafter else None)
             out = engine_decode(engine, prompts, params, together)
             same = identical(out.outputs, plain.outputs)
@@ -581,7 +582,7 @@ def embedded_pair(p: Profile, section: Section, budget: Budget) -> None:
     try:
         from multiguess.llm import load_pair
 
-        target, draft = load_pair(None, None, "auto", p.device, None, None)
+        target, draft = load_pair(None, None, "auto", p.device, None, "none")  # int8 is CPU-only
     except (ImportError, FileNotFoundError) as exc:
         section.status, section.note = "skipped", f"embedded pair not present: {exc}"
         return
@@ -594,17 +595,28 @@ def embedded_pair(p: Profile, section: Section, budget: Budget) -> None:
     section.row(
         "embedded: transformers generate", "ok", tokens_per_second=round(generate.tokens_per_second, 1)
     )
+    if assisted is not None:
+        section.row(
+            "embedded: transformers assisted",
+            "ok",
+            tokens_per_second=round(assisted.tokens_per_second, 1),
+            vs_generate=round(assisted.tokens_per_second / generate.tokens_per_second, 3),
+        )
+    plain = None
     for name, (d, k) in {"plain": (None, 3), "chain": (draft, 1), "tree": (draft, 3)}.items():
         budget.check(f"embedded {name}")
         out = engine_decode(
             Engine(target, d, engine_config(k, 4, 1, max_len)), prompts, params, together=False
         )
+        plain = plain or out
         row = section.row(
             f"embedded: multiguess {name}",
             "ok",
             tokens_per_second=round(out.tokens_per_second, 1),
             vs_generate=round(out.tokens_per_second / generate.tokens_per_second, 3),
+            vs_plain=round(out.tokens_per_second / plain.tokens_per_second, 3),
             identical_to_generate=identical(out.outputs, generate.outputs),
+            identical_to_plain=identical(out.outputs, plain.outputs),
             mean_accepted_length=out.mean_accepted_length,
         )
         if assisted is not None:

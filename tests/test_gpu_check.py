@@ -62,7 +62,7 @@ def test_speculation_matched_plain_decoding_token_for_token(dry_run) -> None:
     _, report = dry_run
     sections = {s["name"]: s for s in report["sections"]}
     greedy = [r for r in sections["(a) lossless greedy"]["rows"] if r["case"].startswith("greedy")]
-    assert len(greedy) == 8 and all(r["status"] == "pass" for r in greedy)
+    assert len(greedy) == 10 and all(r["status"] == "pass" for r in greedy)
     sampled = sections["(a) sampling exactness"]["rows"]
     assert [r["status"] for r in sampled] == ["pass", "pass"]  # exact, and the draft's rejected
     speed = [r for r in sections["(b) speed tiny-a"]["rows"] if "multiguess" in r["case"]]
