@@ -291,3 +291,49 @@ def test_bad_arguments_are_rejected(target: Path, tmp_path: Path, capsys: pytest
     args = distill_args(target, tmp_path, "train", steps=1)
     with pytest.raises(FileNotFoundError, match="data stage first"):
         cli.main(args)
+
+
+def test_eagle3_pipeline_records_features_resumes_and_exports_a_loadable_head(
+    target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--method eagle3``: the data stage adds the target's hidden states at the head's layers
+    for every record (transformers' ``output_hidden_states``), training resumes, and the export
+    is a ``LlamaForCausalLMEagle3`` head that the checkpoint loader accepts for this target."""
+    from multiguess.distill.eagle3_features import read_features
+    from multiguess.engine.eagle3_head import default_aux_layers
+    from multiguess.models.eagle3_checkpoint import load_head
+    from transformers import AutoModelForCausalLM
+
+    text_root(tmp_path / "text")
+    method = ["--method", "eagle3", "--ttt-steps", "2"]
+    assert cli.main([*distill_args(target, tmp_path, "data,train", steps=3), *method]) == 0
+    work = tmp_path / "work"
+    model = AutoModelForCausalLM.from_pretrained(str(target)).eval()
+    layers = default_aux_layers(model.config.num_hidden_layers)
+    for kind in ("heldout", "gen", "text"):
+        records, features = read_features(work / "data", work / "eagle3" / "features", kind)
+        assert records and len(records) == len(read_shards(work / "data", kind))
+        record, feature = records[0], features[0]
+        with torch.no_grad():
+            states = model(input_ids=record.ids[None].long(), output_hidden_states=True).hidden_states
+        expected = torch.cat([states[i][0] for i in layers], dim=-1)
+        assert feature.shape == expected.shape
+        torch.testing.assert_close(feature.float(), expected, atol=0.05, rtol=0.02)
+    checkpoint = work / "eagle3" / "train" / "checkpoint.pt"
+    assert torch.load(checkpoint, weights_only=False)["step"] == 3
+    log = [json.loads(line) for line in (work / "eagle3" / "train" / "train.log").read_text().splitlines()]
+    assert "depth_acceptance" in log[-1]["eval"]
+
+    assert cli.main([*distill_args(target, tmp_path, "train,export", steps=5), *method]) == 0
+    assert "resuming at step 3" in capsys.readouterr().err
+    assert torch.load(checkpoint, weights_only=False)["step"] == 5
+    out = tmp_path / "draft"
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    head, embed = load_head(out, model.config, torch.float32)
+    assert embed is None and head.config.aux_layers == layers
+    metrics = json.loads((out / "eval.json").read_text())
+    assert 0 <= metrics["acceptance"] <= 1 and metrics["sequences"] == 6
+    assert metrics["chain4_tokens_per_step"] >= 1 and len(metrics["depth_acceptance"]) == 4
+    provenance = json.loads((out / "provenance.json").read_text())
+    assert provenance["trained_steps"] == 5 and "--method eagle3" in provenance["command"]

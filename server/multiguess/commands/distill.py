@@ -57,6 +57,11 @@ def canonical_command(args: argparse.Namespace) -> str:
     return shlex.join(words)
 
 
+METHODS = ("draft", "eagle3")
+LEARNING_RATES = {"draft": 2e-3, "eagle3": 1e-3}
+TOKENS_PER_STEP = {"draft": 2048, "eagle3": 1024}
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -78,16 +83,22 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    args.lr = args.lr or LEARNING_RATES[args.method]
+    args.tokens_per_step = args.tokens_per_step or TOKENS_PER_STEP[args.method]
+    data = DataPlan(
+        batch=args.gen_batch,
+        max_new_tokens=args.max_new_tokens,
+        heldout_prompts=args.heldout,
+        text_every=args.text_every,
+    )
+    training = TrainConfig(steps=args.steps, tokens_per_step=args.tokens_per_step, lr=args.lr)
+    if args.method == "eagle3":
+        return run_eagle3(args, target, data, training)
     plan = DistillPlan(
         target=target,
         work=args.work,
         out=args.out,
-        data=DataPlan(
-            batch=args.gen_batch,
-            max_new_tokens=args.max_new_tokens,
-            heldout_prompts=args.heldout,
-            text_every=args.text_every,
-        ),
+        data=data,
         shape=DraftShape(
             hidden_size=args.width,
             num_hidden_layers=args.layers,
@@ -95,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
             num_key_value_heads=args.kv_heads,
             intermediate_size=args.intermediate,
         ),
-        training=TrainConfig(steps=args.steps, tokens_per_step=args.tokens_per_step, lr=args.lr),
+        training=training,
         data_minutes=args.data_minutes,
         train_minutes=args.train_minutes,
         reply_weight=args.reply_weight,
@@ -109,6 +120,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_eagle3(args: argparse.Namespace, target: Path, data: object, training: object) -> int:
+    from multiguess.distill.eagle3_pipeline import Eagle3Plan
+    from multiguess.distill.eagle3_pipeline import run as run_pipeline
+
+    plan = Eagle3Plan(
+        target=target,
+        work=args.work,
+        out=args.out,
+        data=data,
+        training=training,
+        data_minutes=args.data_minutes,
+        train_minutes=args.train_minutes,
+        reply_weight=args.reply_weight,
+        draft_vocab=args.draft_vocab,
+        ttt_steps=args.ttt_steps,
+        compare_draft=args.compare_draft,
+        text_roots=tuple(args.text_root) if args.text_root else None,
+    )
+    provenance = run_pipeline(plan, args.stages, canonical_command(args))
+    if provenance is not None:
+        print(json.dumps(provenance["metrics"], indent=2))
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "distill",
@@ -117,6 +152,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "distributions over local text, in resumable shards), train (teacher-forced distillation with "
         "resumable checkpoints), export (bf16 safetensors + tokenizer + eval.json + provenance). "
         "Rerunning the same command resumes.",
+    )
+    parser.add_argument(
+        "--method",
+        choices=METHODS,
+        default="draft",
+        help="draft: a small separate LM; eagle3: a feature-level EAGLE-3 head on the target's hidden "
+        "states (exported in the LlamaForCausalLMEagle3 layout)",
     )
     parser.add_argument("--target", type=Path, default=None, help="target model folder (default: embedded)")
     parser.add_argument("--work", type=Path, default=Path("runs/distill"), help="shards and checkpoints")
@@ -155,8 +197,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--train-minutes", type=positive_float, default=None, help="stop training earlier than --steps"
     )
-    parser.add_argument("--tokens-per-step", type=positive_int, default=2048, help="labelled tokens per step")
-    parser.add_argument("--lr", type=positive_float, default=2e-3)
+    parser.add_argument(
+        "--tokens-per-step",
+        type=positive_int,
+        default=None,
+        help="labelled tokens per step (default: 2048 draft, 1024 eagle3)",
+    )
+    parser.add_argument(
+        "--lr", type=positive_float, default=None, help="peak rate (default: 2e-3 draft, 1e-3 eagle3)"
+    )
+    parser.add_argument(
+        "--ttt-steps",
+        type=positive_int,
+        default=3,
+        help="eagle3: chained steps per position in training (training-time test)",
+    )
+    parser.add_argument(
+        "--compare-draft",
+        type=Path,
+        default=None,
+        help="eagle3: a model draft folder measured on the same held-out replies at export",
+    )
     parser.add_argument(
         "--reply-weight", type=positive_int, default=2, help="how often replies repeat per epoch"
     )

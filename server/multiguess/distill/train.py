@@ -182,11 +182,14 @@ def train(
     pad_id: int,
     evaluate: Callable[[object], dict[str, float]],
     deadline: float | None = None,
+    step_on: Callable[[torch.optim.Optimizer, list[int], float], dict[str, float]] | None = None,
 ) -> dict:
     """Train until ``config.steps`` (or ``deadline``, monotonic); resume from ``work/checkpoint.pt``.
 
     ``evaluate(model)`` runs at every checkpoint; the model with the best held-out greedy
     acceptance so far is kept in ``work/best.pt``. Progress goes to ``work/train.log`` (JSON lines).
+    ``step_on(optimizer, record indices, lr)`` trains one batch (default: a draft's ``train_step``),
+    returning its loss, top-1 and labelled tokens.
     """
     work.mkdir(parents=True, exist_ok=True)
     checkpoint, best_path, log_path = work / "checkpoint.pt", work / "best.pt", work / "train.log"
@@ -218,8 +221,11 @@ def train(
         last_save = time.monotonic()
 
     while step < config.steps and (deadline is None or time.monotonic() < deadline):
-        batch = collate([records[i] for i in next(stream)], pad_id)
-        stats = train_step(model, optimizer, batch, config, learning_rate(config, step))
+        indices, lr = next(stream), learning_rate(config, step)
+        if step_on is None:
+            stats = train_step(model, optimizer, collate([records[i] for i in indices], pad_id), config, lr)
+        else:
+            stats = step_on(optimizer, indices, lr)
         step += 1
         for key in ("loss", "top1"):
             window[key] += stats[key]

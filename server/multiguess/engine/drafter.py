@@ -6,6 +6,11 @@ accepted (so a stateful drafter can keep its cache in step), ``release`` a finis
 the target already chose, where it can do that without a tree.
 A drafter that raises never fails a request: the engine decodes that step with the target
 alone and calls ``release`` so the drafter starts that sequence afresh.
+
+A drafter that reads the target's hidden states (EAGLE-3, ``engine/eagle3.py``) names the
+layers in ``feature_layers``; the engine then has its target forwards capture them and hands
+them over with ``add_features(slot, position, features)``: the prompt's after prefill, the
+accepted path's after every verification, so they flow into the next proposal.
 """
 
 from __future__ import annotations
@@ -167,6 +172,12 @@ class ModelDrafter:
             self._fed[dst] = self._fed.pop(src)
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        logits, prefixes = self._catch_up(requests)
+        return self._grow(requests, logits, prefixes)
+
+    def _catch_up(self, requests: list[DraftRequest]) -> tuple[torch.Tensor, list[int]]:
+        """Feed each sequence's tokens the draft has not seen, as a chain: the root's logits
+        ``[B, V]``, and where each sequence's tree region starts in the draft's cache."""
         slots = [r.slot for r in requests]
         starts = [self.cached.get(r.slot, 0) for r in requests]
         chunks = [TokenTree.chain(r.token_ids[s:]) for r, s in zip(requests, starts, strict=True)]
@@ -174,7 +185,12 @@ class ModelDrafter:
         prefixes = [len(r.token_ids) for r in requests]
         for r, n in zip(requests, prefixes, strict=True):
             self.cached[r.slot] = n
+        return logits, prefixes
 
+    def _grow(
+        self, requests: list[DraftRequest], logits: torch.Tensor, prefixes: list[int]
+    ) -> list[Proposal]:
+        """The trees from the roots' logits: one ``_feed`` per level below the first."""
         cands: list[list[_Candidate]] = [[] for _ in requests]
         fed: list[dict[int, int]] = [{} for _ in requests]  # candidate -> region offset
         probs: list[dict[int, torch.Tensor]] = [{} for _ in requests]
@@ -275,14 +291,27 @@ class ModelDrafter:
         cands: list[list[_Candidate]],
         fed: list[dict[int, int]],
     ) -> list[torch.Tensor]:
-        """One draft forward over every sequence's beam; returns each beam's logits rows.
+        """One draft forward over every sequence's beam; returns each beam's logits rows."""
+        tokens, depths, used, visible = self._place_level(beams, cands, fed)
+        lens = torch.tensor(prefixes)[:, None]
+        logits = self.runner.forward(
+            [r.slot for r in requests], prefixes, tokens, lens + depths, lens[:, 0] + used, visible
+        )
+        return [logits[b, : len(beam)] for b, beam in enumerate(beams)]
+
+    @staticmethod
+    def _place_level(
+        beams: list[list[int]], cands: list[list[_Candidate]], fed: list[dict[int, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A level's tokens and depths below the root ``[B, W]``, each region's rows already
+        used ``[B]`` and what every row sees ``[B, W, region]``.
 
         Row j of sequence b is written at region offset ``len(fed[b]) + j`` and sees the offsets
         its node's ``sees`` lists (ancestors and itself); padding rows see only themselves."""
         width = max(1, max(len(beam) for beam in beams))
         used = torch.tensor([len(f) for f in fed])
         region = int(used.max()) + width
-        batch = len(requests)
+        batch = len(beams)
         tokens = torch.zeros(batch, width, dtype=torch.long)
         depths = torch.zeros(batch, width, dtype=torch.long)
         offsets = used[:, None] + torch.arange(width)
@@ -299,11 +328,7 @@ class ModelDrafter:
                 seen.extend((b, j, offset) for offset in parent_sees)
         if seen:
             visible[tuple(torch.tensor(seen).T)] = True
-        lens = torch.tensor(prefixes)[:, None]
-        logits = self.runner.forward(
-            [r.slot for r in requests], prefixes, tokens, lens + depths, lens[:, 0] + used, visible
-        )
-        return [logits[b, : len(beam)] for b, beam in enumerate(beams)]
+        return tokens, depths, used, visible
 
     def observe(self, slot: int, token_ids: list[int], width: int, since: int) -> list[int | None]:
         """Catch the draft's cache up on ``token_ids`` and rank each known token from ``since``
