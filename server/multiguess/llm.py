@@ -25,10 +25,13 @@ def load_pair(
     draft_device: str | None,
     draft_quantization: str | None,
     speculate: bool = True,
+    draft_dtype: str | None = None,
 ) -> tuple[LoadedModel, LoadedModel | None]:
     """Load target and draft; ``target=None`` means the embedded default pair.
 
-    ``speculate=False`` loads no draft model at all.
+    ``speculate=False`` loads no draft model at all. ``draft_dtype`` None is the target's
+    ``dtype`` setting; ``auto`` is resolved on each model's own device (a V100 draft beside an
+    A100 target: fp16 and bf16).
     """
     if target is None:
         from multiguess.models.embedded import prepare_embedded
@@ -42,7 +45,10 @@ def load_pair(
     if draft is None or not speculate:
         return target_model, None
     draft_model = load_model(
-        draft, dtype=dtype, device=draft_device or device, quantization=draft_quantization or "none"
+        draft,
+        dtype=draft_dtype or dtype,
+        device=draft_device or device,
+        quantization=draft_quantization or "none",
     )
     check_draft_compatible(target_model.tokenizer, draft_model.tokenizer)
     return target_model, draft_model
@@ -57,12 +63,13 @@ def build_engine(
     device: str = "auto",
     draft_device: str | None = None,
     draft_quantization: str | None = None,
+    draft_dtype: str | None = None,
 ) -> Engine:
     """An engine with the chosen drafter: a draft ``model``, ``ngram`` lookup, or ``none``."""
     if drafter not in DRAFTERS:
         raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}; got {drafter!r}")
     target_model, draft_model = load_pair(
-        target, draft, dtype, device, draft_device, draft_quantization, speculate=drafter == "model"
+        target, draft, dtype, device, draft_device, draft_quantization, drafter == "model", draft_dtype
     )
     return Engine(target_model, draft_model, config, NgramDrafter() if drafter == "ngram" else None)
 
@@ -75,6 +82,8 @@ class LLM:
     from the sequence itself, with no draft model. ``max_model_len=None`` is the target's own
     limit (at most 2048 on CPUs); on GPUs the KV caches take what ``gpu_memory_utilization`` of
     the device leaves after weights and activations, for at most ``max_batch`` sequences.
+    ``draft_dtype`` None follows ``dtype``; ``auto`` resolves on each model's own device.
+    ``cuda_graphs`` replays captured forwards on GPUs (opt-in; ``eager`` stays the escape hatch).
     """
 
     def __init__(
@@ -94,6 +103,8 @@ class LLM:
         adaptive: bool = True,
         eager: bool = False,
         draft_vocab: bool = True,
+        draft_dtype: str | None = None,
+        cuda_graphs: bool = False,
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
     ) -> None:
         config = EngineConfig(
@@ -104,11 +115,12 @@ class LLM:
             max_model_len,
             adaptive,
             eager=eager,
+            cuda_graphs=cuda_graphs,
             draft_vocab=draft_vocab,
             gpu_memory_utilization=gpu_memory_utilization,
         )
         self.engine = build_engine(
-            config, target, draft, drafter, dtype, device, draft_device, draft_quantization
+            config, target, draft, drafter, dtype, device, draft_device, draft_quantization, draft_dtype
         )
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -35,7 +35,13 @@ def run(args: argparse.Namespace) -> int:
 
     configure_threads(args.threads)
     target, draft = load_pair(
-        args.target, args.draft, args.dtype, args.device, args.draft_device, args.draft_quantization
+        args.target,
+        args.draft,
+        args.dtype,
+        args.device,
+        args.draft_device,
+        args.draft_quantization,
+        draft_dtype=args.draft_dtype,
     )
     if draft is None:
         print("error: the benchmark needs a draft (--draft)", file=sys.stderr)
@@ -54,7 +60,12 @@ def run(args: argparse.Namespace) -> int:
         for p in prompt_set
     ]
     n = args.max_tokens
-    common = {"adaptive": not args.no_adaptive, "eager": args.eager, "draft_vocab": not args.full_draft_vocab}
+    common = {
+        "adaptive": not args.no_adaptive,
+        "eager": args.eager,
+        "cuda_graphs": args.cuda_graphs,
+        "draft_vocab": not args.full_draft_vocab,
+    }
     tree_cfg = EngineConfig(args.num_candidates, args.depth, args.max_nodes, 1, args.max_model_len, **common)
     chain_cfg = EngineConfig(
         1, args.chain_depth or args.depth, args.max_nodes, 1, args.max_model_len, **common

@@ -43,6 +43,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--draft-quantization", None, choices=QUANTIZATIONS, help="int8: dynamic int8 draft")
     add_flag(parser, "--drafter", "model", choices=DRAFTERS, help="draft model, n-gram lookup, or none")
     add_flag(parser, "--dtype", "auto", choices=DTYPE_NAMES, help="weights/activations dtype")
+    add_flag(
+        parser,
+        "--draft-dtype",
+        None,
+        choices=DTYPE_NAMES,
+        help="the draft's dtype (default: --dtype's setting)",
+    )
     add_flag(parser, "--device", "auto", help="target device (auto, cpu, cuda, cuda:1)")
     add_flag(parser, "--draft-device", None, help="draft device (default: the target's)")
     add_flag(parser, "--num-candidates", 3, int, help="children per expanded node (1 = chain)")
@@ -66,6 +73,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--threads", 0, int, help="CPU threads for torch (0: the cores this process may use)")
     add_switch(parser, "--no-adaptive", "always draft the full tree budget")
     add_switch(parser, "--eager", "plain PyTorch kernels, no prepacked CPU weights (escape hatch)")
+    add_switch(parser, "--cuda-graphs", "replay captured decode/verify forwards on GPUs (opt-in)")
     add_switch(parser, "--full-draft-vocab", "the draft scores every token, not only its draft_vocab.json")
 
 
@@ -116,6 +124,8 @@ def build_llm(args: argparse.Namespace) -> Any:
         drafter=args.drafter,
         adaptive=not args.no_adaptive,
         eager=args.eager,
+        cuda_graphs=args.cuda_graphs,
+        draft_dtype=args.draft_dtype,
         draft_vocab=not args.full_draft_vocab,
         gpu_memory_utilization=args.gpu_memory_utilization,
     )

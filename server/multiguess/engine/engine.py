@@ -47,6 +47,8 @@ class EngineConfig:
     size (see ``AdaptivePolicy``), never above the budget; off, every tree uses the budget.
     ``eager`` runs plain PyTorch kernels (no prepacked weights): the escape hatch.
     ``backend`` names the runners' device-family backend (``engine/backends``; auto: the device's).
+    ``cuda_graphs`` replays captured decode and verification forwards on GPUs (opt-in until the
+    GPU check has shown them identical to eager and faster on a real GPU).
     ``draft_vocab`` lets a draft score only its own vocabulary when it ships one
     (``models/draft_vocab.py``); off, it scores every token.
     ``max_model_len`` None is the target config's own limit (see ``memory_plan``); on GPUs
@@ -63,6 +65,7 @@ class EngineConfig:
     policy: AdaptivePolicy = field(default_factory=AdaptivePolicy)
     eager: bool = False
     backend: str = "auto"
+    cuda_graphs: bool = False
     draft_vocab: bool = True
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
 
@@ -146,11 +149,12 @@ class Engine:
         )
         self.tokenizer = target.tokenizer
         capacity = self.config.max_model_len + self.config.tree_slack
-        eager, backend = self.config.eager, self.config.backend
-        self.target = NativeRunner(target, self.config.max_batch, capacity, eager, backend=backend)
+        runner = {"backend": self.config.backend, "cuda_graphs": self.config.cuda_graphs}
+        eager = self.config.eager
+        self.target = NativeRunner(target, self.config.max_batch, capacity, eager, **runner)
         if drafter is None and draft is not None:
             vocab = draft.draft_vocab if self.config.draft_vocab else None
-            drafter = ModelDrafter(NativeRunner(draft, self.config.max_batch, capacity, eager, vocab, backend))
+            drafter = ModelDrafter(NativeRunner(draft, self.config.max_batch, capacity, eager, vocab, **runner))
         self.drafter = drafter
         self.eos_ids = frozenset(eos_token_ids(target))
         self.waiting: deque[Sequence] = deque()

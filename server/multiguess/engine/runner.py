@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from multiguess.engine.backends import backend_for
+from multiguess.engine.backends.cuda.graphs import StaticForward
 from multiguess.engine.kv_cache import StaticKVCache
 from multiguess.engine.linear import rms_norm
 from multiguess.engine.placement import Placement, region_attention_mask, rotary_tables, sees_only_its_own
@@ -26,7 +27,8 @@ class NativeRunner:
 
     q/k/v and gate/up projections run fused; ``eager`` keeps plain products (no repacked
     weights, no kernels of multiguess's own): the escape hatch. ``backend`` names a device
-    family's backend (``auto``: the device's own).
+    family's backend (``auto``: the device's own). ``cuda_graphs`` runs decode and verification
+    forwards through bucketed static shapes (``backends/cuda/graphs.py``), captured on CUDA.
     """
 
     def __init__(
@@ -37,6 +39,7 @@ class NativeRunner:
         eager: bool = False,
         head_vocab: torch.Tensor | None = None,
         backend: str = "auto",
+        cuda_graphs: bool = False,
     ) -> None:
         model = loaded.model
         config = model.config
@@ -67,7 +70,8 @@ class NativeRunner:
         )
         projection = self.backend.projection
         self.qkv = [
-            projection.of([la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj]) for la in self.layers
+            projection.of([la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj])
+            for la in self.layers
         ]
         self.o = [projection.of([la.self_attn.o_proj]) for la in self.layers]
         self.gate_up = [projection.of([la.mlp.gate_proj, la.mlp.up_proj]) for la in self.layers]
@@ -79,6 +83,9 @@ class NativeRunner:
         if head_vocab is not None and (subset := projection.rows(self.lm_head, head_vocab)):
             self.head, self.head_vocab = subset, head_vocab.to(self.device)
         self.backend.attach(self)
+        if cuda_graphs and self.backend.name != "torch":
+            raise ValueError("CUDA graphs run on the torch backend (GPUs); this runner uses the CPU's")
+        self.static = StaticForward(self) if cuda_graphs else None
 
     def attention_scale(self, i: int) -> float:
         return getattr(self.layers[i].self_attn, "scaling", None) or self.head_dim**-0.5
@@ -107,13 +114,21 @@ class NativeRunner:
         length = max(int(write_from.max()) + width, max(prefix_lens) + visible.shape[2])
         if length > self.capacity:
             raise ValueError(f"sequence would exceed the cache capacity of {self.capacity} tokens")
+        if self.static is not None:
+            out = self.static.run(
+                slots, prefix_lens, tokens, positions, write_from, visible, logits_at, length
+            )
+            if out is not None:
+                return out
         plain = sees_only_its_own(prefix_lens, write_from, visible, length)
         visible_mask = region_attention_mask(
             torch.tensor(prefix_lens, device=device), visible.to(device), length
         )
         x = self.embed(tokens.to(device)).to(self.dtype)
         cos, sin = self.rotary(x, positions.to(device))
-        at = Placement(rotary_tables(cos, sin), slots, write_from, self.backend.mask(visible_mask, plain), length)
+        at = Placement(
+            rotary_tables(cos, sin), slots, write_from, self.backend.mask(visible_mask, plain), length
+        )
         x = self.backend.run_layers(self, x, at)
         if logits_at is not None:  # the norm is per row: selecting first is the same
             x = x[torch.arange(batch, device=device), logits_at.to(device)]

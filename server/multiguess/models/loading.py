@@ -38,14 +38,25 @@ def resolve_device(name: str) -> str:
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """``auto``: bf16 on GPUs that support it and on CPUs with bf16 instructions, else fp16/fp32."""
+    """``auto``: what ``auto_dtype`` picks for the model's own device; else the named dtype."""
     if name != "auto":
         if name not in DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {name!r}")
         return DTYPES[name]
     if device.startswith("cuda"):
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+        return auto_dtype("cuda", cuda_capability=torch.cuda.get_device_capability(torch.device(device)))
+    return auto_dtype("cpu", cpu_bf16=cpu_has_fast_bf16())
+
+
+def auto_dtype(
+    device_type: str, cuda_capability: tuple[int, int] | None = None, cpu_bf16: bool = False
+) -> torch.dtype:
+    """bf16 only where the device computes it natively: CUDA compute capability 8.0 or newer
+    (A100, H100; a V100 emulates it, and ``torch.cuda.is_bf16_supported()`` says yes there too)
+    and CPUs with bf16 instructions; else fp16 on GPUs and fp32 on CPUs."""
+    if device_type == "cuda":
+        return torch.bfloat16 if cuda_capability is not None and cuda_capability >= (8, 0) else torch.float16
+    return torch.bfloat16 if cpu_bf16 else torch.float32
 
 
 @dataclass

@@ -95,7 +95,9 @@ class CpuBackend:
             and not hasattr(runner.layers[0].self_attn, "q_norm")
             and bf16_kernel.attention_supported(runner.head_dim)
         )
-        self.layer_weights = [self._layer_weights(runner, i) for i in range(len(runner.layers))] if kernels else []
+        self.layer_weights = (
+            [self._layer_weights(runner, i) for i in range(len(runner.layers))] if kernels else []
+        )
 
     @property
     def layer_kernels(self) -> bool:

@@ -1,0 +1,106 @@
+"""The torch/CUDA backend, run on the CPU: fused attention without dense masks, the static
+(CUDA graph) forward, and the per-device dtype rule, each against the paths they replace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from multiguess import SamplingParams
+from multiguess.engine.backends.cuda.backend import attention
+from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.engine.placement import region_attention_mask, sees_only_its_own
+from multiguess.models.loading import auto_dtype, load_model
+
+from tests.engine.test_device_hygiene import decode
+from tests.engine.test_lossless import random_prompts
+
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+
+
+def test_auto_dtype_is_bf16_only_where_the_device_computes_it_natively() -> None:
+    assert auto_dtype("cuda", cuda_capability=(7, 0)) == torch.float16  # V100: bf16 is emulated
+    assert auto_dtype("cuda", cuda_capability=(7, 5)) == torch.float16  # T4
+    assert auto_dtype("cuda", cuda_capability=(8, 0)) == torch.bfloat16  # A100
+    assert auto_dtype("cuda", cuda_capability=(9, 0)) == torch.bfloat16  # H100
+    assert auto_dtype("cpu", cpu_bf16=True) == torch.bfloat16
+    assert auto_dtype("cpu", cpu_bf16=False) == torch.float32
+
+
+def test_only_forwards_that_see_their_own_prefix_go_without_a_mask() -> None:
+    one = torch.ones(2, 1, 1, dtype=torch.bool)
+    assert sees_only_its_own([7, 7], torch.tensor([7, 7]), one, 8)  # a decode step
+    assert not sees_only_its_own([7, 5], torch.tensor([7, 5]), one, 8)  # ragged lengths
+    chain = torch.ones(1, 4, 4, dtype=torch.bool).tril()[None][0]
+    assert sees_only_its_own([0], torch.tensor([0]), chain, 4)  # a prefill from position 0
+    assert not sees_only_its_own([3], torch.tensor([3]), chain, 7)  # a chain after a prefix
+    tree = chain.clone()
+    tree[0, 2, 1] = False  # node 2 is a sibling of node 1, not its child
+    assert not sees_only_its_own([0], torch.tensor([0]), tree, 4)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "width"), [(8, 2, 1), (4, 4, 1), (6, 3, 5)])
+def test_unmasked_attention_equals_the_masked_one(heads: int, kv_heads: int, width: int) -> None:
+    torch.manual_seed(5)
+    length = 9 if width == 1 else width
+    q = torch.randn(2, width, heads, 16)
+    keys, values = torch.randn(2, kv_heads, length, 16), torch.randn(2, kv_heads, length, 16)
+    visible = torch.ones(2, width, width, dtype=torch.bool).tril()
+    mask = region_attention_mask(torch.tensor([length - width] * 2), visible, length)
+    unmasked = attention(q, keys, values, None, 0.25)
+    masked = attention(q, keys, values, mask, 0.25)
+    assert torch.allclose(unmasked, masked, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama: Path, tiny_llama_draft: Path) -> tuple:
+    return load_model(str(tiny_llama), "float32"), load_model(str(tiny_llama_draft), "float32")
+
+
+@pytest.mark.parametrize(("num_candidates", "depth"), [(3, 3), (1, 4)], ids=["tree", "chain"])
+def test_torch_backend_speculation_equals_plain_decoding(
+    pair: tuple, num_candidates: int, depth: int
+) -> None:
+    target, draft = pair
+    prompts = random_prompts(31, (1, 6, 23, 40))
+    plain = decode(Engine(target, None, EngineConfig(max_model_len=128, adaptive=False)), prompts, GREEDY)
+    config = EngineConfig(
+        num_candidates, depth, max_batch=4, max_model_len=128, adaptive=False, backend="torch"
+    )
+    engine = Engine(target, draft, config)
+    assert decode(engine, prompts, GREEDY) == plain
+    assert engine.totals.accepted_tokens > 0
+
+
+@pytest.mark.parametrize(("num_candidates", "depth"), [(3, 3), (1, 4)], ids=["tree", "chain"])
+def test_static_graph_forward_equals_the_eager_forward(pair: tuple, num_candidates: int, depth: int) -> None:
+    """Bucketed static shapes (what CUDA graphs capture), run uncaptured on the CPU: batches that
+    grow and shrink, padded rows and nodes, attention over the whole capacity."""
+    target, draft = pair
+    prompts = random_prompts(32, (3, 9, 17, 30, 2))
+    params = [GREEDY, SamplingParams(max_tokens=9, ignore_eos=True)]
+    outputs = []
+    for graphs in (False, True):
+        config = EngineConfig(
+            num_candidates,
+            depth,
+            max_batch=3,
+            max_model_len=96,
+            adaptive=False,
+            backend="torch",
+            cuda_graphs=graphs,
+        )
+        engine = Engine(target, draft, config)
+        seqs = [engine.add_request(f"r{i}", p, params[i % 2]) for i, p in enumerate(prompts)]
+        while engine.has_unfinished():
+            engine.step()
+        outputs.append([s.output_ids for s in seqs])
+        if graphs:
+            assert engine.target.static.graphs and engine.drafter.runner.static.graphs
+    assert outputs[0] == outputs[1]
+
+
+def test_cuda_graphs_are_refused_on_the_cpu_backend(pair: tuple) -> None:
+    with pytest.raises(ValueError, match="torch backend"):
+        Engine(pair[0], None, EngineConfig(max_model_len=64, adaptive=False, backend="cpu", cuda_graphs=True))
