@@ -67,6 +67,13 @@ def meter_for(device: torch.device) -> MemoryMeter | None:
     return CudaMeter() if device.type == "cuda" else None
 
 
+def device_name(device: torch.device) -> str:
+    """One name per physical device: ``cuda`` and ``cuda:0`` are the same GPU when 0 is current."""
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
+
+
 def weight_bytes(module: torch.nn.Module, seen: set[int]) -> int:
     """Bytes of ``module``'s parameters and buffers whose storages are not in ``seen`` (updated)."""
     total = 0
@@ -112,14 +119,15 @@ def measure_forwards(
     """(activation peak, KV bytes per token) of ``loaded``: the larger peak of a verification
     forward of ``max_batch`` chains of ``width`` tokens and a prefill of ``max_model_len - 1``."""
     chain = TokenTree.chain([0] * width)
-    verify, per_token = probe(loaded, meter, max_batch, chain, eager, head_vocab, backend)
     prompt = TokenTree.chain([0] * (max_model_len - 1))
     try:
+        verify, per_token = probe(loaded, meter, max_batch, chain, eager, head_vocab, backend)
         prefill, _ = probe(loaded, meter, 1, prompt, eager, head_vocab, backend, last_only=True)
     except torch.OutOfMemoryError as exc:
         raise InsufficientMemoryError(
-            f"{loaded.device}: a prefill of {max_model_len} tokens of {loaded.name} does not fit in "
-            f"the memory left after the weights; lower --max-model-len ({exc})"
+            f"{loaded.device}: a verification forward of {max_batch} trees or a prefill of "
+            f"{max_model_len} tokens of {loaded.name} does not fit in the memory left after the "
+            f"weights; lower --max-batch or --max-model-len ({exc})"
         ) from exc
     return max(verify, prefill), per_token
 
@@ -154,10 +162,11 @@ def fit_to_memory(
             vocab,
             config.backend,
         )
-        weights = weight_bytes(loaded.model, seen.setdefault(str(loaded.device), set()))
-        measured.append(ModelMemory(name, str(loaded.device), weights, peak, per_token))
+        device = device_name(loaded.device)
+        weights = weight_bytes(loaded.model, seen.setdefault(device, set()))
+        measured.append(ModelMemory(name, device, weights, peak, per_token))
     devices = {
-        str(m.device): meters[name].device_memory(m.device)  # type: ignore[union-attr]
+        device_name(m.device): meters[name].device_memory(m.device)  # type: ignore[union-attr]
         for name, m in planned.items()
     }
     plan = plan_memory(
