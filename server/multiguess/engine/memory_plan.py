@@ -71,6 +71,7 @@ class DeviceMemory:
 @dataclass(frozen=True)
 class DevicePlan:
     device: str
+    total: int
     budget: int  # utilization × total
     elsewhere: int
     weights: int
@@ -105,7 +106,7 @@ class MemoryPlan:
                 f"({self.sequences} sequences × {self.capacity} tokens = "
                 f"{self.sequences * self.capacity} tokens at {model.kv_bytes_per_token} B/token); "
                 f"the device has room for {device.fits} sequences at utilization "
-                f"{self.utilization:g} of {gib(device.budget / self.utilization)}"
+                f"{self.utilization:g} of {gib(device.total)}"
             )
         return lines
 
@@ -151,7 +152,7 @@ def device_plan(
     kv_room = budget - memory.elsewhere - weights - activations
     per_sequence = capacity * sum(m.kv_bytes_per_token for m in models)
     fits = max(0, kv_room) // per_sequence if per_sequence else 0
-    return DevicePlan(name, budget, memory.elsewhere, weights, activations, kv_room, fits)
+    return DevicePlan(name, memory.total, budget, memory.elsewhere, weights, activations, kv_room, fits)
 
 
 def not_fitting(
