@@ -304,3 +304,11 @@ def test_draft_cost_leaves_out_steps_that_caught_a_draft_cache_up(
             engine.step()
         assert engine.totals.draft_tokens > 0
         assert (engine.costs.draft_per_level is not None) == measured
+
+
+def test_the_token_budget_grows_only_where_the_measured_curve_is_flat() -> None:
+    gpu = ForwardCost((1, 2, 4, 8, 16, 32, 64, 128), (1.0, 1.0, 1.01, 1.02, 1.05, 1.1, 1.2, 1.6))
+    cpu = ForwardCost((1, 2, 4, 8, 16, 32), (12.9, 14.0, 18.0, 23.3, 35.1, 59.2))
+    assert gpu.nearly_free(0.25) == 64
+    assert cpu.nearly_free(0.25) == 2
+    assert ForwardCost().nearly_free(0.25) == 1

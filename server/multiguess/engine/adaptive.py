@@ -154,6 +154,13 @@ class ForwardCost:
         """Cost of verifying ``nodes`` per sequence (root included) relative to a plain step."""
         return self(batch * nodes) / self(batch)
 
+    def nearly_free(self, tolerance: float) -> int:
+        """The most measured tokens one forward takes within ``1 + tolerance`` of one token's
+        time: on a GPU, where extra rows ride on the weights' reads, a batch may verify that many
+        nodes together; on CPUs the curve rises sooner and the policy's own budget stays."""
+        limit = self.seconds[0] * (1 + tolerance)
+        return max(t for t, s in zip(self.tokens, self.seconds, strict=True) if s <= limit)
+
 
 @dataclass(frozen=True)
 class AdaptivePolicy:
@@ -164,6 +171,7 @@ class AdaptivePolicy:
     prior: float = 0.5  # top-1 acceptance assumed before anything was verified
     probe_every: int = 8  # steps from drafting stopping to the first probe
     probe_every_max: int = 64  # longest interval between probes while they keep finding no gain
+    nearly_free: float = 0.25  # a forward this close to one token's time raises token_budget
 
     def initial(self, width: int) -> Coverage:
         return Coverage.prior(self.prior, width)

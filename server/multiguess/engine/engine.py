@@ -172,8 +172,11 @@ class Engine:
         # Measured whatever the drafter: a server attaches a remote drafter after construction.
         self.forward_cost = ForwardCost()
         if self.config.adaptive:
-            limit = max(self.config.policy.token_budget, self.config.max_batch)
-            self.forward_cost = measure_forward_cost(self.target, limit)
+            limit = max(policy.token_budget, self.config.max_batch, self.target.backend.cost_tokens)
+            self.forward_cost = measure_forward_cost(self.target, min(limit, self.target.capacity))
+            budget = self.forward_cost.nearly_free(policy.nearly_free)
+            if budget > policy.token_budget:  # measured on this device: more nodes ride for free
+                self.config = replace(self.config, policy=replace(policy, token_budget=budget))
         self.steps = 0
 
     # -- requests ---------------------------------------------------------------------------

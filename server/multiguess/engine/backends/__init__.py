@@ -33,6 +33,7 @@ class Backend(Protocol):
     label: str  # which kernels run, as benchmarks report it
     attn_dtype: torch.dtype  # the KV cache's and attention's dtype
     projection: type[Projection]  # how fused projections keep their weights
+    cost_tokens: int  # how many tokens the forward-cost curve is measured up to, at least
 
     def attach(self, runner: NativeRunner) -> None:
         """Prepare per-model state once the runner has built its projections and cache."""

@@ -70,6 +70,7 @@ def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
 class CpuBackend:
     name = "cpu"
     attn_dtype = torch.float32
+    cost_tokens = 0  # the policy's own token budget bounds the curve
 
     def __init__(self, dtype: torch.dtype, eager: bool) -> None:
         self.packed = not eager and packing_supported(dtype)

@@ -33,7 +33,9 @@ class PackedProjection(Projection):
         super().__init__(weight, bias, sizes)
         self.panels = bf16_kernel.pack(weight) if bf16_kernel.usable(weight) else None
         self.panels_placed = False  # moved by ``place_panels``: never moved again
-        self.packed = None if self.panels is not None else torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.packed = (
+            None if self.panels is not None else torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        )
 
     def __call__(
         self,

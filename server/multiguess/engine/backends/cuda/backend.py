@@ -49,6 +49,7 @@ def attention(
 class TorchBackend:
     name = label = "torch"
     projection = Projection
+    cost_tokens = 128  # GPUs verify tens of tokens for about the price of one
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.attn_dtype = dtype
