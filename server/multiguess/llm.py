@@ -155,6 +155,13 @@ class LLM:
             self.engine.step()
         for result, index, seq in samples.values():
             result.outputs.append(
-                CompletionOutput(index, seq.text, seq.output_ids, seq.finish_reason, seq.stats.as_dict())
+                CompletionOutput(
+                    index,
+                    seq.text,
+                    seq.output_ids,
+                    seq.finish_reason,
+                    seq.stats.as_dict(),
+                    seq.logprobs if seq.params.logprobs is not None else None,
+                )
             )
         return results

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from multiguess.engine.logprobs import TokenLogprob
+
 
 @dataclass
 class CompletionOutput:
@@ -12,6 +14,11 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     stats: dict[str, float] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None  # one per token, when ``SamplingParams.logprobs`` asks
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return None if self.logprobs is None else sum(r.logprob for r in self.logprobs)
 
 
 @dataclass

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from multiguess.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 
 
 @dataclass(frozen=True)
@@ -13,6 +16,12 @@ class SamplingParams:
 
     ``num_candidates``/``depth`` override the engine's tree budget for this request; ``depth=0``
     disables speculation for it. ``stop`` strings end generation and are not returned.
+    Penalties and bias change the target's logits before sampling (``engine/penalties.py``):
+    ``presence_penalty``/``frequency_penalty`` over the generated tokens (OpenAI's),
+    ``repetition_penalty`` over prompt and generated tokens (vLLM's, 1 is off), ``logit_bias``
+    per token id, and ``min_tokens`` bars end-of-sequence and stop tokens until that many were
+    generated. ``logprobs`` (None: off) records each generated token's log-probability and
+    that many alternatives.
     """
 
     max_tokens: int = 16
@@ -26,12 +35,20 @@ class SamplingParams:
     ignore_eos: bool = False
     num_candidates: int | None = None
     depth: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = dict(self.logit_bias)  # stored as sorted (token, bias) pairs: the params stay hashable
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(k), float(v)) for k, v in bias.items())))
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
@@ -44,6 +61,30 @@ class SamplingParams:
                 f"num_candidates must be at least 1, got {self.num_candidates}",
             ),
             (self.depth is None or self.depth >= 0, f"depth must be >= 0, got {self.depth}"),
+            (
+                -2 <= self.presence_penalty <= 2,
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                -2 <= self.frequency_penalty <= 2,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                self.repetition_penalty > 0,
+                f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}",
+            ),
+            (
+                all(-100 <= b <= 100 for _, b in self.logit_bias),  # type: ignore[misc]
+                "logit_bias values must be in [-100, 100]",
+            ),
+            (
+                0 <= self.min_tokens <= self.max_tokens,
+                f"min_tokens must be in [0, max_tokens], got {self.min_tokens}",
+            ),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -52,3 +93,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether penalties, bias or ``min_tokens`` change the target's logits."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )

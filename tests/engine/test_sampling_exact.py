@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 from multiguess import LLM, SamplingParams
+from multiguess.engine.penalties import adjusted_logits
 from multiguess.engine.sampling import Processing, processed_probs
+from multiguess.engine.tree import TokenTree
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
@@ -42,7 +44,8 @@ def small_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pa
 
 
 def exact_distribution(model_dir: Path, params: SamplingParams) -> dict[tuple[int, ...], float]:
-    """P(x1..xL | prompt) by enumeration, with the request's processing at every step."""
+    """P(x1..xL | prompt) by enumeration, with the request's penalties and processing at every
+    step (each prefix as plain decoding sees it)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
     vocab = model.config.vocab_size
     dist: dict[tuple[int, ...], float] = {(): 1.0}
@@ -50,6 +53,12 @@ def exact_distribution(model_dir: Path, params: SamplingParams) -> dict[tuple[in
         prefixes = list(dist)
         with torch.no_grad():
             logits = model(torch.tensor([PROMPT + list(p) for p in prefixes])).logits[:, -1]
+        logits = torch.cat(
+            [
+                adjusted_logits(row[None], TokenTree.chain([0]), params, PROMPT, list(p), frozenset())
+                for row, p in zip(logits, prefixes, strict=True)
+            ]
+        )
         probs = processed_probs(
             logits, [Processing(params.temperature, params.top_p, params.top_k)] * len(logits)
         )
@@ -90,6 +99,13 @@ SETTINGS = {
     "t1": dict(temperature=1.0),
     "t0.6-topk5": dict(temperature=0.6, top_k=5),
     "t1.3-topp0.8": dict(temperature=1.3, top_p=0.8),
+    "t1-penalized": dict(
+        temperature=1.0,
+        presence_penalty=0.7,
+        frequency_penalty=0.5,
+        repetition_penalty=1.3,
+        logit_bias={5: 1.0},
+    ),
 }
 # (num_candidates, depth); "wide" offers every token of the vocabulary as a child; "subset"
 # drafts over a draft vocabulary of half the tokens (q is zero on the others).
@@ -97,6 +113,7 @@ SHAPES = {"chain": (1, 2), "wide": (8, 1), "tree": (3, 2), "bushy": (4, 2), "ngr
 CASES = [(shape, "t1") for shape in ("chain", "wide", "tree", "bushy", "subset")] + [
     ("tree", "t0.6-topk5"),
     ("tree", "t1.3-topp0.8"),
+    ("bushy", "t1-penalized"),  # every node's counts include its ancestors' tokens
     ("ngram", "t1"),  # deterministic children: q is a point mass
 ]
 

@@ -26,8 +26,10 @@ from multiguess.engine.adaptive import (
     level_outcomes,
 )
 from multiguess.engine.drafter import Drafter, DraftRequest, ModelDrafter, Proposal, SampleSpec, TreeBudget
+from multiguess.engine.logprobs import step_logprobs
 from multiguess.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION, check_utilization
 from multiguess.engine.memory_probe import fit_to_memory
+from multiguess.engine.penalties import node_logits
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.sampling import Generators, Processing, processed_probs
 from multiguess.engine.sequence import Sequence, SpecStats
@@ -198,6 +200,8 @@ class Engine:
         vocab = self.target.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= token < vocab for token, _ in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})")
         generators = None
         if not params.greedy:
             generators = Generators(params.seed if params.seed is not None else random.getrandbits(63))
@@ -236,11 +240,14 @@ class Engine:
             seq.drafted_at = self.steps
         outputs: list[StepOutput] = []
         observed: dict[bool, list[Outcome]] = {True: [], False: []}
-        target_probs = target_distributions(batch, proposals, logits)
+        rows = [
+            node_logits(seq, p.tree, logits[b], self.eos_ids)
+            for b, (seq, p) in enumerate(zip(batch, proposals, strict=True))
+        ]
+        target_probs = target_distributions(batch, rows)
         for b, (seq, proposal) in enumerate(zip(batch, proposals, strict=True)):
-            rows = logits[b, : len(proposal.tree)]
             if seq.params.greedy:
-                acceptance = accept_greedy(proposal.tree, rows.argmax(dim=-1).tolist())
+                acceptance = accept_greedy(proposal.tree, rows[b].argmax(dim=-1).tolist())
             else:
                 acceptance = accept_sampled(
                     proposal.tree,
@@ -256,7 +263,10 @@ class Engine:
             self._record(seq, proposal, acceptance)
             observed[seq.params.greedy].extend(level_outcomes(proposal.tree, acceptance.path))
             before = len(seq.output_ids)
-            seq.append(acceptance.tokens, self.eos_ids, self.tokenizer)
+            logprobs = step_logprobs(
+                seq.params.logprobs, acceptance.path, acceptance.tokens, rows[b], target_probs.get(b)
+            )
+            seq.append(acceptance.tokens, self.eos_ids, self.tokenizer, logprobs)
             outputs.append(
                 StepOutput(
                     seq.request_id,
@@ -421,16 +431,15 @@ def sample_spec(seq: Sequence) -> SampleSpec | None:
     return None if seq.params.greedy else SampleSpec(processing(seq.params), seq.generators)
 
 
-def target_distributions(
-    batch: list[Sequence], proposals: list[Proposal], logits: torch.Tensor
-) -> dict[int, torch.Tensor]:
-    """The processed target distribution at every tree node of the sampled sequences."""
+def target_distributions(batch: list[Sequence], rows: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """The processed target distribution at every tree node of the sampled sequences, from
+    each sequence's (adjusted) logits after each of its nodes."""
     sampled = [b for b, seq in enumerate(batch) if not seq.params.greedy]
     if not sampled:
         return {}
-    sizes = [len(proposals[b].tree) for b in sampled]
+    sizes = [len(rows[b]) for b in sampled]
     specs = [processing(batch[b].params) for b, n in zip(sampled, sizes, strict=True) for _ in range(n)]
-    merged = processed_probs(torch.cat([logits[b, :n] for b, n in zip(sampled, sizes, strict=True)]), specs)
+    merged = processed_probs(torch.cat([rows[b] for b in sampled]), specs)
     return dict(zip(sampled, merged.split(sizes), strict=True))
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from multiguess.engine.detokenizer import IncrementalText
+from multiguess.engine.logprobs import TokenLogprob
 from multiguess.engine.sampling import Generators
 from multiguess.params import SamplingParams
 
@@ -49,6 +50,7 @@ class Sequence:
     finish_reason: str | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     decoded: IncrementalText = field(default_factory=IncrementalText)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked
 
     @property
     def token_ids(self) -> list[int]:
@@ -59,15 +61,36 @@ class Sequence:
         return self.finish_reason is not None
 
     @property
+    def cumulative_logprob(self) -> float:
+        return sum(lp.logprob for lp in self.logprobs)
+
+    def recent_logprobs(self, count: int) -> list[TokenLogprob]:
+        """The records of the last ``count`` output tokens (none when not recorded)."""
+        return self.logprobs[len(self.logprobs) - count :] if self.logprobs and count else []
+
+    @property
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
 
-    def append(self, tokens: list[int], eos_ids: frozenset[int], tokenizer: PreTrainedTokenizerBase) -> None:
-        """Add accepted tokens, stopping at max_tokens, an end-of-sequence token or a stop string."""
+    def stop_ids(self, eos_ids: frozenset[int]) -> frozenset[int]:
+        """Tokens that end this sequence: end-of-sequence (unless ignored) and its stop tokens."""
         stops = eos_ids if not self.params.ignore_eos else frozenset()
-        stops = stops | frozenset(self.params.stop_token_ids)
-        for token in tokens[: self.remaining]:
+        return stops | frozenset(self.params.stop_token_ids)
+
+    def append(
+        self,
+        tokens: list[int],
+        eos_ids: frozenset[int],
+        tokenizer: PreTrainedTokenizerBase,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> None:
+        """Add accepted tokens (with their log-probabilities, when recorded), stopping at
+        max_tokens, an end-of-sequence token or a stop string."""
+        stops = self.stop_ids(eos_ids)
+        for i, token in enumerate(tokens[: self.remaining]):
             self.output_ids.append(token)
+            if logprobs is not None:
+                self.logprobs.append(logprobs[i])
             if token in stops:
                 self.finish_reason = "stop"
                 break
