@@ -11,9 +11,10 @@ as ``gpu_check.md``) to ``$OUT`` when set, else ``--out``:
   and tree, at batch 1 and batched, on random-weight Llama shapes built on the device (a ~1B
   and an ~8B target; a draft equal to the target accepts every guess and shows the pipeline's
   own cost, a small random draft the cost of drafting), and on the embedded pair where present;
+- (c) CUDA graphs against eager (the torch backend's eager forwards), token for token and
+  tokens/s, plain and tree, at batch 1 and batched; on the CPU the static forward runs
+  uncaptured, so the dry run checks its arithmetic, not its speed;
 - (d) the memory plan of an engine left to fill the device, checked against what it allocates.
-
-CUDA graphs against eager (c) are not part of the check: the engine has no graph mode yet.
 
 Every section catches its own failure, records it and goes on; a time budget skips what is
 left once spent. ``--device cpu`` (``make gpu-check DEVICE=cpu``) is a dry run with tiny
@@ -623,6 +624,44 @@ def embedded_pair(p: Profile, section: Section, budget: Budget) -> None:
             row["vs_assisted"] = round(out.tokens_per_second / assisted.tokens_per_second, 3)
 
 
+# -- (c) CUDA graphs --------------------------------------------------------------------------
+def graphs_against_eager(
+    p: Profile, shape: Shape, section: Section, budget: Budget, models: dict[str, LoadedModel]
+) -> None:
+    """The same engine with and without CUDA graphs (both on the torch backend): identical
+    tokens, and the speed of each. On CUDA each engine first decodes the same prompts once,
+    untimed, so every bucket the timed run meets is captured already."""
+    target = models.get(shape.name) or random_llama(shape, p.device, p.dtype, seed=11)
+    models[shape.name] = target
+    draft = random_llama(p.draft, p.device, p.dtype, seed=12)
+    batch1 = random_prompts(p.prompts, p.prompt_len, shape.vocab, seed=51)
+    batched = random_prompts(p.batch, p.prompt_len, shape.vocab, seed=52)
+    params = SamplingParams(max_tokens=p.new_tokens, ignore_eos=True)
+    config = replace(engine_config(3, 4, p.batch, p.prompt_len + p.new_tokens + 1), backend="torch")
+    for together, prompts in ((False, batch1), (True, batched)):
+        mode = f"batch {len(prompts)}" if together else "batch 1"
+        for name, d in (("plain", None), (f"tree, draft {p.draft.name}", draft)):
+            budget.check(f"graphs {mode} {name}")
+            runs = {}
+            for graphs in (False, True):
+                engine = Engine(target, d, replace(config, cuda_graphs=graphs))
+                if p.device.startswith("cuda"):  # the CPU captures nothing: no warm-up needed
+                    engine_decode(engine, prompts, params, together)
+                runs[graphs] = engine_decode(engine, prompts, params, together)
+                del engine
+                free_device()
+            same = identical(runs[True].outputs, runs[False].outputs)
+            section.row(
+                f"{shape.name} {mode}: {name}, graphs",
+                "pass" if same == f"{len(prompts)}/{len(prompts)}" else "FAIL",
+                tokens_per_second=round(runs[True].tokens_per_second, 1),
+                vs_eager=round(runs[True].tokens_per_second / runs[False].tokens_per_second, 3),
+                identical_to_eager=same,
+                mean_accepted_length=runs[True].mean_accepted_length,
+                note=f"eager {runs[False].tokens_per_second:.1f} tok/s",
+            )
+
+
 # -- (d) memory plan --------------------------------------------------------------------------
 def memory_plan(p: Profile, section: Section, budget: Budget, models: dict[str, LoadedModel]) -> None:
     """An engine left to fill the device (max_model_len from the config, up to 256 sequences):
@@ -732,8 +771,10 @@ COLUMNS = (
     ("× generate", "vs_generate"),
     ("× assisted", "vs_assisted"),
     ("× plain", "vs_plain"),
+    ("× eager", "vs_eager"),
     ("identical to generate", "identical_to_generate"),
     ("identical to plain", "identical_to_plain"),
+    ("identical to eager", "identical_to_eager"),
     ("accepted length", "mean_accepted_length"),
     ("p", "p_value"),
 )
@@ -781,6 +822,9 @@ def main(argv: list[str] | None = None) -> int:
     run_section(sections, "(a) sampling exactness", budget, lambda s: sampling_exactness(p, s, budget))
     first, *rest = p.targets
     run_section(sections, f"(b) speed {first.name}", budget, lambda s: speed(p, first, s, budget, models))
+    run_section(
+        sections, "(c) CUDA graphs", budget, lambda s: graphs_against_eager(p, first, s, budget, models)
+    )
     models.pop(first.name, None)
     run_section(sections, "(d) memory plan", budget, lambda s: memory_plan(p, s, budget, models))
     for shape in rest:
@@ -793,9 +837,6 @@ def main(argv: list[str] | None = None) -> int:
     models.clear()
     if p.embedded:
         run_section(sections, "(b) embedded pair", budget, lambda s: embedded_pair(p, s, budget))
-    sections.append(
-        Section("(c) CUDA graphs", "skipped", note="not in this check: the engine has no CUDA graph mode yet")
-    )
     imported = sorted({m.split(".")[0] for m in sys.modules} & set(SERVING_ONLY))
     report = {
         "environment": environment(p, git_commit()),

@@ -54,7 +54,7 @@ def test_every_section_ran(dry_run) -> None:
         "(a) sampling exactness": "ok",
         "(b) speed tiny-a": "ok",
         "(d) memory plan": "ok",
-        "(c) CUDA graphs": "skipped",
+        "(c) CUDA graphs": "ok",
     }
 
 
@@ -65,6 +65,8 @@ def test_speculation_matched_plain_decoding_token_for_token(dry_run) -> None:
     assert len(greedy) == 10 and all(r["status"] == "pass" for r in greedy)
     sampled = sections["(a) sampling exactness"]["rows"]
     assert [r["status"] for r in sampled] == ["pass", "pass"]  # exact, and the draft's rejected
+    graphs = sections["(c) CUDA graphs"]["rows"]
+    assert len(graphs) == 4 and all(r["status"] == "pass" for r in graphs)  # identical to eager
     speed = [r for r in sections["(b) speed tiny-a"]["rows"] if "multiguess" in r["case"]]
     assert len(speed) == 10  # plain, chain and tree for two drafts, at batch 1 and batched
     for row in speed:
