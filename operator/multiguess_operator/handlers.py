@@ -8,15 +8,17 @@ from collections.abc import Mapping
 from typing import Any
 
 import kopf
+from kopf._cogs.structs.references import Selector
 
 from multiguess_operator.autoscaler import daemon as autoscaling
 from multiguess_operator.kube import SPECDEPLOYS, Kube
 from multiguess_operator.names import GROUP, INSTANCE_LABEL, MANAGED_BY_LABEL, MANAGER, PLURAL, VERSION
-from multiguess_operator.reconcile import Outcome, delete_children, reconcile, status_changed
+from multiguess_operator.reconcile import REFUSED, Outcome, delete_children, reconcile, status_changed
 from multiguess_operator.settings import Settings
 
 CHILD_RESOURCES = (("apps/v1", "deployments"), ("v1", "services"), ("policy/v1", "poddisruptionbudgets"))
 OWNED = {MANAGED_BY_LABEL: MANAGER}
+RETRY_REFUSED_SECONDS = 30  # a refused write is retried: a policy, quota or webhook may change
 
 
 @kopf.on.startup()
@@ -29,6 +31,12 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration"
     )
+    # Watch only the operator's own children, filtered by the API server, not every Deployment,
+    # Service and PodDisruptionBudget in the cluster.
+    owned = ",".join(f"{k}={v}" for k, v in OWNED.items())
+    for api_version, plural in CHILD_RESOURCES:
+        group, _, version = api_version.rpartition("/")
+        settings.watching.label_selectors[Selector(group=group, version=version, plural=plural)] = owned
 
 
 @kopf.on.login()
@@ -41,6 +49,21 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 def converge(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    run_pass(Kube(), body, memo.config, logger)
+
+
+def _refused(status: kopf.Status, **_: Any) -> bool:
+    conditions = status.get("conditions") or []
+    return any(c.get("type") == "Degraded" and c.get("reason") == REFUSED for c in conditions)
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RETRY_REFUSED_SECONDS, when=_refused)
+def retry_refused(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """Nothing tells the operator when a refusing policy, quota or webhook changes: try again.
+
+    A timer rather than a handler's retry: a retrying handler would hold back the next spec
+    change (often the fix) until its delay is over.
+    """
     run_pass(Kube(), body, memo.config, logger)
 
 
@@ -101,15 +124,21 @@ def run_pass(kube: Kube, body: Mapping[str, Any], config: Settings, logger: kopf
         kube.merge_patch(SPECDEPLOYS, meta["namespace"], meta["name"], {"status": outcome.status}, "status")
     for reason, message in outcome.actions:
         kopf.info(dict(body), reason=reason, message=message)
-    if outcome.error is not None and _ready_message(previous) != outcome.error.message:
+    if outcome.error is not None and _message(previous, "Ready") != outcome.error.message:
         logger.warning(f"invalid spec: {outcome.error.message}")
         kopf.warn(dict(body), reason=outcome.error.reason, message=outcome.error.message)
+    # Each problem is announced once, when it first appears, not on every pass that still sees it.
+    before = _message(previous, "Degraded") or ""
+    for problem in outcome.problems:
+        if problem.message not in before:
+            logger.warning(f"{problem.reason}: {problem.message}")
+            kopf.warn(dict(body), reason=problem.reason, message=problem.message)
     return outcome
 
 
-def _ready_message(status: Mapping[str, Any]) -> str | None:
+def _message(status: Mapping[str, Any], ctype: str) -> str | None:
     for cond in status.get("conditions") or []:
-        if cond.get("type") == "Ready":
+        if cond.get("type") == ctype:
             return cond.get("message")
     return None
 

@@ -17,18 +17,21 @@ from multiguess_operator.names import GROUP, MANAGER, PLURAL, VERSION
 
 APPLY = "application/apply-patch+yaml"
 MERGE = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
 
 
 @dataclass(frozen=True)
 class Kind:
-    """Where a namespaced kind lives in the REST API."""
+    """Where a kind lives in the REST API (``namespace`` is ignored for cluster-scoped kinds)."""
 
     api_version: str
     plural: str
+    namespaced: bool = True
 
-    def path(self, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+    def path(self, namespace: str | None, name: str | None = None, subresource: str | None = None) -> str:
         root = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
-        parts = [root, "namespaces", namespace, self.plural, name, subresource]
+        scope = ["namespaces", namespace] if self.namespaced else []
+        parts = [root, *scope, self.plural, name, subresource]
         return "/".join(p for p in parts if p)
 
 
@@ -36,6 +39,8 @@ DEPLOYMENTS = Kind("apps/v1", "deployments")
 SERVICES = Kind("v1", "services")
 PDBS = Kind("policy/v1", "poddisruptionbudgets")
 PODS = Kind("v1", "pods")
+SECRETS = Kind("v1", "secrets")
+NODES = Kind("v1", "nodes", namespaced=False)
 SPECDEPLOYS = Kind(f"{GROUP}/{VERSION}", PLURAL)
 CHILD_KINDS = {"Deployment": DEPLOYMENTS, "Service": SERVICES, "PodDisruptionBudget": PDBS}
 
@@ -68,12 +73,24 @@ class Kube:
         items = self._call("GET", kind.path(namespace), query=query).get("items", [])
         return [o for o in items if _has_labels(o, label_selector)]
 
+    def labels_of(self, kind: Kind, label: str) -> list[str]:
+        """The values of one label on every object of a cluster-scoped kind that carries it."""
+        items = self._call("GET", kind.path(None), query={"labelSelector": label}).get("items", [])
+        return [o["metadata"]["labels"][label] for o in items if label in (o["metadata"].get("labels") or {})]
+
     def create(self, kind: Kind, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """POST: only for what must be created once and never rewritten (409 if it exists)."""
         namespace = manifest["metadata"]["namespace"]
         return self._call("POST", kind.path(namespace), body=manifest, query={"fieldManager": MANAGER})
 
+    def json_patch(
+        self, kind: Kind, namespace: str, name: str, operations: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        return self._call("PATCH", kind.path(namespace, name), body=operations, content_type=JSON_PATCH)
+
     def apply(self, kind: Kind, manifest: Mapping[str, Any]) -> dict[str, Any]:
-        """Server-side apply, forced: the fields the operator owns are put back to what it wants."""
+        """Server-side apply, forced: the applied manifest is the whole of what the operator owns,
+        so a field left out of it is removed, and fields others changed are put back."""
         meta = manifest["metadata"]
         return self._call(
             "PATCH",

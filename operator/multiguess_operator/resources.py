@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
+import base64
+import copy
 import hashlib
 import json
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from multiguess_operator.names import INSTANCE_LABEL, MANAGED_BY_LABEL, MANAGER
-from multiguess_operator.spec import DeploymentSpec, DraftSpec, GpuSpec
+from multiguess_operator.spec import DeploymentSpec, DraftSpec, GpuSpec, ResourceSpec
 
-GPU_RESOURCE = "nvidia.com/gpu"
-GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 DRAFT_PORT = 8001
 CACHE_DIR = "/models"
 HASH_ANNOTATION = "multiguess.io/desired-hash"
 HF_TOKEN_KEY = "token"
 HF_HOME = f"{CACHE_DIR}/hf"
+# The root filesystem is read-only: these are the writable places besides the model cache.
+TMP_DIR = "/tmp"
+USER_CACHE_DIR = "/home/multiguess/.cache"  # the image's user (uid 10001) home, for libraries' caches
+RUN_AS = 10001  # the Dockerfile's user and group
+DRAFT_SECRET_KEY = "secret"
+DRAFT_SHUTDOWN_SECONDS = 30  # the draft server's drain: its sessions end with the target's requests
+PROGRESS_MARGIN_SECONDS = 120  # a Deployment's progress deadline beyond the startup probe's budget
+SHUTDOWN_MARGIN_SECONDS = 10  # grace beyond preStop + drain, so the kubelet never kills a draining server
 
 Manifest = dict[str, Any]
 
@@ -51,6 +61,11 @@ def endpoint(name: str, namespace: str, spec: DeploymentSpec) -> str:
     return f"http://{name}.{namespace}.svc:{spec.serving.port}"
 
 
+def draft_secret_name(name: str) -> str:
+    """The Secret holding the shared secret of the target↔draft protocol."""
+    return f"{name}-draft-secret"
+
+
 def desired_children(name: str, namespace: str, spec: DeploymentSpec, default_image: str) -> list[Manifest]:
     """All children of one SpeculativeDeployment, in creation order."""
     image = spec.serving.image or default_image
@@ -79,16 +94,28 @@ def _meta(name: str, namespace: str, owner: str, component: str) -> dict[str, An
     return {"name": name, "namespace": namespace, "labels": labels(owner, component)}
 
 
+def draft_secret(name: str, namespace: str, value: str) -> Manifest:
+    """The draft protocol's shared secret; created once (``value`` is random) and never rewritten."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(draft_secret_name(name), namespace, name, "draft"),
+        "type": "Opaque",
+        "data": {DRAFT_SECRET_KEY: base64.b64encode(value.encode()).decode()},
+    }
+
+
 def target_deployment(name: str, namespace: str, spec: DeploymentSpec, image: str) -> Manifest:
-    """The serving pods: target (and a co-located draft), pinned to the target's GPU product."""
+    """The serving pods: target (and a co-located draft), pinned to the target's GPU products."""
     env = _target_env(name, spec)
-    container = _container("target", image, ["multiguess", "serve"], spec.serving.port, env, spec)
-    container["resources"] = _resources(
-        spec.target.resources.limits, spec.target.resources.requests, spec.target.gpu
-    )
-    pod = _pod_spec(spec, container, spec.target.gpu)
-    pod["terminationGracePeriodSeconds"] = int(spec.serving.request_timeout_seconds) + 10
-    return _deployment(name, namespace, f"{name}-target", "target", spec.replicas, pod, spec.serving.port)
+    drain = math.ceil(spec.serving.request_timeout_seconds)  # in-flight requests may run this long
+    env.append({"name": "MULTIGUESS_SHUTDOWN_GRACE", "value": str(drain)})
+    role = Role("target", ["multiguess", "serve"], spec.serving.port, spec.target.extra_args)
+    container = _container(role, image, env, spec, drain)
+    container["resources"] = _resources(spec.target.resources, spec.target.gpu)
+    pool = Pool(spec.node_selector, spec.tolerations, spec.affinity, spec.topology_spread_constraints)
+    pod = _pod_spec(spec, container, spec.target.gpu, pool, drain)
+    return _deployment(name, namespace, f"{name}-target", "target", spec.replicas, pod, spec)
 
 
 TARGET_MAX_BATCH = 8  # the serving image's default --max-batch
@@ -105,12 +132,12 @@ def draft_sessions(spec: DeploymentSpec, draft: DraftSpec) -> int:
 def draft_deployment(
     name: str, namespace: str, spec: DeploymentSpec, draft: DraftSpec, image: str
 ) -> Manifest:
-    """Draft pods of ``placement: separate``, pinned to the draft's GPU product when it names one."""
+    """Draft pods of ``placement: separate``: the draft's own dtype, resources and scheduling."""
     s = spec.speculation
     env = [
         {"name": "MULTIGUESS_DRAFT", "value": draft.model},
         {"name": "MULTIGUESS_DRAFT_QUANTIZATION", "value": draft.quantization},
-        {"name": "MULTIGUESS_DTYPE", "value": spec.target.dtype},
+        {"name": "MULTIGUESS_DTYPE", "value": draft.dtype},
         {"name": "MULTIGUESS_DEVICE", "value": "cuda" if draft.gpu is not None else "cpu"},
         {"name": "MULTIGUESS_PORT", "value": str(DRAFT_PORT)},
         # The draft server refuses trees larger than this; the target asks for up to these.
@@ -118,11 +145,14 @@ def draft_deployment(
         # One session per running sequence of every target pod this draft pod may serve.
         {"name": "MULTIGUESS_MAX_SESSIONS", "value": str(draft_sessions(spec, draft))},
         {"name": "MULTIGUESS_CACHE_DIR", "value": CACHE_DIR},
+        _draft_secret_env(name),
     ]
-    container = _container("draft", image, ["multiguess", "serve-draft"], DRAFT_PORT, env, spec)
-    container["resources"] = _resources({}, {}, draft.gpu)
-    pod = _pod_spec(spec, container, draft.gpu)
-    return _deployment(name, namespace, f"{name}-draft", "draft", draft.replicas, pod, DRAFT_PORT)
+    role = Role("draft", ["multiguess", "serve-draft"], DRAFT_PORT, draft.extra_args)
+    container = _container(role, image, env, spec, DRAFT_SHUTDOWN_SECONDS)
+    container["resources"] = _resources(draft.resources, draft.gpu)
+    pool = Pool(draft.node_selector, draft.tolerations, draft.affinity, draft.topology_spread_constraints)
+    pod = _pod_spec(spec, container, draft.gpu, pool, DRAFT_SHUTDOWN_SECONDS)
+    return _deployment(name, namespace, f"{name}-draft", "draft", draft.replicas, pod, spec)
 
 
 def api_service(name: str, namespace: str, spec: DeploymentSpec) -> Manifest:
@@ -156,10 +186,29 @@ def _service(owner: str, namespace: str, name: str, component: str, port: int) -
     }
 
 
+def startup_budget_seconds(spec: DeploymentSpec) -> int:
+    """How long the startup probe lets a pod load its model (period × failure threshold)."""
+    return STARTUP_PERIOD_SECONDS * _startup_failures(spec)
+
+
+STARTUP_PERIOD_SECONDS = 10
+
+
+def _startup_failures(spec: DeploymentSpec) -> int:
+    return max(1, math.ceil(spec.serving.startup_timeout_seconds / STARTUP_PERIOD_SECONDS))
+
+
 def _deployment(
-    owner: str, namespace: str, name: str, component: str, replicas: int, pod: Manifest, port: int
+    owner: str, namespace: str, name: str, component: str, replicas: int, pod: Manifest, spec: DeploymentSpec
 ) -> Manifest:
-    # maxUnavailable 0: a rollout never drops serving capacity; it needs room for one extra pod.
+    port = pod["containers"][0]["ports"][0]["containerPort"]
+    annotations = {
+        **spec.pod.annotations,
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(port),
+        "prometheus.io/path": "/metrics",
+    }
+    rollout = spec.rollout
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -167,15 +216,16 @@ def _deployment(
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": selector(owner, component)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": rollout.max_surge, "maxUnavailable": rollout.max_unavailable},
+            },
+            # Longer than a model load may take, so a slow start is progress, not a failed rollout.
+            "progressDeadlineSeconds": startup_budget_seconds(spec) + PROGRESS_MARGIN_SECONDS,
             "template": {
                 "metadata": {
-                    "labels": labels(owner, component),
-                    "annotations": {
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(port),
-                        "prometheus.io/path": "/metrics",
-                    },
+                    "labels": {**spec.pod.labels, **labels(owner, component)},
+                    "annotations": annotations,
                 },
                 "spec": pod,
             },
@@ -199,25 +249,71 @@ def _target_env(name: str, spec: DeploymentSpec) -> list[dict[str, Any]]:
         "MULTIGUESS_REQUEST_TIMEOUT": _number(spec.serving.request_timeout_seconds),
         "MULTIGUESS_CACHE_DIR": CACHE_DIR,
     }
+    env: list[dict[str, Any]] = []
     if spec.draft is not None:
         values["MULTIGUESS_DRAFT"] = spec.draft.model
         values["MULTIGUESS_DRAFT_QUANTIZATION"] = spec.draft.quantization
         if spec.separate_draft is not None:
             values["MULTIGUESS_DRAFT_URL"] = f"http://{name}-draft:{DRAFT_PORT}"
-    return [{"name": k, "value": v} for k, v in values.items()]
+            env.append(_draft_secret_env(name))
+        else:
+            values["MULTIGUESS_DRAFT_DTYPE"] = spec.draft.dtype
+    return [{"name": k, "value": v} for k, v in values.items()] + env
+
+
+def _draft_secret_env(name: str) -> dict[str, Any]:
+    ref = {"name": draft_secret_name(name), "key": DRAFT_SECRET_KEY}
+    return {"name": "MULTIGUESS_DRAFT_SECRET", "valueFrom": {"secretKeyRef": ref}}
 
 
 def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
+@dataclass(frozen=True)
+class Role:
+    """What differs between the target and the draft container."""
+
+    name: str
+    command: list[str]
+    port: int
+    extra_args: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One pool's scheduling: the target's from the spec's top level, the draft's from spec.draft."""
+
+    node_selector: Mapping[str, str]
+    tolerations: tuple[Mapping[str, Any], ...]
+    affinity: Mapping[str, Any]
+    topology_spread_constraints: tuple[Mapping[str, Any], ...]
+
+
+# Pod Security "restricted": what every serving pod and container runs with unless the spec overrides.
+POD_SECURITY = {
+    "runAsNonRoot": True,
+    "runAsUser": RUN_AS,
+    "runAsGroup": RUN_AS,
+    "fsGroup": RUN_AS,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+
+
 def _container(
-    role: str, image: str, command: list[str], port: int, env: list[dict[str, Any]], spec: DeploymentSpec
+    role: Role, image: str, env: list[dict[str, Any]], spec: DeploymentSpec, drain_seconds: int
 ) -> Manifest:
     """A serving container; the user's ``serving.env`` overrides ours by name, then the HF token."""
     merged = {e["name"]: e for e in env}
     # Hub downloads land in the mounted cache whatever the image's own default.
     merged["HF_HOME"] = {"name": "HF_HOME", "value": HF_HOME}
+    merged["XDG_CACHE_HOME"] = {"name": "XDG_CACHE_HOME", "value": USER_CACHE_DIR}
     merged.update({e["name"]: dict(e) for e in spec.serving.env})
     if spec.hf_token_secret:
         merged["HF_TOKEN"] = {
@@ -225,18 +321,23 @@ def _container(
             "valueFrom": {"secretKeyRef": {"name": spec.hf_token_secret, "key": HF_TOKEN_KEY}},
         }
     http_get = {"port": "http"}
-    return {
-        "name": role,
+    container: Manifest = {
+        "name": role.name,
         "image": image,
-        "command": command,
-        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "command": role.command,
+        "ports": [{"name": "http", "containerPort": role.port, "protocol": "TCP"}],
         "env": list(merged.values()),
-        "volumeMounts": [{"name": "model-cache", "mountPath": CACHE_DIR}],
+        "volumeMounts": [
+            {"name": "model-cache", "mountPath": CACHE_DIR},
+            {"name": "tmp", "mountPath": TMP_DIR},
+            {"name": "user-cache", "mountPath": USER_CACHE_DIR},
+            *(dict(m) for m in spec.pod.volume_mounts),
+        ],
         # Model loading can take minutes: the startup probe holds liveness off until the pod is ready.
         "startupProbe": {
             "httpGet": {"path": "/health/ready", **http_get},
-            "periodSeconds": 10,
-            "failureThreshold": 90,
+            "periodSeconds": STARTUP_PERIOD_SECONDS,
+            "failureThreshold": _startup_failures(spec),
         },
         "livenessProbe": {
             "httpGet": {"path": "/health/live", **http_get},
@@ -248,40 +349,87 @@ def _container(
             "periodSeconds": 5,
             "failureThreshold": 2,
         },
-        "securityContext": {"allowPrivilegeEscalation": False},
+        # Endpoints drop the pod before SIGTERM, so no new request reaches a draining server.
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(spec.serving.pre_stop_seconds)]}}},
+        "securityContext": _merged(CONTAINER_SECURITY, spec.pod.container_security_context),
     }
+    if role.extra_args:
+        container["args"] = list(role.extra_args)
+    return container
 
 
-def _resources(limits: Mapping[str, Any], requests: Mapping[str, Any], gpu: GpuSpec | None) -> Manifest:
+def _merged(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``defaults`` with the user's keys replacing ours one by one."""
+    return {**copy.deepcopy(dict(defaults)), **copy.deepcopy(dict(overrides))}
+
+
+def _resources(resources: ResourceSpec, gpu: GpuSpec | None) -> Manifest:
     """User CPU/memory resources plus the GPU count; extended resources are set as limits only."""
     result: dict[str, Any] = {}
-    merged_limits = dict(limits)
+    merged_limits = dict(resources.limits)
     if gpu is not None:
-        merged_limits[GPU_RESOURCE] = str(gpu.count)
+        merged_limits[gpu.resource] = str(gpu.count)
     if merged_limits:
         result["limits"] = merged_limits
-    if requests:
-        result["requests"] = dict(requests)
+    if resources.requests:
+        result["requests"] = dict(resources.requests)
     return result
 
 
-def _pod_spec(spec: DeploymentSpec, container: Manifest, gpu: GpuSpec | None) -> Manifest:
-    """User scheduling constraints merged with GPU pinning; the GPU product always wins."""
-    node_selector = dict(spec.node_selector)
-    tolerations = [dict(t) for t in spec.tolerations]
+def _pod_spec(
+    spec: DeploymentSpec, container: Manifest, gpu: GpuSpec | None, pool: Pool, drain: int
+) -> Manifest:
+    """One pool's scheduling merged with GPU pinning (the GPU products always win), hardened."""
+    node_selector = dict(pool.node_selector)
+    tolerations = [dict(t) for t in pool.tolerations]
+    affinity = copy.deepcopy(dict(pool.affinity))
     if gpu is not None:
-        node_selector[GPU_PRODUCT_LABEL] = gpu.product
-        gpu_toleration = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+        node_selector.pop(gpu.product_label, None)
+        if gpu.product:
+            node_selector[gpu.product_label] = gpu.product
+        else:
+            affinity = _require_node_label(affinity, gpu.product_label, gpu.products)
+        vendor = gpu.resource.split("/")[0]
+        gpu_toleration = {"key": f"{vendor}/gpu", "operator": "Exists", "effect": "NoSchedule"}
         if gpu_toleration not in tolerations:
             tolerations.append(gpu_toleration)
-    pod: dict[str, Any] = {"containers": [container], "volumes": [_cache_volume(spec)]}
-    if node_selector:
-        pod["nodeSelector"] = node_selector
-    if tolerations:
-        pod["tolerations"] = tolerations
-    if spec.affinity:
-        pod["affinity"] = dict(spec.affinity)
+    settings = spec.pod
+    pod: dict[str, Any] = {
+        "containers": [container],
+        "volumes": [
+            _cache_volume(spec),
+            {"name": "tmp", "emptyDir": {}},
+            {"name": "user-cache", "emptyDir": {}},
+            *(dict(v) for v in settings.volumes),
+        ],
+        "securityContext": _merged(POD_SECURITY, settings.security_context),
+        # preStop, then the server's drain, then a margin: the kubelet never cuts a request short.
+        "terminationGracePeriodSeconds": spec.serving.pre_stop_seconds + drain + SHUTDOWN_MARGIN_SECONDS,
+    }
+    optional = {
+        "nodeSelector": node_selector,
+        "tolerations": tolerations,
+        "affinity": affinity,
+        "topologySpreadConstraints": [dict(t) for t in pool.topology_spread_constraints],
+        "imagePullSecrets": [dict(s) for s in settings.image_pull_secrets],
+        "serviceAccountName": settings.service_account_name,
+        "runtimeClassName": settings.runtime_class_name,
+        "priorityClassName": settings.priority_class_name,
+    }
+    pod.update({key: value for key, value in optional.items() if value})
     return pod
+
+
+def _require_node_label(affinity: dict[str, Any], label: str, values: tuple[str, ...]) -> dict[str, Any]:
+    """Add ``label In values`` to every required node-selector term (terms are ORed, so each needs it)."""
+    node = affinity.setdefault("nodeAffinity", {})
+    required = node.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.get("nodeSelectorTerms") or [{}]
+    expression = {"key": label, "operator": "In", "values": list(values)}
+    required["nodeSelectorTerms"] = [
+        {**term, "matchExpressions": [*term.get("matchExpressions", []), expression]} for term in terms
+    ]
+    return affinity
 
 
 def _cache_volume(spec: DeploymentSpec) -> Manifest:

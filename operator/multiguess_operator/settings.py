@@ -22,6 +22,8 @@ class Settings:
     namespaces: tuple[str, ...] = ()  # empty: every namespace
     log_format: str = "plain"
     liveness_port: int = 8080
+    peering: str = ""  # a KopfPeering name: replicas elect one active operator; empty: standalone
+    priority: int | None = None  # among peers the highest runs; None: a random one per process
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -39,4 +41,15 @@ class Settings:
         raw_port = env.get("MULTIGUESS_OPERATOR_LIVENESS_PORT", "8080").strip()
         if not raw_port.isdigit() or not 1 <= int(raw_port) <= 65535:
             raise SettingsError(f"MULTIGUESS_OPERATOR_LIVENESS_PORT={raw_port!r}: expected a TCP port")
-        return cls(image=image, namespaces=namespaces, log_format=log_format, liveness_port=int(raw_port))
+        peering = env.get("MULTIGUESS_OPERATOR_PEERING", "").strip()
+        raw_priority = env.get("MULTIGUESS_OPERATOR_PRIORITY", "").strip()
+        if raw_priority and not raw_priority.isdigit():
+            raise SettingsError(f"MULTIGUESS_OPERATOR_PRIORITY={raw_priority!r}: expected a whole number")
+        return cls(
+            image=image,
+            namespaces=namespaces,
+            log_format=log_format,
+            liveness_port=int(raw_port),
+            peering=peering,
+            priority=int(raw_priority) if raw_priority else None,
+        )

@@ -13,11 +13,18 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any, Literal
+
+from kubernetes.utils import parse_quantity
 
 # A Service is named <name>-draft, and Service names are DNS-1035 labels of at most 63 characters.
 MAX_NAME_LENGTH = 63 - len("-draft")
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+IntOrString = int | str
 
 
 class SpecError(ValueError):
@@ -31,22 +38,32 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class GpuSpec:
-    product: str
+    """GPUs per pod: any of the named products (a node label's values), counted as ``resource``."""
+
+    product: str | None = None
+    products: tuple[str, ...] = ()
     count: int = 1
+    resource: str = GPU_RESOURCE
+    product_label: str = GPU_PRODUCT_LABEL
+
+    @property
+    def allowed_products(self) -> tuple[str, ...]:
+        return (self.product,) if self.product else self.products
 
 
 @dataclass(frozen=True)
 class ResourceSpec:
-    limits: Mapping[str, Any] = field(default_factory=dict)
-    requests: Mapping[str, Any] = field(default_factory=dict)
+    limits: Mapping[str, IntOrString] = field(default_factory=dict)
+    requests: Mapping[str, IntOrString] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class TargetSpec:
     model: str
     gpu: GpuSpec
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Dtype = "auto"
     resources: ResourceSpec = field(default_factory=ResourceSpec)
+    extra_args: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,12 +84,28 @@ class DraftAutoscalingSpec:
 
 @dataclass(frozen=True)
 class DraftSpec:
+    """The draft model; with ``placement: separate`` also its own pool's pod settings (never the target's)."""
+
     model: str
     placement: Literal["colocated", "separate"] = "colocated"
     gpu: GpuSpec | None = None
     quantization: Literal["none", "int8"] = "none"
     replicas: int = 1
     autoscaling: DraftAutoscalingSpec = field(default_factory=DraftAutoscalingSpec)
+    dtype: Dtype = "auto"
+    resources: ResourceSpec = field(default_factory=ResourceSpec)
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] = field(default_factory=dict)
+    topology_spread_constraints: tuple[Mapping[str, Any], ...] = ()
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def has_pool_settings(self) -> bool:
+        """Whether settings that only a separate draft pool can use are set."""
+        r = self.resources
+        pool = (r.limits, r.requests, self.node_selector, self.tolerations, self.affinity)
+        return any(pool) or bool(self.topology_spread_constraints)
 
 
 @dataclass(frozen=True)
@@ -80,7 +113,12 @@ class SpeculationSpec:
     num_candidates: int = 3
     depth: int = 4
     max_nodes: int = 16
-    drafter: Literal["model", "ngram", "none"] = "model"
+    drafter: Literal["model", "eagle3", "ngram", "none"] = "model"
+
+    @property
+    def needs_draft(self) -> bool:
+        """``model`` and ``eagle3`` read a draft checkpoint (``spec.draft.model``)."""
+        return self.drafter in ("model", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -90,6 +128,8 @@ class ServingSpec:
     max_queue: int = 64
     request_timeout_seconds: float = 60.0
     env: tuple[Mapping[str, Any], ...] = ()
+    pre_stop_seconds: int = 10
+    startup_timeout_seconds: int = 900
 
 
 @dataclass(frozen=True)
@@ -112,6 +152,30 @@ class ModelCacheSpec:
 
 
 @dataclass(frozen=True)
+class PodSettings:
+    """Pod-level settings every pool's pods get (scheduling is per pool)."""
+
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    labels: Mapping[str, str] = field(default_factory=dict)
+    image_pull_secrets: tuple[Mapping[str, Any], ...] = ()
+    service_account_name: str | None = None
+    runtime_class_name: str | None = None
+    priority_class_name: str | None = None
+    security_context: Mapping[str, Any] = field(default_factory=dict)
+    container_security_context: Mapping[str, Any] = field(default_factory=dict)
+    volumes: tuple[Mapping[str, Any], ...] = ()
+    volume_mounts: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """The Deployments' rolling update; the default never drops capacity and needs one spare pod."""
+
+    max_surge: IntOrString = 1
+    max_unavailable: IntOrString = 0
+
+
+@dataclass(frozen=True)
 class DeploymentSpec:
     target: TargetSpec
     draft: DraftSpec | None = None
@@ -122,8 +186,11 @@ class DeploymentSpec:
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
     affinity: Mapping[str, Any] = field(default_factory=dict)
+    topology_spread_constraints: tuple[Mapping[str, Any], ...] = ()
     model_cache: ModelCacheSpec | None = None
     hf_token_secret: str | None = None
+    pod: PodSettings = field(default_factory=PodSettings)
+    rollout: RolloutSpec = field(default_factory=RolloutSpec)
 
     @property
     def separate_draft(self) -> DraftSpec | None:
@@ -158,17 +225,36 @@ def check_name(name: str) -> None:
 
 def check_rules(spec: DeploymentSpec) -> None:
     """The CRD's x-kubernetes-validations rules, one by one, in the same words."""
-    drafter = spec.speculation.drafter
-    if spec.draft is not None and drafter != "model":
-        raise SpecError("InvalidSpec", "draft is only used with speculation.drafter: model")
-    if drafter == "model" and spec.draft is None:
-        raise SpecError("InvalidSpec", "speculation.drafter: model needs a draft model")
+    needs_draft = spec.speculation.needs_draft
+    if spec.draft is not None and not needs_draft:
+        raise SpecError("InvalidSpec", "draft is only used with speculation.drafter: model or eagle3")
+    if needs_draft and spec.draft is None:
+        raise SpecError("InvalidSpec", "speculation.drafter: model and eagle3 need a draft model")
+    if spec.speculation.drafter == "eagle3" and spec.separate_draft is not None:
+        raise SpecError(
+            "InvalidSpec",
+            "speculation.drafter: eagle3 runs in the target's pods: not with placement: separate",
+        )
     if spec.draft is not None and spec.draft.placement != "separate":
         if spec.draft.gpu is not None:
             raise SpecError("InvalidSpec", "draft.gpu is only allowed with placement: separate")
         if spec.draft.replicas != 1:
             raise SpecError("InvalidSpec", "draft.replicas is only allowed with placement: separate")
+        if spec.draft.has_pool_settings:
+            raise SpecError("InvalidSpec", DRAFT_POOL_MESSAGE)
     draft = spec.draft
+    for gpu in (spec.target.gpu, draft.gpu if draft is not None else None):
+        if gpu is not None and bool(gpu.product) == bool(gpu.products):
+            raise SpecError("InvalidSpec", "gpu needs exactly one of product or products")
+    check_resources("spec.target.resources", spec.target.resources)
+    check_tolerations("spec.tolerations", spec.tolerations)
+    if draft is not None:
+        check_resources("spec.draft.resources", draft.resources)
+        check_tolerations("spec.draft.tolerations", draft.tolerations)
+    check_object_names(spec)
+    size_limit = (spec.model_cache.empty_dir or {}).get("sizeLimit") if spec.model_cache else None
+    if size_limit is not None:
+        quantity("spec.modelCache.emptyDir.sizeLimit", size_limit)
     if draft is not None and draft.quantization == "int8" and draft.gpu is not None:
         raise SpecError(
             "InvalidSpec",
@@ -190,6 +276,75 @@ def check_rules(spec: DeploymentSpec) -> None:
     cache = spec.model_cache
     if cache is not None and (cache.pvc is None) == (cache.empty_dir is None):
         raise SpecError("InvalidSpec", "modelCache needs exactly one of pvc or emptyDir")
+
+
+DRAFT_POOL_MESSAGE = (
+    "draft resources, nodeSelector, tolerations, affinity and topologySpreadConstraints "
+    "are only allowed with placement: separate"
+)
+
+
+# The unsigned form of the API server's quantity syntax (the CRD's pattern).
+_QUANTITY = re.compile(
+    r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+
+
+def quantity(path: str, value: Any) -> Decimal:
+    """A Kubernetes quantity (``500m``, ``32Gi``, ``2``) as a number; negative or malformed is an error."""
+    malformed = SpecError(
+        "InvalidSpec", f"{path}: {value!r} is not a Kubernetes quantity (e.g. 500m, 2, 32Gi)"
+    )
+    if isinstance(value, str) and not _QUANTITY.match(value.lstrip("-")):
+        raise malformed  # stricter than the client's parser, which takes "1.5 Gi"; as the API server
+    try:
+        number = parse_quantity(value)
+    except ValueError:
+        raise malformed from None
+    if number < 0:
+        raise SpecError("InvalidSpec", "a quantity must not be negative")
+    return number
+
+
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+TOLERATION_FIELDS = {"key", "operator", "value", "effect", "tolerationSeconds"}
+
+
+def check_object_names(spec: DeploymentSpec) -> None:
+    """Names of other objects the pods refer to (Secrets, PVCs, accounts, classes): DNS-1123."""
+    pod = spec.pod
+    names = {
+        "spec.hfTokenSecret": spec.hf_token_secret,
+        "spec.modelCache.pvc": spec.model_cache.pvc if spec.model_cache else None,
+        "spec.pod.serviceAccountName": pod.service_account_name,
+        "spec.pod.runtimeClassName": pod.runtime_class_name,
+        "spec.pod.priorityClassName": pod.priority_class_name,
+    }
+    names.update(
+        {f"spec.pod.imagePullSecrets[{i}].name": s.get("name") for i, s in enumerate(pod.image_pull_secrets)}
+    )
+    for path, value in names.items():
+        if value is not None and (len(str(value)) > 253 or not _DNS1123_SUBDOMAIN.match(str(value))):
+            raise SpecError(
+                "InvalidSpec",
+                f"{path}: {value!r} is not a DNS-1123 name (lower case letters, digits, '-' and '.')",
+            )
+
+
+def check_tolerations(path: str, tolerations: tuple[Mapping[str, Any], ...]) -> None:
+    """The core Toleration's fields only (the CRD checks the full type)."""
+    for i, toleration in enumerate(tolerations):
+        unknown = sorted(set(toleration) - TOLERATION_FIELDS)
+        if unknown:
+            raise SpecError("InvalidSpec", f"{path}[{i}]: unknown field(s) {', '.join(unknown)}")
+
+
+def check_resources(path: str, resources: ResourceSpec) -> None:
+    """Valid quantities, and no request above its limit (the API server refuses such a pod)."""
+    limits = {k: quantity(f"{path}.limits.{k}", v) for k, v in resources.limits.items()}
+    for key, value in resources.requests.items():
+        if key in limits and quantity(f"{path}.requests.{key}", value) > limits[key]:
+            raise SpecError("InvalidSpec", "resources.requests must not exceed resources.limits")
 
 
 def _build(cls: type, raw: Any, path: str) -> Any:
@@ -214,8 +369,15 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
         inner = [a for a in args if a is not type(None)]
-        return None if value is None else _convert(inner[0], value, path)
+        for alternative in inner[:-1]:
+            try:
+                return _convert(alternative, value, path)
+            except SpecError:
+                continue
+        return _convert(inner[-1], value, path)
     if origin is Literal:
         if value not in args:
             raise SpecError("InvalidSpec", f"{path}: {value!r} is not one of {', '.join(map(str, args))}")
@@ -223,6 +385,10 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, path)  # type: ignore[arg-type]
     if origin is tuple:
+        if args[0] is str:
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise SpecError("InvalidSpec", f"{path}: expected a list of strings")
+            return tuple(value)
         if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
             raise SpecError("InvalidSpec", f"{path}: expected a list of objects")
         return tuple(value)
@@ -231,6 +397,12 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
             raise SpecError("InvalidSpec", f"{path}: expected an object, got {type(value).__name__}")
         if args[1] is str and not all(isinstance(v, str) for v in value.values()):
             raise SpecError("InvalidSpec", f"{path}: every value must be a string")
+        if args[1] == IntOrString:  # quantities: checked as such by check_resources
+            bad = [k for k, v in value.items() if isinstance(v, bool) or not isinstance(v, int | str)]
+            if bad:
+                raise SpecError(
+                    "InvalidSpec", f"{path}.{bad[0]}: expected a quantity (an integer or a string)"
+                )
         return dict(value)
     return _scalar(hint, value, path)
 

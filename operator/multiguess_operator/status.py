@@ -13,6 +13,14 @@ CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
 
 
 @dataclass(frozen=True)
+class Problem:
+    """Something that makes the resource Degraded: a refused write, an unknown GPU product."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
 class Rollout:
     """What one child Deployment reports about itself."""
 
@@ -56,39 +64,57 @@ def conditions(
     target: Rollout | None,
     draft: Rollout | None,
     needs_draft: bool,
+    problems: Sequence[Problem] = (),
 ) -> dict[str, tuple[bool, str, str]]:
-    """Each condition type → (status, reason, message), from the spec check and the two rollouts."""
+    """Each condition type → (status, reason, message), from the spec check, the two rollouts and
+    the problems the pass met. ``Ready`` is about the API (the target pods): targets serve, without
+    speculation, while the draft is down, which is ``Degraded``."""
     if error is not None:
         return {
             "Ready": (False, error.reason, error.message),
             "Progressing": (False, error.reason, "the spec is invalid; nothing is rolled out"),
             "Degraded": (True, error.reason, error.message),
         }
-    if target is None or (needs_draft and draft is None):
-        missing = "target" if target is None else "draft"
+    found = list(problems)  # first: the condition's reason is the first problem's
+    if target is None:
         return {
-            "Ready": (False, "ChildrenMissing", f"the {missing} Deployment does not exist yet"),
+            "Ready": (False, "ChildrenMissing", "the target Deployment does not exist yet"),
             "Progressing": (True, "Creating", "creating children"),
-            "Degraded": (False, "AsExpected", ""),
+            "Degraded": _degraded(found),
         }
     parts = [("target", target)] + ([("draft", draft)] if needs_draft and draft is not None else [])
-    stuck = [f"{role}: {r.stuck}" for role, r in parts if r.stuck]
-    unavailable = [role for role, r in parts if r.desired > 0 and r.ready == 0]
+    stuck = [Problem("RolloutFailed", f"{role}: {r.stuck}") for role, r in parts if r.stuck]
     moving = [role for role, r in parts if not r.settled]
     if target.desired == 0:
         ready = (False, "ScaledToZero", "spec.replicas is 0")
-    elif unavailable:
-        ready = (False, "PodsNotReady", f"no ready pods: {', '.join(unavailable)}")
+    elif target.ready == 0:
+        ready = (False, "PodsNotReady", "no ready pods: target")
     else:
         ready = (True, "PodsReady", f"{target.ready}/{target.desired} target pods ready")
-    if moving:
-        progressing = (True, "RollingOut", f"rolling out: {', '.join(moving)}")
+        # Pods that are still starting (model loading takes minutes) are progress, not degradation;
+        # but targets that serve while no draft pod does decode without speculation.
+        if needs_draft and (draft is None or (draft.desired > 0 and draft.ready == 0)):
+            missing = "does not exist" if draft is None else "has no ready pods"
+            found.append(
+                Problem("DraftUnavailable", f"the draft {missing}: targets decode without speculation")
+            )
+    if moving or (needs_draft and draft is None):
+        progressing = (True, "RollingOut", f"rolling out: {', '.join(moving) or 'draft'}")
     else:
         progressing = (False, "Complete", "all pods are up to date")
-    # Pods that are still starting (model loading takes minutes) are progress, not degradation; the
-    # Deployment controller's own deadline (ProgressDeadlineExceeded) is what marks a failure.
-    degraded = (True, "RolloutFailed", "; ".join(stuck)) if stuck else (False, "AsExpected", "")
-    return {"Ready": ready, "Progressing": progressing, "Degraded": degraded}
+    # The Deployment controller's own deadline (ProgressDeadlineExceeded) marks a failed rollout.
+    return {
+        "Ready": ready,
+        "Progressing": progressing,
+        "Degraded": _degraded(found[: len(problems)] + stuck + found[len(problems) :]),
+    }
+
+
+def _degraded(problems: Sequence[Problem]) -> tuple[bool, str, str]:
+    """Degraded: the first problem's reason, every problem's message."""
+    if not problems:
+        return (False, "AsExpected", "")
+    return (True, problems[0].reason, "; ".join(p.message for p in problems))
 
 
 def render_conditions(
@@ -132,9 +158,10 @@ def resource_status(
     needs_draft: bool,
     previous: Mapping[str, Any],
     now: str,
+    problems: Sequence[Problem] = (),
 ) -> dict[str, Any]:
     """The full ``status`` this operator owns (the autoscaler owns ``status.autoscaling``)."""
-    values = conditions(error, target, draft, needs_draft)
+    values = conditions(error, target, draft, needs_draft, problems)
     desired = target.desired if target else 0
     ready = target.ready if target else 0
     status: dict[str, Any] = {

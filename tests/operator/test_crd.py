@@ -4,7 +4,9 @@ by the schema or by the operator's twin of each CEL rule (jsonschema cannot run 
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +14,9 @@ import kubernetes_validate
 import pytest
 import yaml
 from multiguess_operator.names import GROUP, KIND, PLURAL, VERSION
-from multiguess_operator.spec import DeploymentSpec, SpecError, check_name, parse_spec
+from multiguess_operator.spec import DeploymentSpec, SpecError, check_name, parse_spec, quantity
 
+from tests.operator.core_schemas import array_of, core
 from tests.operator.crd import ROOT, cel_rules, crd, openapi_schema, validator
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -105,3 +108,95 @@ def test_operator_defaults_equal_crd_defaults() -> None:
     schema_defaults = _schema_defaults(openapi_schema()["properties"]["spec"])
     assert len(schema_defaults) >= 15
     assert {path: _dataclass_default(path) for path in schema_defaults} == schema_defaults
+
+
+def _node(path: str) -> dict[str, Any]:
+    node = openapi_schema()
+    for key in path.strip(".").split("."):
+        node = node["items"] if key == "[]" else node["properties"][key]
+    return node  # type: ignore[no-any-return]
+
+
+CORE_TYPED = {
+    "spec.tolerations": ("Toleration", 64),
+    "spec.draft.tolerations": ("Toleration", 64),
+    "spec.affinity": ("Affinity", None),
+    "spec.draft.affinity": ("Affinity", None),
+    "spec.topologySpreadConstraints": ("TopologySpreadConstraint", 16),
+    "spec.draft.topologySpreadConstraints": ("TopologySpreadConstraint", 16),
+    "spec.serving.env": ("EnvVar", 64),
+    "spec.pod.securityContext": ("PodSecurityContext", None),
+    "spec.pod.containerSecurityContext": ("SecurityContext", None),
+    "spec.pod.volumes": ("Volume", 32),
+    "spec.pod.volumeMounts": ("VolumeMount", 32),
+}
+
+
+@pytest.mark.parametrize("path", CORE_TYPED)
+def test_core_typed_fields_use_the_core_types_schemas(path: str) -> None:
+    """No preserve-unknown-fields: the CRD carries the core type's own schema (core_schemas.py)."""
+    kind, max_items = CORE_TYPED[path]
+    expected = core(kind) if max_items is None else {**array_of(kind), "maxItems": max_items}
+    assert _node(path) == expected, f"regenerate {path} with tests/operator/core_schemas.py"
+
+
+def test_nothing_in_the_spec_preserves_unknown_fields() -> None:
+    def walk(node: Any, path: str) -> Iterator[str]:
+        if isinstance(node, dict):
+            if node.get("x-kubernetes-preserve-unknown-fields"):
+                yield path
+            for key, child in node.items():
+                yield from walk(child, f"{path}.{key}")
+        elif isinstance(node, list):
+            for child in node:
+                yield from walk(child, path)
+
+    assert list(walk(openapi_schema()["properties"]["spec"], "spec")) == []
+
+
+# As Kubernetes' resource.ParseQuantity reads them (non-negative; no sign, no space, no "GB").
+QUANTITIES = ["1", "500m", "1.5Gi", "32Gi", "100M", "2e3", ".5", "0", "1.", "128974848"]
+NOT_QUANTITIES = ["lots", "32GB", "1.5 Gi", "-1", "+2", "Gi", "", "1Mi1", "0x10", "1,5"]
+
+
+@pytest.mark.parametrize("text", QUANTITIES + NOT_QUANTITIES)
+def test_the_quantity_pattern_and_the_operator_agree_with_the_api_server(text: str) -> None:
+    schema = _node("spec.target.resources.limits")["additionalProperties"]
+    assert schema["x-kubernetes-int-or-string"] is True and {"type": "integer"} in schema["anyOf"]
+    valid = text in QUANTITIES
+    assert bool(re.match(schema["pattern"], text)) == valid
+    if valid:
+        quantity("q", text)
+    else:
+        with pytest.raises(SpecError):
+            quantity("q", text)
+
+
+def test_cel_rules_name_only_fields_the_schema_has() -> None:
+    """jsonschema cannot run CEL (and cel-python has no Kubernetes quantity library): check each
+    rule's field references against the schema it sits on, and that iterated maps are bounded
+    (the API server refuses rules whose estimated cost is unbounded)."""
+    for path, rule in cel_rules():
+        node = _node(path) if path else openapi_schema()
+        for chain in re.findall(r"self((?:\.[A-Za-z]+)+)", rule["rule"]):
+            current = node
+            for name in chain.strip(".").split("."):
+                if name in ("all", "exists"):
+                    break
+                assert name in (current.get("properties") or {}), f"{path}: {rule['rule']} names {name}"
+                current = current["properties"][name]
+            if ".all" in chain or ".exists" in chain:
+                assert "maxProperties" in current or "maxItems" in current, f"{path}: unbounded {chain}"
+        assert rule["message"] and rule["reason"].startswith("Field")
+
+
+def test_requests_above_limits_are_compared_as_quantities() -> None:
+    (rule,) = _node("spec.target.resources")["x-kubernetes-validations"]
+    assert "quantity(" in rule["rule"] and "compareTo" in rule["rule"]
+    assert _node("spec.draft.resources") == _node("spec.target.resources")
+
+
+def test_names_are_dns_1123() -> None:
+    for path in ("spec.hfTokenSecret", "spec.modelCache.pvc", "spec.pod.serviceAccountName"):
+        pattern = re.compile(_node(path)["pattern"])
+        assert pattern.match("hf-token.v2") and not pattern.match("HF_Token") and not pattern.match("-x")

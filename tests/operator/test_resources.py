@@ -3,21 +3,32 @@ manifest produced for every spec tried passes kubernetes-validate --strict."""
 
 from __future__ import annotations
 
+import base64
+import re
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from multiguess_operator.resources import (
-    GPU_PRODUCT_LABEL,
     HASH_ANNOTATION,
     desired_children,
+    draft_secret,
     selector_string,
     stamp_hash,
 )
-from multiguess_operator.spec import parse_spec
+from multiguess_operator.spec import GPU_PRODUCT_LABEL, parse_spec
 
 IMAGE = "registry.test/multiguess-server:1"
+ROOT = Path(__file__).resolve().parents[2]
+# The serving image's user (`USER uid:gid` of the Dockerfile's server stage).
+DOCKERFILE_USER = re.findall(r"^USER (\d+):", (ROOT / "Dockerfile").read_text(), re.MULTILINE)[-1]
+# `multiguess serve` reads each flag from MULTIGUESS_<FLAG> (server/multiguess/commands/engine_args.py).
+SERVE_FLAGS_FROM_ENV = {
+    "MULTIGUESS_" + flag.upper().replace("-", "_")
+    for flag in re.findall(r'"--([a-z-]+)"', (ROOT / "server/multiguess/commands/serve.py").read_text())
+}
 A100, V100 = "NVIDIA-A100-SXM4-40GB", "Tesla-V100-SXM2-16GB"
 
 
@@ -127,12 +138,218 @@ def test_user_scheduling_is_merged_but_the_gpu_product_wins() -> None:
         "tolerations": [toleration],
         "affinity": affinity,
     }
+    spec = pod(children(raw)["Deployment/demo-target"])
+    assert spec["nodeSelector"] == {"zone": "a", GPU_PRODUCT_LABEL: A100}
+    assert spec["tolerations"][0] == toleration and len(spec["tolerations"]) == 2
+    assert spec["affinity"] == affinity
+
+
+def test_the_draft_pool_has_its_own_settings_and_inherits_none_of_the_targets() -> None:
+    draft_toleration = {"key": "v100", "operator": "Exists", "effect": "NoSchedule"}
+    raw = {
+        **SEPARATE,
+        "target": {**SEPARATE["target"], "dtype": "bfloat16"},
+        "nodeSelector": {"pool": "a100"},
+        "tolerations": [{"key": "a100", "operator": "Exists"}],
+        "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
+        "draft": {
+            **SEPARATE["draft"],
+            "dtype": "float16",
+            "resources": {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "12Gi"}},
+            "nodeSelector": {"pool": "v100"},
+            "tolerations": [draft_toleration],
+            "extraArgs": ["--log-level", "debug"],
+        },
+    }
     made = children(raw)
-    for name, product in (("demo-target", A100), ("demo-draft", V100)):
-        spec = pod(made[f"Deployment/{name}"])
-        assert spec["nodeSelector"] == {"zone": "a", GPU_PRODUCT_LABEL: product}
-        assert spec["tolerations"][0] == toleration and len(spec["tolerations"]) == 2
-        assert spec["affinity"] == affinity
+    draft = made["Deployment/demo-draft"]
+    spec = pod(draft)
+    assert spec["nodeSelector"] == {"pool": "v100", GPU_PRODUCT_LABEL: V100}
+    assert spec["tolerations"] == [
+        draft_toleration,
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+    ]
+    assert "affinity" not in spec
+    container = spec["containers"][0]
+    assert container["resources"] == {
+        "requests": {"cpu": "2", "memory": "8Gi"},
+        "limits": {"memory": "12Gi", "nvidia.com/gpu": "1"},
+    }
+    assert container["args"] == ["--log-level", "debug"]
+    assert env(draft)["MULTIGUESS_DTYPE"] == "float16"
+    target = made["Deployment/demo-target"]
+    assert env(target)["MULTIGUESS_DTYPE"] == "bfloat16"
+    assert pod(target)["nodeSelector"] == {"pool": "a100", GPU_PRODUCT_LABEL: A100}
+    assert "args" not in pod(target)["containers"][0]
+
+
+def test_a_colocated_draft_dtype_reaches_the_target_server() -> None:
+    raw = {**COLOCATED, "draft": {"model": "org/d", "dtype": "float16"}}
+    got = env(children(raw)["Deployment/demo-target"])
+    assert got["MULTIGUESS_DRAFT_DTYPE"] == "float16" and got["MULTIGUESS_DTYPE"] == "auto"
+    assert "MULTIGUESS_DRAFT_SECRET" not in got
+
+
+def test_eagle3_is_a_drafter_like_the_others() -> None:
+    raw = {**COLOCATED, "speculation": {"drafter": "eagle3"}}
+    got = env(children(raw)["Deployment/demo-target"])
+    assert got["MULTIGUESS_DRAFTER"] == "eagle3" and got["MULTIGUESS_DRAFT"] == "org/d"
+
+
+def test_separate_pools_share_the_draft_secret_by_reference() -> None:
+    made = children(SEPARATE)
+    ref = {"secretKeyRef": {"name": "demo-draft-secret", "key": "secret"}}
+    assert env(made["Deployment/demo-target"])["MULTIGUESS_DRAFT_SECRET"] == ref
+    assert env(made["Deployment/demo-draft"])["MULTIGUESS_DRAFT_SECRET"] == ref
+    secret = draft_secret("demo", "ns1", "s3cret")
+    assert secret["metadata"]["name"] == "demo-draft-secret"
+    assert base64.b64decode(secret["data"]["secret"]) == b"s3cret"
+    kubernetes_validate.validate(secret, "1.33", strict=True)
+
+
+def test_gpus_by_a_list_of_products_and_any_resource_name() -> None:
+    user_term = {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+    raw = {
+        **COLOCATED,
+        "target": {
+            "model": "org/t",
+            "gpu": {"products": [A100, "NVIDIA-A100-SXM4-80GB"], "resource": "nvidia.com/mig-3g.20gb"},
+        },
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [user_term]}
+            }
+        },
+        "nodeSelector": {GPU_PRODUCT_LABEL: "wrong"},
+    }
+    spec = pod(children(raw)["Deployment/demo-target"])
+    (term,) = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert term["matchExpressions"] == [
+        user_term["matchExpressions"][0],
+        {"key": GPU_PRODUCT_LABEL, "operator": "In", "values": [A100, "NVIDIA-A100-SXM4-80GB"]},
+    ]
+    assert "nodeSelector" not in spec
+    assert spec["containers"][0]["resources"]["limits"] == {"nvidia.com/mig-3g.20gb": "1"}
+    amd = {
+        **COLOCATED,
+        "target": {
+            "model": "org/t",
+            "gpu": {
+                "product": "MI300X",
+                "resource": "amd.com/gpu",
+                "productLabel": "amd.com/gpu.product-name",
+            },
+        },
+    }
+    spec = pod(children(amd)["Deployment/demo-target"])
+    assert spec["nodeSelector"] == {"amd.com/gpu.product-name": "MI300X"}
+    assert spec["containers"][0]["resources"]["limits"] == {"amd.com/gpu": "1"}
+    assert {"key": "amd.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+
+
+def test_pods_meet_pod_security_restricted_with_writable_scratch() -> None:
+    """The "restricted" profile's rules, and a read-only root with emptyDirs where servers write."""
+    for name, deployment in children(SEPARATE).items():
+        if not name.startswith("Deployment/"):
+            continue
+        spec = pod(deployment)
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] == 10001 == int(DOCKERFILE_USER)
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        (container,) = spec["containers"]
+        security = container["securityContext"]
+        assert security["allowPrivilegeEscalation"] is False
+        assert security["capabilities"] == {"drop": ["ALL"]}
+        assert security["readOnlyRootFilesystem"] is True
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        for path in ("/tmp", "/models", "/home/multiguess/.cache"):
+            assert "emptyDir" in volumes[mounts[path]]
+        # restricted allows only these volume types
+        allowed = {
+            "configMap",
+            "csi",
+            "downwardAPI",
+            "emptyDir",
+            "ephemeral",
+            "persistentVolumeClaim",
+            "projected",
+            "secret",
+        }
+        assert all(set(v) - {"name"} <= allowed for v in spec["volumes"])
+        assert "hostNetwork" not in spec and "hostPID" not in spec
+
+
+def test_the_open_pod_template() -> None:
+    settings = {
+        "annotations": {"team": "llm", "prometheus.io/port": "1"},
+        "labels": {"team": "llm", "app.kubernetes.io/component": "mine"},
+        "imagePullSecrets": [{"name": "regcred"}],
+        "serviceAccountName": "serving",
+        "runtimeClassName": "nvidia",
+        "priorityClassName": "inference",
+        "securityContext": {"runAsUser": 2000, "fsGroup": 2000},
+        "containerSecurityContext": {"readOnlyRootFilesystem": False},
+        "volumes": [{"name": "certs", "secret": {"secretName": "certs"}}],
+        "volumeMounts": [{"name": "certs", "mountPath": "/certs", "readOnly": True}],
+    }
+    spread = [
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}
+    ]
+    raw = {
+        **COLOCATED,
+        "pod": settings,
+        "topologySpreadConstraints": spread,
+        "target": {**COLOCATED["target"], "extraArgs": ["--max-batch", "4"]},
+    }
+    target = children(raw)["Deployment/demo-target"]
+    meta = target["spec"]["template"]["metadata"]
+    assert meta["labels"]["team"] == "llm" and meta["labels"]["app.kubernetes.io/component"] == "target"
+    assert meta["annotations"]["team"] == "llm" and meta["annotations"]["prometheus.io/port"] == "8000"
+    spec = pod(target)
+    assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+    assert (spec["serviceAccountName"], spec["runtimeClassName"], spec["priorityClassName"]) == (
+        "serving",
+        "nvidia",
+        "inference",
+    )
+    assert spec["securityContext"]["runAsUser"] == 2000 and spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["topologySpreadConstraints"] == spread
+    container = spec["containers"][0]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is False
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert {"name": "certs", "mountPath": "/certs", "readOnly": True} in container["volumeMounts"]
+    assert {"name": "certs", "secret": {"secretName": "certs"}} in spec["volumes"]
+    assert container["args"] == ["--max-batch", "4"]
+    kubernetes_validate.validate(stamp_hash(target), "1.33", strict=True)
+
+
+def test_shutdown_drains_within_the_grace_period_and_rollouts_outwait_model_loads() -> None:
+    raw = {
+        **SEPARATE,
+        "serving": {"requestTimeoutSeconds": 120.5, "preStopSeconds": 15, "startupTimeoutSeconds": 1800},
+        "rollout": {"maxSurge": "25%", "maxUnavailable": 1},
+    }
+    made = children(raw)
+    for name in ("demo-target", "demo-draft"):
+        deployment = made[f"Deployment/{name}"]
+        spec = pod(deployment)
+        (container,) = spec["containers"]
+        assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "15"]
+        startup = container["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800
+        assert (
+            deployment["spec"]["progressDeadlineSeconds"]
+            > startup["periodSeconds"] * startup["failureThreshold"]
+        )
+        assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": "25%", "maxUnavailable": 1}
+    target = made["Deployment/demo-target"]
+    drain = int(env(target)["MULTIGUESS_SHUTDOWN_GRACE"])
+    assert drain >= 120.5  # an in-flight request may take the whole request timeout
+    assert pod(target)["terminationGracePeriodSeconds"] > 15 + drain
+    assert "MULTIGUESS_SHUTDOWN_GRACE" in SERVE_FLAGS_FROM_ENV
 
 
 def test_user_env_overrides_by_name_and_token_comes_from_the_secret() -> None:
@@ -151,12 +368,14 @@ def test_user_env_overrides_by_name_and_token_comes_from_the_secret() -> None:
 
 
 def test_model_cache_volume() -> None:
-    assert pod(children(COLOCATED)["Deployment/demo-target"])["volumes"] == [
-        {"name": "model-cache", "emptyDir": {}}
-    ]
-    raw = {**COLOCATED, "modelCache": {"pvc": "models"}}
-    volumes = pod(children(raw)["Deployment/demo-target"])["volumes"]
-    assert volumes == [{"name": "model-cache", "persistentVolumeClaim": {"claimName": "models"}}]
+    def cache(raw: dict[str, Any]) -> dict[str, Any]:
+        return next(
+            v for v in pod(children(raw)["Deployment/demo-target"])["volumes"] if v["name"] == "model-cache"
+        )
+
+    assert cache(COLOCATED) == {"name": "model-cache", "emptyDir": {}}
+    pvc = cache({**COLOCATED, "modelCache": {"pvc": "models"}})
+    assert pvc == {"name": "model-cache", "persistentVolumeClaim": {"claimName": "models"}}
 
 
 def test_cpu_draft_without_gpu_is_not_pinned() -> None:
@@ -191,9 +410,17 @@ def test_hash_changes_with_the_desired_state_only() -> None:
     assert changed["metadata"]["annotations"][HASH_ANNOTATION] != digest
 
 
-gpus = st.fixed_dictionaries(
-    {"product": st.sampled_from([A100, V100, "NVIDIA-H100-80GB-HBM3"]), "count": st.integers(1, 8)}
+PRODUCTS = [A100, V100, "NVIDIA-H100-80GB-HBM3"]
+gpus = st.one_of(
+    st.fixed_dictionaries({"product": st.sampled_from(PRODUCTS), "count": st.integers(1, 8)}),
+    st.fixed_dictionaries(
+        {
+            "products": st.lists(st.sampled_from(PRODUCTS), min_size=1, max_size=3, unique=True),
+            "resource": st.sampled_from(["nvidia.com/gpu", "nvidia.com/mig-1g.10gb", "amd.com/gpu"]),
+        }
+    ),
 )
+quantities = st.dictionaries(st.sampled_from(["cpu", "memory"]), st.sampled_from(["500m", "2", "8Gi", 4]))
 specs = st.fixed_dictionaries(
     {
         "target": st.fixed_dictionaries(
@@ -207,6 +434,9 @@ specs = st.fixed_dictionaries(
                     "placement": st.just("separate"),
                     "gpu": gpus,
                     "replicas": st.integers(1, 4),
+                    "dtype": st.sampled_from(["auto", "float16"]),
+                    "resources": st.fixed_dictionaries({"requests": quantities}),
+                    "nodeSelector": st.dictionaries(st.just("pool"), st.sampled_from(["v100", "cpu"])),
                 }
             ),
         ),
@@ -217,6 +447,18 @@ specs = st.fixed_dictionaries(
         "nodeSelector": st.dictionaries(st.sampled_from(["zone", "pool"]), st.sampled_from(["a", "b"])),
         "modelCache": st.sampled_from([{"pvc": "models"}, {"emptyDir": {"sizeLimit": "100Gi"}}]),
         "hfTokenSecret": st.sampled_from(["hf", "token-secret"]),
+        "pod": st.fixed_dictionaries(
+            {},
+            optional={
+                "labels": st.dictionaries(st.sampled_from(["team", "tier"]), st.sampled_from(["a", "b"])),
+                "imagePullSecrets": st.just([{"name": "regcred"}]),
+                "serviceAccountName": st.just("serving"),
+                "priorityClassName": st.just("inference"),
+            },
+        ),
+        "rollout": st.fixed_dictionaries(
+            {"maxSurge": st.sampled_from([1, "25%"]), "maxUnavailable": st.sampled_from([0, 1])}
+        ),
     }
 )
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from multiguess_operator.spec import SpecError
-from multiguess_operator.status import Rollout, conditions, render_conditions, resource_status
+from multiguess_operator.status import Problem, Rollout, conditions, render_conditions, resource_status
 
 
 def deployment(
@@ -69,13 +69,32 @@ def test_conditions_of_a_target_rollout(
     assert flags(conditions(None, Rollout.of(target), draft, needs_draft=False)) == expected
 
 
-def test_a_separate_draft_must_be_up_too() -> None:
+def test_a_draft_that_is_down_degrades_but_targets_stay_ready() -> None:
+    """Targets serve without speculation while no draft pod is ready: Degraded, still Ready."""
     target = Rollout.of(deployment(2, 2))
     down = conditions(None, target, Rollout.of(deployment(1, 0, updated=1)), needs_draft=True)
-    assert flags(down)[0] == (False, "PodsNotReady") and "draft" in down["Ready"][2]
-    assert flags(down)[1:] == ((True, "RollingOut"), (False, "AsExpected"))  # starting is not degraded
+    assert flags(down) == ((True, "PodsReady"), (True, "RollingOut"), (True, "DraftUnavailable"))
+    assert "without speculation" in down["Degraded"][2]
     missing = conditions(None, target, None, needs_draft=True)
-    assert flags(missing)[0] == (False, "ChildrenMissing")
+    assert flags(missing)[0] == (True, "PodsReady") and flags(missing)[2] == (True, "DraftUnavailable")
+    up = conditions(None, target, Rollout.of(deployment(1, 1)), needs_draft=True)
+    assert flags(up) == ((True, "PodsReady"), (False, "Complete"), (False, "AsExpected"))
+
+
+def test_everything_starting_is_progress_not_degradation() -> None:
+    starting = Rollout.of(deployment(1, 0, updated=1))
+    values = conditions(None, Rollout.of(deployment(2, 0, updated=2)), starting, needs_draft=True)
+    assert flags(values) == ((False, "PodsNotReady"), (True, "RollingOut"), (False, "AsExpected"))
+
+
+def test_problems_degrade_with_the_api_message() -> None:
+    refused = Problem("ApiRefused", "Deployment demo-target: HTTP 422: spec.template...: Forbidden: x")
+    gpu = Problem("UnknownGpuProduct", "target: no node has nvidia.com/gpu.product in [H100]")
+    values = conditions(None, Rollout.of(deployment(1, 1)), None, False, [refused, gpu])
+    assert values["Ready"][0] is True
+    assert values["Degraded"] == (True, "ApiRefused", f"{refused.message}; {gpu.message}")
+    missing = conditions(None, None, None, False, [refused])
+    assert missing["Degraded"] == (True, "ApiRefused", refused.message)
 
 
 def test_invalid_spec_wins() -> None:

@@ -16,6 +16,7 @@ import yaml
 from tests.packaging.tools import ROOT
 
 CRD_PATH = ROOT / "crds" / "speculativedeployment.yaml"
+PEERING_CRD_PATH = ROOT / "crds" / "kopf-peering.yaml"
 # The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest schema bundled.
 K8S_VERSIONS = ("1.29", kubernetes_validate.latest_version())
 # Custom kinds with no schema on this machine (the Prometheus Operator's CRDs are not vendored):
@@ -30,6 +31,12 @@ SCHEMALESS_KINDS = {
 def load_crd(path: Path = CRD_PATH) -> dict[str, Any]:
     """The SpeculativeDeployment CRD as a dict."""
     return yaml.safe_load(path.read_text())
+
+
+@cache
+def peering_crds() -> tuple[dict[str, Any], ...]:
+    """kopf's ClusterKopfPeering and KopfPeering CRDs (leader election), as the chart ships them."""
+    return tuple(doc for doc in yaml.safe_load_all(PEERING_CRD_PATH.read_text()) if doc)
 
 
 def custom_resource_schemas(crd: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -60,9 +67,10 @@ def validate_custom_resource(obj: dict[str, Any], crd: dict[str, Any]) -> None:
 def validate_manifest(obj: dict[str, Any], crd: dict[str, Any]) -> str:
     """Validate one object strictly; return how: 'kubernetes', 'crd' or 'skipped: <reason>'."""
     key = f"{obj.get('apiVersion')}/{obj.get('kind')}"
-    if key in custom_resource_schemas(crd):
-        validate_custom_resource(obj, crd)
-        return "crd"
+    for candidate in (crd, *peering_crds()):
+        if key in custom_resource_schemas(candidate):
+            validate_custom_resource(obj, candidate)
+            return "crd"
     if key in SCHEMALESS_KINDS:
         return f"skipped: {SCHEMALESS_KINDS[key]}"
     for version in K8S_VERSIONS:

@@ -9,10 +9,10 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from multiguess_operator.rbac import cluster_role
+from multiguess_operator.rbac import cluster_role, namespace_role
 
 from tests.packaging.helm import CHART, NAMESPACE, RELEASE, HelmError, by_kind, render, run_helm, value_args
-from tests.packaging.manifests import CRD_PATH, load_crd, validate_manifest
+from tests.packaging.manifests import CRD_PATH, PEERING_CRD_PATH, load_crd, peering_crds, validate_manifest
 from tests.packaging.tools import ROOT
 
 E2E_VALUES = ROOT / "tests" / "e2e" / "values.yaml"
@@ -32,7 +32,7 @@ VALUE_SETS: dict[str, tuple[tuple[Path, ...], tuple[str, ...]]] = {
         ),
     ),
     "example": ((), ("example.enabled=true", "example.name=demo")),
-    "namespaced": ((), ("operator.namespaces={team-a}",)),
+    "namespaced": ((), ("operator.namespaces={llm,team-b}", "example.enabled=true")),
     "e2e-cpu": ((E2E_VALUES,), ()),
     "e2e-gpu": ((E2E_VALUES, E2E_GPU_VALUES), ("example.spec.target.gpu.product=NVIDIA-H100-80GB-HBM3",)),
     "custom": (
@@ -72,6 +72,11 @@ def _operator(objects: list[dict[str, Any]]) -> dict[str, Any]:
     return deployment
 
 
+def _operator_env(objects: list[dict[str, Any]]) -> dict[str, str]:
+    (container,) = _operator(objects)["spec"]["template"]["spec"]["containers"]
+    return _env(container)
+
+
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_lint_strict(any_helm: Path, name: str) -> None:
     files, sets = VALUE_SETS[name]
@@ -89,13 +94,15 @@ def test_every_rendered_object_validates(rendered: dict[str, list[dict[str, Any]
     assert set(skipped) <= {
         f"{kind}/{RELEASE}-multiguess-serving" for kind in ("ServiceMonitor", "PodMonitor")
     }
-    assert all(o["metadata"].get("namespace", NAMESPACE) == NAMESPACE for o in objects)
+    watched = set(_operator_env(objects)["MULTIGUESS_OPERATOR_NAMESPACES"].split(",")) - {""}
+    assert {o["metadata"].get("namespace", NAMESPACE) for o in objects} <= {NAMESPACE} | watched
 
 
 def test_default_objects(rendered: dict[str, list[dict[str, Any]]]) -> None:
     objects = rendered["default"]
     kinds = sorted(o["kind"] for o in objects)
     assert kinds == [
+        "ClusterKopfPeering",
         "ClusterRole",
         "ClusterRoleBinding",
         "Deployment",
@@ -105,7 +112,13 @@ def test_default_objects(rendered: dict[str, list[dict[str, Any]]]) -> None:
     deployment = _operator(objects)
     spec = deployment["spec"]
     assert spec["replicas"] == 1
-    assert spec["strategy"] == {"type": "Recreate"}
+    # Peering elects one active replica, so old and new pods may overlap during a rollout.
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    (peering,) = by_kind(objects, "ClusterKopfPeering")
+    assert peering["metadata"]["name"] == "multiguess"
     pod = spec["template"]["spec"]
     (container,) = pod["containers"]
     assert container["image"] == "ghcr.io/multiguess/multiguess-operator:0.1.0"
@@ -116,6 +129,7 @@ def test_default_objects(rendered: dict[str, list[dict[str, Any]]]) -> None:
         "MULTIGUESS_OPERATOR_NAMESPACES": "",
         "MULTIGUESS_OPERATOR_LOG_FORMAT": "plain",
         "MULTIGUESS_OPERATOR_LIVENESS_PORT": "8080",
+        "MULTIGUESS_OPERATOR_PEERING": "multiguess",
     }
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
@@ -133,7 +147,8 @@ def test_default_objects(rendered: dict[str, list[dict[str, Any]]]) -> None:
 
 def test_custom_values_reach_the_objects(rendered: dict[str, list[dict[str, Any]]]) -> None:
     objects = rendered["custom"]
-    assert sorted(o["kind"] for o in objects) == ["Deployment"]
+    assert sorted(o["kind"] for o in objects) == ["Deployment", "KopfPeering", "KopfPeering"]
+    assert {o["metadata"]["namespace"] for o in by_kind(objects, "KopfPeering")} == {"team-a", "team-b"}
     pod = _operator(objects)["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["image"] == f"ghcr.io/multiguess/multiguess-operator@{DIGEST}"
@@ -213,15 +228,19 @@ def test_e2e_gpu_overlay_keeps_the_model_and_moves_it_to_the_gpu(
 
 
 def test_crds_rendered_with_include_crds_are_the_source_of_truth(helm: Path) -> None:
-    (crd,) = by_kind(render(helm, include_crds=True), "CustomResourceDefinition")
-    assert crd == load_crd()
+    crds = by_kind(render(helm, include_crds=True), "CustomResourceDefinition")
+    by_name = {crd["metadata"]["name"]: crd for crd in crds}
+    assert by_name == {crd["metadata"]["name"]: crd for crd in (load_crd(), *peering_crds())}
 
 
-def test_chart_crd_is_identical_to_the_source_of_truth() -> None:
+def test_chart_crds_are_identical_to_the_source_of_truth() -> None:
     """Helm installs charts/multiguess/crds/; it must be byte-for-byte crds/ (copy it when it changes)."""
-    copy = CHART / "crds" / CRD_PATH.name
-    assert copy.read_bytes() == CRD_PATH.read_bytes(), f"run: cp {CRD_PATH} {copy}"
-    assert sorted(p.name for p in (CHART / "crds").iterdir()) == [CRD_PATH.name]
+    for source in (CRD_PATH, PEERING_CRD_PATH):
+        copy = CHART / "crds" / source.name
+        assert copy.read_bytes() == source.read_bytes(), f"run: cp {source} {copy}"
+    assert sorted(p.name for p in (CHART / "crds").iterdir()) == sorted(
+        [CRD_PATH.name, PEERING_CRD_PATH.name]
+    )
 
 
 def _rule_set(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
@@ -243,6 +262,38 @@ def test_cluster_role_matches_the_operator_rbac(
     (role,) = by_kind(rendered[name], "ClusterRole")
     expected = cluster_role(namespaced_mode=namespaced)["rules"]
     assert _rule_set(role["rules"]) == _rule_set(expected)
+
+
+def test_namespaced_mode_grants_a_role_in_each_watched_namespace(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    """With operator.namespaces, the namespaced rules are Roles there, bound to the operator's account."""
+    objects = rendered["namespaced"]
+    roles = {r["metadata"]["namespace"]: r for r in by_kind(objects, "Role")}
+    bindings = {b["metadata"]["namespace"]: b for b in by_kind(objects, "RoleBinding")}
+    assert set(roles) == set(bindings) == {"llm", "team-b"}
+    for namespace, role in roles.items():
+        assert _rule_set(role["rules"]) == _rule_set(namespace_role(namespace)["rules"])
+        binding = bindings[namespace]
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": role["metadata"]["name"],
+        }
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": f"{RELEASE}-multiguess", "namespace": NAMESPACE}
+        ]
+    (cluster_role_,) = by_kind(objects, "ClusterRole")
+    assert not {r for _, r, _ in _rule_set(cluster_role_["rules"])} & {
+        "deployments",
+        "secrets",
+        "speculativedeployments",
+    }
+    assert {p["metadata"]["namespace"] for p in by_kind(objects, "KopfPeering")} == {"llm", "team-b"}
+    assert not by_kind(objects, "ClusterKopfPeering")
+    (example,) = by_kind(objects, "SpeculativeDeployment")
+    assert example["metadata"]["namespace"] == "llm", "the example must land where the operator watches"
+    assert _operator_env(objects)["MULTIGUESS_OPERATOR_NAMESPACES"] == "llm,team-b"
 
 
 @pytest.mark.parametrize(

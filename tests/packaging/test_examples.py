@@ -144,3 +144,92 @@ def test_cel_only_rules_are_rejected_by_the_operator(path: tuple[str, ...], valu
     validate_custom_resource(resource, load_crd())
     with pytest.raises(SpecError, match=message):
         parse_spec(resource["spec"])
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_no_example_runs_bfloat16_on_a_gpu_without_it(name: str) -> None:
+    """V100s (and T4s) have no bfloat16: a pool pinned to one must name float16 or float32."""
+    resource = ALL[name]
+    children = desired_children(
+        resource["metadata"]["name"], "default", parse_spec(resource["spec"]), "image"
+    )
+    for child in children:
+        if child["kind"] != "Deployment":
+            continue
+        pod = child["spec"]["template"]["spec"]
+        product = (pod.get("nodeSelector") or {}).get("nvidia.com/gpu.product", "")
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        if "V100" in product or "T4" in product:
+            assert env["MULTIGUESS_DTYPE"] in ("float16", "float32"), child["metadata"]["name"]
+
+
+def test_separate_draft_example_gives_the_draft_pool_its_own_settings() -> None:
+    pods = _pods(ALL["separate-draft.yaml"])
+    draft = pods["llama-8b-draft"]
+    env = {e["name"]: e.get("value") for e in draft["containers"][0]["env"]}
+    assert env["MULTIGUESS_DTYPE"] == "float16"
+    assert draft["containers"][0]["resources"]["requests"] == {"cpu": "2", "memory": "8Gi"}
+    target_env = {e["name"]: e.get("value") for e in pods["llama-8b-target"]["containers"][0]["env"]}
+    assert target_env["MULTIGUESS_DTYPE"] == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("spec", "target", "resources"), {"limits": {"memory": "lots"}}),
+        (("spec", "target", "resources"), {"requests": {"memory": "32GB"}}),
+        (("spec", "target", "resources"), {"requests": {"cpu": "-1"}}),
+        (("spec", "hfTokenSecret"), "HF_Token"),
+        (("spec", "modelCache"), {"pvc": "Models/Cache"}),
+        (("spec", "tolerations"), [{"key": "gpu", "tolerationSeconds": "soon"}]),
+        (
+            ("spec", "affinity"),
+            {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 1}]}},
+        ),
+        (("spec", "serving", "env"), [{"name": "A", "valueFrom": {"secretKeyRef": {"nam": "x"}}}]),
+        (("spec", "pod"), {"serviceAccountName": "Not A Name"}),
+        (("spec", "pod"), {"volumes": [{"name": "v", "hostPath": {"path": 1}}]}),
+        (("spec", "target", "gpu", "resource"), "not a resource!"),
+        (("spec", "speculation", "drafter"), "medusa"),
+    ],
+)
+def test_schema_rejects_what_the_api_server_would_refuse_later(path: tuple[str, ...], value: Any) -> None:
+    """Quantities, names and the core types are checked at admission, not found out by a child's 422."""
+    with pytest.raises(jsonschema.ValidationError):
+        validate_custom_resource(_mutated(path, value), load_crd())
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (
+            ("spec", "target", "resources"),
+            {"requests": {"cpu": "500m", "memory": "1.5Gi"}, "limits": {"cpu": 2}},
+        ),
+        (("spec", "target", "gpu"), {"products": ["NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-SXM4-80GB"]}),
+        (
+            ("spec", "target", "gpu"),
+            {"product": "MI300X", "resource": "amd.com/gpu", "productLabel": "amd.com/gpu.product-name"},
+        ),
+        (
+            ("spec", "tolerations"),
+            [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 30}],
+        ),
+        (
+            ("spec", "serving", "env"),
+            [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "x", "key": "k"}}}],
+        ),
+        (
+            ("spec", "pod"),
+            {
+                "imagePullSecrets": [{"name": "regcred"}],
+                "volumes": [{"name": "v", "emptyDir": {"medium": "Memory"}}],
+            },
+        ),
+        (("spec", "speculation", "drafter"), "eagle3"),
+    ],
+)
+def test_schema_accepts_the_core_types_and_quantities(path: tuple[str, ...], value: Any) -> None:
+    resource = _mutated(path, value)
+    validate_custom_resource(resource, load_crd())
+    parse_spec(resource["spec"])

@@ -56,3 +56,40 @@ matchLabels:
   app.kubernetes.io/managed-by: multiguess-operator
   app.kubernetes.io/component: target
 {{- end -}}
+
+{{/* The rules the operator needs where its resources live (multiguess_operator.rbac.NAMESPACE_RULES). */}}
+{{- define "multiguess.namespacedRules" -}}
+# The custom resource: kopf watches it and patches finalizers, status and (autoscaler) scale.
+- apiGroups: [multiguess.io]
+  resources: [speculativedeployments]
+  verbs: [get, list, watch, patch]
+- apiGroups: [multiguess.io]
+  resources: [speculativedeployments/status, speculativedeployments/scale]
+  verbs: [patch]
+# Children, server-side applied (an apply that creates needs create) and watched for drift.
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch, delete]
+# The draft protocol's secret: created once, never read.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
+# The autoscaler lists target pods to scrape their /metrics.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end -}}
+
+{{/* Where the example resource goes: a watched namespace (the first), else the release's. */}}
+{{- define "multiguess.exampleNamespace" -}}
+{{- .Values.example.namespace | default (first .Values.operator.namespaces) | default .Release.Namespace -}}
+{{- end -}}
