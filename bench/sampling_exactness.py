@@ -67,6 +67,8 @@ def main() -> int:
             max_tokens=case.LENGTH, ignore_eos=True, n=case.SAMPLES, seed=17, **case.SETTINGS[setting]
         )
         drafter, draft_dir = ("ngram", None) if shape == "ngram" else ("model", str(draft))
+        if shape == "subset":  # a draft that scores only part of the vocabulary, as in the test
+            draft_dir = str(case.with_draft_vocab(draft, [1, 4, 6, 7]))
         llm = LLM(str(target), draft_dir, k, depth, dtype="float32", max_batch=256, drafter=drafter)
         out = llm.generate([case.PROMPT], params)[0]
         samples = [tuple(o.token_ids) for o in out.outputs]

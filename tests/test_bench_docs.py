@@ -23,8 +23,8 @@ def test_readme_headline_is_the_rendering_of_the_committed_json() -> None:
 
 def test_every_recorded_result_names_its_commit_machine_and_command() -> None:
     for path in sorted((ROOT / "docs" / "bench").glob("*.json")):
-        report = json.loads(path.read_text())
-        assert report.get("commit") and report.get("machine") and report.get("date"), path.name
+        record = bench_docs.provenance_of(json.loads(path.read_text()))
+        assert record.get("commit") and record.get("machine") and record.get("date"), path.name
     page = bench_docs.render(ROOT / "docs")
     sections = page.split("\n## ")[1:]
     assert len(sections) == len(bench_docs.SECTIONS)
@@ -59,19 +59,28 @@ def test_write_replaces_the_page_and_only_the_readme_headline(tmp_path: Path) ->
     assert "tree 9.88× `generate`" in text and "`abc1234`" in text
 
 
-def test_gpu_check_tables_render_when_its_json_exists(tmp_path: Path) -> None:
+def gpu_check(device: str) -> dict:
+    """The shape ``bench/gpu_check.py`` writes."""
+    environment = {"commit": "f00d123", "device": device, "dtype": "bfloat16", "torch": "2.13.0"}
+    environment |= {"transformers": "5.0", "gpu": "NVIDIA H200", "gpu_memory_gib": 139.8}
+    row = {"case": "tree, batch 1", "status": "pass", "tokens_per_second": 123.4, "vs_plain": 1.9}
+    section = {"name": "(b) speed llama-1b", "status": "ok", "seconds": 12.0, "rows": [row], "note": ""}
+    return {"environment": environment, "seconds": 300.0, "passed": True, "sections": [section]}
+
+
+def test_gpu_check_renders_when_a_cuda_run_is_recorded(tmp_path: Path) -> None:
     (tmp_path / "bench").mkdir()
-    gpu = {
-        "commit": "f00d123",
-        "date": "2026-12-01 22:00 UTC",
-        "machine": "NVIDIA H200",
-        "command": "make gpu-check",
-        "tables": [{"title": "decoding", "header": ["method", "tokens/s"], "rows": [["plain", 123.4]]}],
-    }
-    (tmp_path / "bench" / bench_docs.GPU_FILE).write_text(json.dumps(gpu))
+    (tmp_path / "bench" / bench_docs.GPU_FILE).write_text(json.dumps(gpu_check("cuda:0")))
     page = bench_docs.render(tmp_path)
     assert "Not yet run on a GPU" not in page
-    assert "Commit `f00d123`" in page and "| plain | 123.40 |" in page
+    assert "Commit `f00d123`" in page and "NVIDIA H200, 139.8 GiB" in page
+    assert "| (b) speed llama-1b | tree, batch 1 | pass | 123.40 | 1.90 |  |" in page
+
+
+def test_a_gpu_check_dry_run_on_the_cpu_is_not_a_gpu_result(tmp_path: Path) -> None:
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / bench_docs.GPU_FILE).write_text(json.dumps(gpu_check("cpu")))
+    assert "Not yet run on a GPU" in bench_docs.render(tmp_path)
 
 
 def test_machine_names_the_cores() -> None:

@@ -25,7 +25,7 @@ ENGINE_FILE = "results-{dtype}.json"
 LOAD_FILE = "load.json"
 REMOTE_FILE = "remote-overhead.json"
 SAMPLING_FILE = "sampling-exactness.json"
-GPU_FILE = "gpu-check.json"
+GPU_FILE = "gpu_check.json"
 HEADLINE_START, HEADLINE_END = "<!-- headline:start -->", "<!-- headline:end -->"
 
 Report = dict[str, Any]
@@ -333,19 +333,66 @@ def sampling_section(report: Report | None) -> list[str]:
 # ---------------------------------------------------------------- GPU check (make gpu-check)
 
 
+GPU_COLUMNS = (
+    ("tokens/s", "tokens_per_second"),
+    ("× generate", "vs_generate"),
+    ("× assisted", "vs_assisted"),
+    ("× plain", "vs_plain"),
+    ("identical to generate", "identical_to_generate"),
+    ("identical to plain", "identical_to_plain"),
+    ("mean accepted length", "mean_accepted_length"),
+    ("p", "p_value"),
+)
+
+
 def gpu_section(report: Report | None) -> list[str]:
+    """``make gpu-check``'s ``gpu_check.json`` (copied into docs/bench/), one table of its sections.
+    A dry run on the CPU (``DEVICE=cpu``) is not a GPU result and is not shown."""
     lines = ["## GPU check (`make gpu-check`)", ""]
-    if report is None:
+    env = (report or {}).get("environment", {})
+    if not str(env.get("device", "")).startswith("cuda"):
         return [
             *lines,
-            "Not yet run on a GPU. `make gpu-check` on a machine with one CUDA GPU writes "
-            f"`docs/bench/{GPU_FILE}` and this section.",
+            "Not yet run on a GPU. On a machine with one CUDA GPU, `make gpu-check` writes "
+            f"`gpu_check.json` to `$OUT` (else `.cache/gpu-check/`); copy it to `docs/bench/{GPU_FILE}` "
+            "and render this page (CONTRIBUTING.md).",
             "",
         ]
-    lines += [provenance_line(report, report.get("command", "make gpu-check")), ""]
-    for block in report.get("tables", []):
-        lines += [f"**{block['title']}**", "", *table(block["header"], block["rows"]), ""]
-    return lines
+    assert report is not None
+    lines += [
+        provenance_line(provenance_of(report), "make gpu-check"),
+        "",
+        f"{'Passed' if report.get('passed') else 'FAILED'} in {report.get('seconds')} s; "
+        f"{env.get('dtype')}, torch {env.get('torch')}, transformers {env.get('transformers')}.",
+        "",
+    ]
+    used = [
+        (title, key)
+        for title, key in GPU_COLUMNS
+        if any(key in r for s in report["sections"] for r in s["rows"])
+    ]
+    rows = []
+    for section in report["sections"]:
+        for row in section["rows"] or [{"case": "", "status": section["status"]}]:
+            note = str(row.get("note") or section.get("note", "")).replace("|", "/").replace("\n", " ")
+            values = [row.get(key) for _, key in used]
+            rows.append([section["name"], row["case"], row.get("status") or section["status"], *values, note])
+    header = ["section", "case", "status", *(title for title, _ in used), "note"]
+    lines += table(header, rows, "lll" + "r" * len(used) + "l")
+    return [*lines, ""]
+
+
+def provenance_of(report: Report) -> Report:
+    """Commit, date and machine of any recorded result (the GPU check keeps them in ``environment``)."""
+    env = report.get("environment")
+    if env is None:
+        return report
+    gpu = f"{env['gpu']}, {env.get('gpu_memory_gib')} GiB" if env.get("gpu") else env.get("device")
+    return {
+        "commit": env.get("commit"),
+        "date": report.get("date", env.get("date", "date not recorded")),
+        "machine": gpu,
+    }
 
 
 # ---------------------------------------------------------------- the page and the headline
