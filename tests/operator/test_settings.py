@@ -26,13 +26,19 @@ def test_values() -> None:
         "MULTIGUESS_OPERATOR_NAMESPACES": " a, b ,,",
         "MULTIGUESS_OPERATOR_LOG_FORMAT": "JSON",
         "MULTIGUESS_OPERATOR_LIVENESS_PORT": "9090",
+        "MULTIGUESS_OPERATOR_PEERING": "multiguess",
+        "MULTIGUESS_OPERATOR_PRIORITY": "7",
     }
-    assert Settings.from_env(env) == Settings("reg/img:2", ("a", "b"), "json", 9090)
+    assert Settings.from_env(env) == Settings("reg/img:2", ("a", "b"), "json", 9090, "multiguess", 7)
 
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("MULTIGUESS_OPERATOR_LOG_FORMAT", "xml"), ("MULTIGUESS_OPERATOR_LIVENESS_PORT", "http")],
+    [
+        ("MULTIGUESS_OPERATOR_LOG_FORMAT", "xml"),
+        ("MULTIGUESS_OPERATOR_LIVENESS_PORT", "http"),
+        ("MULTIGUESS_OPERATOR_PRIORITY", "high"),
+    ],
 )
 def test_bad_values_are_clear_errors(key: str, value: str) -> None:
     with pytest.raises(SettingsError, match=key):

@@ -322,7 +322,7 @@ def test_notes_tell_the_user_what_to_do_next(helm: Path) -> None:
     notes = out.split("NOTES:", 1)[1]
     assert f"rollout status deployment/{RELEASE}-multiguess" in notes
     assert "kubectl apply -f examples/speculative.yaml" in notes
-    assert "crds/speculativedeployment.yaml" in notes
+    assert "kubectl apply --server-side -f multiguess/crds/" in notes
     assert "/generate" in notes
     assert f"kubectl delete specdeploy --all --all-namespaces --wait && helm uninstall {RELEASE}" in notes
 
@@ -334,6 +334,7 @@ def test_package_carries_crd_schema_and_notes(helm: Path, tmp_path: Path) -> Non
         names = set(tar.getnames())
     for path in (
         "crds/speculativedeployment.yaml",
+        "crds/kopf-peering.yaml",
         "values.schema.json",
         "templates/NOTES.txt",
         "Chart.yaml",
