@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from multiguess.engine.engine import Engine
+from multiguess.engine.logprobs import TokenLogprob
 from multiguess.engine.sequence import Sequence
 from multiguess.errors import InvalidRequestError
 from multiguess.metrics import Metrics
@@ -64,6 +65,7 @@ class Event:
     finished: bool
     finish_reason: str | None
     stats: dict[str, float]
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of ``token_ids``, when asked
 
 
 @dataclass
@@ -319,7 +321,13 @@ class Scheduler:
             self._observe_tokens(tracked, index, len(out.new_token_ids), now)
             stats = out.sequence.stats.as_dict() if out.finished else {}
             event = Event(
-                index, list(out.new_token_ids), out.text_delta, out.finished, out.finish_reason, stats
+                index,
+                list(out.new_token_ids),
+                out.text_delta,
+                out.finished,
+                out.finish_reason,
+                stats,
+                out.sequence.recent_logprobs(len(out.new_token_ids)),
             )
             self._post(tracked.job, event)
             if out.finished:

@@ -34,10 +34,15 @@ from multiguess.api.schemas import (
 )
 from multiguess.api.translate import (
     Outcome,
+    chat_logprobs,
+    chat_logprobs_body,
     chat_prompt,
     check_sample_count,
+    completion_logprobs_body,
+    completion_options,
     completion_prompts,
     make_samples,
+    refuse_unsupported,
     sampling_params,
 )
 from multiguess.scheduler import EngineFailure, Event, Job, RequestTimeout, Sample, Scheduler
@@ -72,14 +77,21 @@ def check_model(request: Request, model: str | None) -> str:
 
 
 def build_samples(
-    scheduler: Scheduler, body: SamplingFields, prompts: list[list[int]], max_tokens: int | None, n: int
+    scheduler: Scheduler,
+    body: SamplingFields,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    n: int,
+    logprobs: int | None = None,
 ) -> list[Sample]:
-    """``max_tokens=None`` means whatever context the longest prompt leaves."""
+    """``max_tokens=None`` means whatever context the longest prompt leaves; ``logprobs``:
+    alternatives to record per token (None: none)."""
+    refuse_unsupported(body)
     config = scheduler.engine.config  # type: ignore[union-attr]
     check_sample_count(len(prompts), n, scheduler.max_samples)
     if max_tokens is None:
         max_tokens = max(1, config.max_model_len - max(len(p) for p in prompts))
-    return make_samples(prompts, sampling_params(body, max_tokens, n, config))
+    return make_samples(prompts, sampling_params(body, max_tokens, n, config, logprobs))
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -167,30 +179,58 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     model = check_model(request, body.model)
     scheduler = scheduler_of(request)
     prompts = completion_prompts(body, scheduler.engine.tokenizer)  # type: ignore[union-attr]
-    samples = build_samples(scheduler, body, prompts, body.max_tokens, body.n)
+    tokenizer = scheduler.engine.tokenizer  # type: ignore[union-attr]
+    logprobs, best_of = completion_options(body)
+    samples = build_samples(scheduler, body, prompts, body.max_tokens, best_of, logprobs)
+    echoed = [tokenizer.decode(s.prompt_ids) if body.echo else "" for s in samples]
+    top = body.logprobs or 0
     head = header("cmpl", model)
     if body.stream:
         job = await scheduler.submit(samples)
+        kind = "text_completion"
+        offsets = [len(text) for text in echoed]
+        opening = [
+            {
+                **head,
+                "object": kind,
+                "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}],
+            }
+            for i, text in enumerate(echoed)
+            if text
+        ]
 
         def chunk(event: Event) -> dict[str, Any] | None:
-            if not event.text and not event.finished:
+            if not event.text and not event.finished and not (body.logprobs is not None and event.token_ids):
                 return None
+            lp = None
+            if body.logprobs is not None:
+                lp = completion_logprobs_body(event.logprobs, tokenizer, top, offsets[event.index])
+                offsets[event.index] += sum(len(t) for t in lp.tokens)
             choice = {
                 "index": event.index,
                 "text": event.text,
-                "logprobs": None,
+                "logprobs": lp.model_dump() if lp else None,
                 "finish_reason": event.finish_reason,
             }
-            return {**head, "object": "text_completion", "choices": [choice]}
+            return {**head, "object": kind, "choices": [choice]}
 
-        return stream(scheduler, job, body.n, [], chunk, usage_chunk(head, "text_completion", body))
+        return stream(scheduler, job, best_of, opening, chunk, usage_chunk(head, kind, body))
     try:
-        outcome = await run_collected(request, scheduler, samples, body.n)
+        outcome = await run_collected(request, scheduler, samples, best_of)
     except ClientGone:
         return gone()
     choices = [
-        CompletionChoice(index=i, text=text, finish_reason=reason)
-        for i, (text, reason) in enumerate(zip(outcome.texts, outcome.finish_reasons, strict=True))
+        CompletionChoice(
+            index=i,
+            text=echoed[s] + outcome.texts[s],
+            logprobs=(
+                completion_logprobs_body(outcome.logprobs[s], tokenizer, top, len(echoed[s]))
+                if body.logprobs is not None
+                else None
+            ),
+            finish_reason=outcome.finish_reasons[s],
+        )
+        for i, s in enumerate(outcome.best(body.n))
     ]
     return CompletionResponse(**head, choices=choices, usage=outcome.usage(), multiguess=outcome.summary())
 
@@ -201,7 +241,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     scheduler = scheduler_of(request)
     prompt = chat_prompt(body.messages, scheduler.engine.tokenizer)  # type: ignore[union-attr]
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    samples = build_samples(scheduler, body, [prompt], max_tokens, body.n)
+    top = chat_logprobs(body)
+    samples = build_samples(scheduler, body, [prompt], max_tokens, body.n, top)
+    tokenizer = scheduler.engine.tokenizer  # type: ignore[union-attr]
     head = header("chatcmpl", model)
     if body.stream:
         job = await scheduler.submit(samples)
@@ -223,13 +265,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         ]
 
         def chunk(event: Event) -> dict[str, Any] | None:
-            if not event.text and not event.finished:
+            if not event.text and not event.finished and not (top is not None and event.token_ids):
                 return None
             delta = {"content": event.text} if event.text else {}
+            lp = chat_logprobs_body(event.logprobs, tokenizer, top).model_dump() if top is not None else None
             choice = {
                 "index": event.index,
                 "delta": delta,
-                "logprobs": None,
+                "logprobs": lp,
                 "finish_reason": event.finish_reason,
             }
             return {**head, "object": kind, "choices": [choice]}
@@ -240,7 +283,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     except ClientGone:
         return gone()
     choices = [
-        ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=reason)
+        ChatChoice(
+            index=i,
+            message=AssistantMessage(content=text),
+            logprobs=chat_logprobs_body(outcome.logprobs[i], tokenizer, top) if top is not None else None,
+            finish_reason=reason,
+        )
         for i, (text, reason) in enumerate(zip(outcome.texts, outcome.finish_reasons, strict=True))
     ]
     return ChatCompletionResponse(

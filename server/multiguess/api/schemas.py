@@ -1,18 +1,22 @@
 """Request and response bodies (OpenAI's shapes plus a few multiguess fields).
 
 Types are checked here; value ranges are checked once, by ``SamplingParams`` and the engine,
-so the HTTP layer cannot drift from the offline API. Unknown fields are ignored, as vLLM does.
+so the HTTP layer cannot drift from the offline API. Nothing is ignored silently: an unknown
+field is a 400 naming it, and OpenAI fields the server cannot honour are declared here and
+refused with the reason (``translate.refuse_unsupported``).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from multiguess.params import MAX_LOGPROBS
+
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -29,6 +33,12 @@ class SamplingFields(_Body):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    presence_penalty: float = Field(0.0, description="[-2, 2]: subtracted once from every generated token")
+    frequency_penalty: float = Field(0.0, description="[-2, 2]: subtracted per occurrence in the output")
+    repetition_penalty: float = Field(1.0, description="vLLM's: > 0, 1 is off; prompt and output tokens")
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100]")
+    min_tokens: int = Field(0, description="vLLM's: no end-of-sequence or stop token before this many")
+    user: str | None = Field(None, description="an end-user identifier; not used for generation")
     num_candidates: int | None = Field(None, description="tree width for this request (<= the server's)")
     depth: int | None = Field(None, description="tree depth for this request (<= the server's; 0: off)")
 
@@ -38,6 +48,10 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     n: int = 1
+    best_of: int | None = Field(None, description="samples per prompt to choose the n most likely from")
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="alternatives per token")
+    suffix: str | None = Field(None, description="not supported: a non-empty suffix is a 400")
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -50,6 +64,12 @@ class TextPart(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = Field(None, description="passed to the chat template with the message")
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -58,8 +78,28 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     n: int = 1
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true")
     stream: bool = False
     stream_options: StreamOptions | None = None
+    metadata: dict[str, str] | None = Field(None, description="tags; stored nowhere (store is false)")
+    store: bool = Field(False, description="true is a 400: the server stores no completions")
+    service_tier: Literal["auto", "default"] | None = None
+    modalities: list[Literal["text"]] | None = None
+    parallel_tool_calls: bool | None = Field(None, description="meaningful only with tools")
+    prompt_cache_key: str | None = Field(None, description="a caching hint; not used")
+    safety_identifier: str | None = Field(None, description="an end-user identifier; not used for generation")
+    # OpenAI fields this server refuses with a 400 saying why (see translate.refuse_unsupported).
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
 
 
 class GenerateRequest(SamplingFields):
@@ -88,10 +128,19 @@ class SpecSummary(BaseModel):
     mean_accepted_length: float
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy shape: parallel lists, one entry per generated token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
@@ -110,10 +159,25 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobEntry]
+    refusal: None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 

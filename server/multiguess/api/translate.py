@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from multiguess.api.errors import APIError
 from multiguess.api.schemas import (
+    ChatCompletionRequest,
+    ChatLogprobs,
     ChatMessage,
+    CompletionLogprobs,
     CompletionRequest,
     SamplingFields,
     SpecSummary,
+    TokenLogprobEntry,
+    TopLogprob,
     Usage,
 )
 from multiguess.engine.engine import EngineConfig
+from multiguess.engine.logprobs import TokenLogprob
 from multiguess.engine.sequence import SpecStats
 from multiguess.params import SamplingParams
 from multiguess.scheduler import Event, Sample
@@ -24,9 +31,11 @@ from multiguess.scheduler import Event, Sample
 GREEDY_BELOW = 1e-5
 
 
-def sampling_params(body: SamplingFields, max_tokens: int, n: int, config: EngineConfig) -> SamplingParams:
+def sampling_params(
+    body: SamplingFields, max_tokens: int, n: int, config: EngineConfig, logprobs: int | None = None
+) -> SamplingParams:
     """The engine's parameters for a body; tree overrides may only shrink the server's budget,
-    whose KV-cache room was sized for it."""
+    whose KV-cache room was sized for it. ``logprobs``: alternatives to record per token."""
     for name, value, limit in (
         ("num_candidates", body.num_candidates, config.num_candidates),
         ("depth", body.depth, config.depth),
@@ -46,7 +55,79 @@ def sampling_params(body: SamplingFields, max_tokens: int, n: int, config: Engin
         ignore_eos=body.ignore_eos,
         num_candidates=body.num_candidates,
         depth=body.depth,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=token_bias(body.logit_bias),
+        min_tokens=body.min_tokens,
+        logprobs=logprobs,
     )
+
+
+def token_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` keys are token ids written as strings."""
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise APIError(
+                400, f"logit_bias keys must be token ids; got {key!r}", param="logit_bias"
+            ) from None
+    return out
+
+
+# OpenAI fields the server declares but cannot honour: (field, whether a value asks for
+# something, why not). Each is a 400 naming the field rather than a silently ignored setting.
+UNSUPPORTED: list[tuple[str, Any, str]] = [
+    ("suffix", lambda v: bool(v), "insertion (a suffix after the completion) is not supported"),
+    ("store", lambda v: v is True, "this server does not store completions"),
+    ("modalities", lambda v: v not in (None, ["text"]), "only text output is supported"),
+    ("audio", lambda v: v is not None, "audio output is not supported"),
+    (
+        "response_format",
+        lambda v: v is not None and v.type != "text",
+        "structured output (json_object, json_schema) is not supported yet",
+    ),
+    ("tools", lambda v: bool(v), "tool calling is not supported yet"),
+    ("tool_choice", lambda v: v not in (None, "none"), "tool calling is not supported yet"),
+    ("functions", lambda v: bool(v), "function calling is not supported"),
+    ("function_call", lambda v: v not in (None, "none"), "function calling is not supported"),
+    ("prediction", lambda v: v is not None, "predicted outputs are not supported"),
+    ("reasoning_effort", lambda v: v is not None, "the served model is not a reasoning model"),
+    ("verbosity", lambda v: v is not None, "output verbosity is not supported"),
+    ("web_search_options", lambda v: v is not None, "web search is not supported"),
+]
+
+
+def refuse_unsupported(body: SamplingFields) -> None:
+    for name, asks, why in UNSUPPORTED:
+        if name in type(body).model_fields and asks(getattr(body, name)):
+            raise APIError(400, f"{name}: {why}", param=name)
+
+
+def chat_logprobs(body: ChatCompletionRequest) -> int | None:
+    """Alternatives per token a chat request asks for (None: no logprobs)."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def completion_options(body: CompletionRequest) -> tuple[int | None, int]:
+    """A completions request's logprobs to record and samples per prompt (``best_of``)."""
+    best_of = body.n if body.best_of is None else body.best_of
+    if best_of < body.n:
+        raise APIError(400, f"best_of ({best_of}) must be at least n ({body.n})", param="best_of")
+    if best_of > body.n and body.stream:
+        raise APIError(
+            400, "best_of above n cannot be streamed: the best are known at the end", param="best_of"
+        )
+    if body.echo and body.logprobs is not None:
+        raise APIError(
+            400, "echo with logprobs (the prompt's log-probabilities) is not supported", param="echo"
+        )
+    ranked = 0 if best_of > body.n else None  # ranking needs each token's log-probability
+    return (body.logprobs if body.logprobs is not None else ranked), best_of
 
 
 def completion_prompts(body: CompletionRequest, tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
@@ -87,6 +168,43 @@ def check_sample_count(prompts: int, n: int, limit: int) -> None:
         raise APIError(400, f"a request may ask for at most {limit} samples (prompts x n); got {prompts * n}")
 
 
+def token_text(tokenizer: PreTrainedTokenizerBase, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def chat_logprobs_body(
+    records: list[TokenLogprob], tokenizer: PreTrainedTokenizerBase, top: int
+) -> ChatLogprobs:
+    """Chat's ``logprobs.content``: each token, its log-probability, bytes and alternatives."""
+
+    def entry(token: int, logprob: float) -> TopLogprob:
+        text = token_text(tokenizer, token)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+    content = [
+        TokenLogprobEntry(
+            **entry(r.token, r.logprob).model_dump(), top_logprobs=[entry(t, lp) for t, lp in r.top[:top]]
+        )
+        for r in records
+    ]
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs_body(
+    records: list[TokenLogprob], tokenizer: PreTrainedTokenizerBase, top: int, offset: int
+) -> CompletionLogprobs:
+    """The completions form; ``text_offset`` counts from ``offset`` (the echoed prompt's length)."""
+    tokens = [token_text(tokenizer, r.token) for r in records]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    tops = [{token_text(tokenizer, t): lp for t, lp in r.top[:top]} for r in records] if top else None
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=[r.logprob for r in records], top_logprobs=tops, text_offset=offsets
+    )
+
+
 def make_samples(prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
     """``n`` samples per prompt (index = prompt * n + i), seeds ``seed + i`` as in ``LLM``."""
     samples = []
@@ -106,15 +224,18 @@ class Outcome:
     texts: list[str] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     finish_reasons: list[str | None] = field(default_factory=list)
+    logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
 
     def __post_init__(self) -> None:
         count = len(self.samples)
         self.texts, self.tokens, self.finish_reasons = [""] * count, [0] * count, [None] * count
+        self.logprobs = [[] for _ in range(count)]
 
     def add(self, event: Event) -> None:
         self.texts[event.index] += event.text
         self.tokens[event.index] += len(event.token_ids)
+        self.logprobs[event.index].extend(event.logprobs)
         if event.finished:
             self.finish_reasons[event.index] = event.finish_reason
             for name in ("verify_steps", "draft_tokens", "accepted_tokens", "fallback_steps"):
@@ -128,3 +249,14 @@ class Outcome:
 
     def summary(self) -> SpecSummary:
         return SpecSummary(**self.stats.as_dict())
+
+    def best(self, n: int) -> list[int]:
+        """For each prompt, the ``n`` of its samples with the highest log-probability per token
+        (OpenAI's ``best_of`` rule), best first; every sample when there are ``n``."""
+        chosen = []
+        for first in range(0, len(self.samples), self.n):
+            indices = list(range(first, first + self.n))
+            if n < self.n:
+                indices.sort(key=lambda i: -sum(r.logprob for r in self.logprobs[i]) / max(1, self.tokens[i]))
+            chosen.extend(indices[:n])
+        return chosen
