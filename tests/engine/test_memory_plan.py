@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 from pathlib import Path
 
 import pytest
 import torch
+from multiguess.commands.engine_args import add_engine_args
 from multiguess.engine import memory_probe
 from multiguess.engine.engine import Engine, EngineConfig
 from multiguess.engine.memory_plan import (
@@ -191,3 +193,19 @@ def test_models_that_leave_no_room_fail_before_any_request(
     monkeypatch.setattr(memory_probe, "meter_for", lambda device: meter)
     with pytest.raises(InsufficientMemoryError, match="leave no room for a KV cache"):
         Engine(target, None, EngineConfig(max_batch=2, max_model_len=64, adaptive=False))
+
+
+def engine_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_engine_args(parser)
+    return parser
+
+
+def test_the_flag_and_its_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert engine_parser().parse_args([]).gpu_memory_utilization == 0.9
+    assert engine_parser().parse_args([]).max_model_len is None  # the model's own limit
+    assert engine_parser().parse_args(["--gpu-memory-utilization", "0.5"]).gpu_memory_utilization == 0.5
+    monkeypatch.setenv("MULTIGUESS_GPU_MEMORY_UTILIZATION", "0.7")
+    assert engine_parser().parse_args([]).gpu_memory_utilization == 0.7
+    with pytest.raises(argparse.ArgumentError, match=r"invalid utilization value: '1\.5'"):
+        engine_parser().parse_args(["--gpu-memory-utilization", "1.5"])
