@@ -19,7 +19,8 @@ as ``gpu_check.md``) to ``$OUT`` when set, else ``--out``:
 Every section catches its own failure, records it and goes on; a time budget skips what is
 left once spent. ``--device cpu`` (``make gpu-check DEVICE=cpu``) is a dry run with tiny
 shapes, part of the test suite so the check cannot rot. The exit status is 1 when a check
-failed, else 0.
+failed, else 0. The report names the commit measured: ``$GPU_CHECK_COMMIT`` where the tree
+travels without its git folder, else ``git rev-parse``.
 """
 
 from __future__ import annotations
