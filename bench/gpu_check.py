@@ -717,6 +717,7 @@ def memory_plan(p: Profile, section: Section, budget: Budget, models: dict[str, 
 def environment(p: Profile, commit: str) -> dict:
     info = {
         "commit": commit,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "device": p.device,
         "dtype": str(p.dtype).removeprefix("torch."),
         "python": platform.python_version(),
