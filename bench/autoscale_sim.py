@@ -1,5 +1,6 @@
 """Discrete-event simulation of the autoscaler: the operator's real signal and policy code
-(``Autoscaler.observe/decide``, ``compute_signal``) against a fleet of simulated serving pods.
+(``Autoscaler.observe/decide``, ``compute_signal``, ``compute_draft_signal``, ``DraftAutoscaler``)
+against a fleet of simulated serving pods.
 
 Each pod runs ``slots`` requests at once (the engine's batch) and queues the rest FIFO; the Service
 spreads requests at random over ready pods (kube-proxy); a new pod serves only after a start-up
@@ -8,6 +9,11 @@ delay (scheduling + model loading); a removed pod stops receiving traffic and dr
 buckets) and waiting gauge, exactly as the operator does over HTTP.
 
     .venv/bin/python bench/autoscale_sim.py --plot docs/img/autoscale.png --json bench/autoscale_sim.json
+
+``--two-pool`` runs the speculative fleet instead (targets and a separate draft pool; see
+``simulate_two_pool``) under three policies in one run and plots it:
+
+    .venv/bin/python bench/autoscale_sim.py --two-pool --plot docs/img/autoscale-two-pool.png
 """
 
 from __future__ import annotations
@@ -28,9 +34,20 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
-from multiguess_operator.autoscaler.loop import Autoscaler, compute_signal
-from multiguess_operator.autoscaler.metrics import Snapshot
-from multiguess_operator.spec import AutoscalingSpec
+from multiguess_operator.autoscaler.loop import (
+    Autoscaler,
+    DraftAutoscaler,
+    compute_draft_signal,
+    compute_signal,
+)
+from multiguess_operator.autoscaler.metrics import (
+    ACCEPTED_TOKENS,
+    DRAFT_FAILURES,
+    FALLBACK_STEPS,
+    VERIFY_STEPS,
+    Snapshot,
+)
+from multiguess_operator.spec import AutoscalingSpec, DraftAutoscalingSpec
 
 # The serving image's multiguess_request_queue_seconds buckets (server/multiguess/metrics.py).
 QUEUE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, math.inf)
@@ -85,13 +102,23 @@ class Pod:
     count: int = 0
     total: float = 0.0
     draining: bool = False
+    verify_steps: float = 0.0  # the speculation counters (two-pool model only)
+    accepted_tokens: float = 0.0
+    fallback_steps: float = 0.0
+    draft_timeouts: float = 0.0
 
     def snapshot(self) -> Snapshot:
         running, buckets = 0, []
         for le, n in zip(QUEUE_BUCKETS, self.cumulative, strict=True):
             running += n
             buckets.append((float(le), float(running)))
-        return Snapshot(tuple(buckets), float(self.count), self.total, float(len(self.queue)))
+        counters = (
+            (ACCEPTED_TOKENS, self.accepted_tokens),
+            (f"{DRAFT_FAILURES}{{kind=timeout}}", self.draft_timeouts),
+            (FALLBACK_STEPS, self.fallback_steps),
+            (VERIFY_STEPS, self.verify_steps),
+        )
+        return Snapshot(tuple(buckets), float(self.count), self.total, float(len(self.queue)), counters)
 
     def observe(self, seconds: float) -> None:
         self.cumulative[bisect.bisect_left(QUEUE_BUCKETS, seconds)] += 1
@@ -376,6 +403,517 @@ def plot(results: list[tuple[Scenario, list[Interval]]], target: float, path: Pa
     fig.savefig(path, dpi=110)
 
 
+# -- Two pools: targets and a separate draft pool ------------------------------------------------
+
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, math.inf)
+TICK_SECONDS = 5.0  # the draft pool's mean-field state is recomputed this often
+
+
+@dataclass(frozen=True)
+class SpecProfile:
+    """A speculative fleet on GPUs: the numbers are illustrative, the mechanisms are the product's.
+
+    A target pod verifies its batch in one forward of ``plain_step_seconds`` (on a GPU nearly flat
+    in the tree's size, DESIGN.md), after a draft round trip: network plus a wait for the draft
+    server's current batch plus its own batch. A draft server batches whatever queued, so its batch
+    grows with load and its step is ``draft_batch_seconds / (1 - busy)``; each sequence-step costs
+    it ``draft_seconds_per_step`` of compute. A draft step that takes longer than the targets'
+    ``draft_timeout_seconds`` fails; the target's guard then pauses speculation for
+    ``pause_seconds`` and decodes plainly (one token per step, no round trip, no draft load)."""
+
+    plain_step_seconds: float = 0.030
+    draft_batch_seconds: float = 0.005
+    draft_seconds_per_step: float = 0.0005
+    network_seconds: float = 0.002
+    draft_timeout_seconds: float = 0.25
+    pause_seconds: float = 30.0
+    tokens_mean: float = 1024.0
+    tokens_cv: float = 0.5
+    slots: int = 8
+    max_queue: int = 64
+    target_startup_seconds: float = 120.0
+    draft_startup_seconds: float = 60.0
+
+    def seconds_per_token(self, accepted_length: float) -> float:
+        """Per sequence, speculating with an idle draft pool."""
+        return (self.plain_step_seconds + self.idle_round_trip) / accepted_length
+
+    @property
+    def idle_round_trip(self) -> float:
+        return self.network_seconds + 1.5 * self.draft_batch_seconds
+
+    def pod_capacity_rps(self, accepted_length: float) -> float:
+        return self.slots / (self.tokens_mean * self.seconds_per_token(accepted_length))
+
+    def service_time(self, rng: random.Random, seconds_per_token: float) -> float:
+        sigma = math.sqrt(math.log(1 + self.tokens_cv**2))
+        tokens = rng.lognormvariate(math.log(self.tokens_mean) - sigma**2 / 2, sigma)
+        return max(1.0, tokens) * seconds_per_token
+
+
+@dataclass(frozen=True)
+class DraftState:
+    """The draft pool and the targets that use it, at one tick (mean field: load spreads evenly)."""
+
+    busy: float  # share of a draft pod's time spent drafting
+    step_seconds: float
+    round_trip: float
+    timeouts_per_pod: float  # draft timeouts per target pod per second
+    paused: float  # share of target sequence-time decoded without speculation
+    seconds_per_token: float  # per sequence, speculating and paused steps together
+
+
+def draft_state(
+    profile: SpecProfile, accepted_length: float, busy_sequences: float, draft_pods: int
+) -> DraftState:
+    """The fixed point of a closed loop: draft load raises the round trip, a longer round trip
+    times out more often, each timeout pauses a target's speculation, paused targets send no draft
+    load. Draft round trips are taken as exponential (mean ``round_trip``); found by bisection on
+    the paused share, which the loop's response decreases monotonically."""
+    v = profile.plain_step_seconds
+
+    def respond(paused: float) -> tuple[float, DraftState]:
+        sequences = (1 - paused) * busy_sequences  # those that wait for a draft each step
+        if draft_pods <= 0:
+            busy, step = 1.0, math.inf
+        else:
+            # The draft pods' busy share and the round trip set each other: more load, longer
+            # batches, longer round trips, fewer steps per second. Bisection on the busy share.
+            low, high = 0.0, 0.9999
+            for _ in range(40):
+                busy = (low + high) / 2
+                trip = profile.network_seconds + 1.5 * profile.draft_batch_seconds / (1 - busy)
+                implied = profile.draft_seconds_per_step * sequences / (v + trip) / draft_pods
+                low, high = (busy, high) if implied > busy else (low, busy)
+            busy = high
+            step = profile.draft_batch_seconds / (1 - busy)
+        trip = profile.network_seconds + 1.5 * step
+        timeout = math.exp(-profile.draft_timeout_seconds / trip) if math.isfinite(trip) else 1.0
+        rate = timeout / (v + trip) if math.isfinite(trip) else 1.0 / v
+        implied = profile.pause_seconds * rate / (1 + profile.pause_seconds * rate)
+        speculating = (1 - paused) * accepted_length / (v + trip) if math.isfinite(trip) else 0.0
+        tokens = speculating + paused / v
+        return implied, DraftState(busy, step, trip, rate * (1 - paused), paused, 1 / max(tokens, 1e-9))
+
+    low, high = 0.0, 1.0
+    for _ in range(40):
+        middle = (low + high) / 2
+        implied, _ = respond(middle)
+        low, high = (middle, high) if implied > middle else (low, middle)
+    return respond(high)[1]
+
+
+@dataclass(frozen=True)
+class TwoPoolScenario:
+    name: str
+    load: tuple[
+        tuple[float, float], ...
+    ]  # (start s, offered load in target pods' worth at the start's acceptance)
+    acceptance: tuple[tuple[float, float], ...]  # (time s, mean accepted length), linear in between
+    duration: float
+    min_targets: int = 10
+    max_targets: int = 1000
+    min_drafts: int = 1
+    max_drafts: int = 64
+    max_scale_up: float = 2.0
+
+    def accepted_length(self, t: float) -> float:
+        points = self.acceptance
+        for (t0, a0), (t1, a1) in itertools.pairwise(points):
+            if t0 <= t < t1:
+                return a0 + (a1 - a0) * (t - t0) / (t1 - t0)
+        return points[-1][1] if t >= points[-1][0] else points[0][1]
+
+    def offered(self, t: float) -> float:
+        return next(load for start, load in reversed(self.load) if start <= t)
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    scale_drafts: bool
+    fixed_drafts: int | None = None  # None: sized for the initial load
+
+
+@dataclass
+class TwoPoolInterval:
+    time: float
+    offered_pods: float
+    targets: int
+    targets_ready: int
+    drafts: int
+    drafts_ready: int
+    accepted_length: float
+    measured_tokens_per_step: float | None
+    paused: float
+    draft_busy: float
+    p95_queue: float | None
+    target_reason: str
+    draft_reason: str
+
+
+@dataclass
+class TwoPoolRun:
+    policy: Policy
+    intervals: list[TwoPoolInterval]
+    queue_waits: list[float]
+    e2e: list[float]
+    target_gpu_seconds: float
+    draft_gpu_seconds: float
+    rejected: int
+
+
+def drafts_for(profile: SpecProfile, offered_rps: float, accepted_length: float, busy: float) -> int:
+    """Draft pods that carry ``offered_rps`` at ``busy`` (Little's law for the busy sequences)."""
+    sequences = offered_rps * profile.tokens_mean * profile.seconds_per_token(accepted_length)
+    steps = sequences / (profile.plain_step_seconds + profile.idle_round_trip)
+    return max(1, math.ceil(steps * profile.draft_seconds_per_step / busy))
+
+
+def simulate_two_pool(
+    scenario: TwoPoolScenario,
+    profile: SpecProfile,
+    policy: Policy,
+    interval: float,
+    stabilization: float,
+    target: float,
+    seed: int,
+) -> TwoPoolRun:
+    """The operator's two autoscalers (or the targets' alone) against targets and drafts.
+
+    Targets are simulated request by request, as in ``simulate``; a request's service time is its
+    reply length × the seconds per token of the draft pool's state when it starts. The draft pool
+    is a mean-field model recomputed every ``TICK_SECONDS`` (``draft_state``); every scrape reads
+    both pools' metrics as the operator would: queue histograms and speculation counters from the
+    targets, draft step histograms from the drafts."""
+    rng = random.Random(seed)
+    base_rps = profile.pod_capacity_rps(scenario.accepted_length(0.0))
+    target_spec = AutoscalingSpec(
+        enabled=True,
+        min_replicas=scenario.min_targets,
+        max_replicas=scenario.max_targets,
+        target_queue_latency_seconds=target,
+        interval_seconds=int(interval),
+        scale_down_stabilization_seconds=int(stabilization),
+        max_scale_up_factor=scenario.max_scale_up,
+    )
+    draft_spec = DraftAutoscalingSpec(
+        enabled=True,
+        min_replicas=scenario.min_drafts,
+        max_replicas=scenario.max_drafts,
+        interval_seconds=int(interval),
+        scale_down_stabilization_seconds=int(stabilization),
+        max_scale_up_factor=scenario.max_scale_up,
+    )
+    first_load = scenario.load[0][1]
+    initial = max(scenario.min_targets, math.ceil(first_load / 0.7))
+    sized = drafts_for(
+        profile, first_load * base_rps, scenario.accepted_length(0.0), draft_spec.target_busy_fraction
+    )
+    drafts_wanted = policy.fixed_drafts or sized
+    pods = {i: Pod(ready_at=0.0) for i in range(initial)}
+    next_id = initial
+    desired = initial
+    draft_ready_at = [0.0] * drafts_wanted  # one entry per draft pod
+    scaler, draft_scaler = Autoscaler(), DraftAutoscaler()
+    state = draft_state(profile, scenario.accepted_length(0.0), 0.0, drafts_wanted)
+    run = TwoPoolRun(policy, [], [], [], 0.0, 0.0, 0)
+    events: list[tuple[float, int, str, int]] = []
+    seq = itertools.count()
+    draft_metrics = {"count": [0.0] * len(STEP_BUCKETS), "sum": 0.0}
+    started: list[float] = []
+    ready_ids: list[int] = []
+
+    def push(t: float, kind: str, pod_id: int = -1) -> None:
+        heapq.heappush(events, (t, next(seq), kind, pod_id))
+
+    def refresh(now: float) -> None:
+        ready_ids[:] = [i for i, p in pods.items() if p.ready_at <= now and not p.draining]
+
+    def begin(pod_id: int, now: float, arrived: float) -> None:
+        pod = pods[pod_id]
+        pod.busy += 1
+        wait = now - arrived
+        pod.observe(wait)
+        started.append(wait)
+        service = profile.service_time(rng, state.seconds_per_token)
+        run.queue_waits.append(wait)
+        run.e2e.append(wait + service)
+        push(now + service, "done", pod_id)
+
+    def arrival_rate(t: float) -> float:
+        return scenario.offered(t) * base_rps
+
+    push(rng.expovariate(arrival_rate(0.0)), "arrival")
+    push(TICK_SECONDS, "tick")
+    refresh(0.0)
+    ticks = 0
+    while events:
+        now, _, kind, pod_id = heapq.heappop(events)
+        if now > scenario.duration:
+            break
+        if kind == "arrival":
+            chosen = rng.choice(ready_ids)
+            pod = pods.get(chosen)
+            if pod is None or pod.draining:
+                refresh(now)
+                chosen = rng.choice(ready_ids)
+                pod = pods[chosen]
+            if pod.busy < profile.slots:
+                begin(chosen, now, now)
+            elif len(pod.queue) < profile.max_queue:
+                pod.queue.append(now)
+            else:
+                run.rejected += 1
+            push(now + rng.expovariate(arrival_rate(now)), "arrival")
+        elif kind == "done":
+            pod = pods[pod_id]
+            pod.busy -= 1
+            if pod.queue:
+                begin(pod_id, now, pod.queue.popleft())
+            elif pod.draining and pod.busy == 0:
+                del pods[pod_id]
+        elif kind == "tick":
+            ticks += 1
+            refresh(now)
+            accepted = scenario.accepted_length(now)
+            ready_drafts = sum(1 for r in draft_ready_at if r <= now)
+            busy_sequences = float(sum(p.busy for p in pods.values()))
+            state = draft_state(profile, accepted, busy_sequences, ready_drafts)
+            record_tick(profile, state, accepted, pods, draft_metrics)
+            run.target_gpu_seconds += len(pods) * TICK_SECONDS
+            run.draft_gpu_seconds += len(draft_ready_at) * TICK_SECONDS
+            if ticks % round(interval / TICK_SECONDS) == 0:
+                snapshots = {str(i): pods[i].snapshot() for i in ready_ids}
+                deltas, elapsed = scaler.observe(snapshots, now, interval)
+                signal = compute_signal(deltas, list(snapshots.values()), target_spec, elapsed)
+                decision = scaler.decide(desired, len(ready_ids), signal, now, target_spec)
+                draft_reason = "Fixed"
+                if policy.scale_drafts:
+                    drafts = {
+                        str(i): draft_snapshot(draft_metrics)
+                        for i, r in enumerate(draft_ready_at)
+                        if r <= now
+                    }
+                    draft_deltas, draft_elapsed = draft_scaler.drafts.observe(drafts, now, interval)
+                    target_deltas, _ = draft_scaler.targets.observe(snapshots, now, interval)
+                    dsignal = compute_draft_signal(
+                        draft_deltas, len(drafts), target_deltas, draft_spec, draft_elapsed
+                    )
+                    draft_scaler.learn(dsignal, len(drafts), len(ready_ids), draft_spec)
+                    follow = draft_scaler.follow(decision.replicas, len(ready_ids))
+                    ddecision = draft_scaler.drafts.decide(
+                        len(draft_ready_at), len(drafts), dsignal, now, draft_spec, follow
+                    )
+                    draft_reason = ddecision.reason
+                    resize_drafts(
+                        draft_ready_at, ddecision.replicas, now + profile.draft_startup_seconds, now
+                    )
+                run.intervals.append(
+                    TwoPoolInterval(
+                        now,
+                        scenario.offered(now),
+                        desired,
+                        len(ready_ids),
+                        len(draft_ready_at),
+                        ready_drafts,
+                        accepted,
+                        signal.tokens_per_step,
+                        state.paused,
+                        state.busy,
+                        _p95(started),
+                        decision.reason,
+                        draft_reason,
+                    )
+                )
+                started = []
+                next_id = resize_targets(pods, desired, decision.replicas, now, profile, next_id, rng)
+                desired = decision.replicas
+                refresh(now)
+            push(now + TICK_SECONDS, "tick")
+    return run
+
+
+def record_tick(
+    profile: SpecProfile,
+    state: DraftState,
+    accepted: float,
+    pods: dict[int, Pod],
+    draft_metrics: dict[str, Any],
+) -> None:
+    """One tick's speculation counters on every target pod and step histogram on the draft pods."""
+    v = profile.plain_step_seconds
+    for pod in pods.values():
+        if pod.busy:
+            speculating = pod.busy * (1 - state.paused) * TICK_SECONDS / (v + state.round_trip)
+            plain = pod.busy * state.paused * TICK_SECONDS / v
+            pod.verify_steps += speculating + plain
+            pod.accepted_tokens += speculating * (accepted - 1)
+            pod.fallback_steps += plain
+            pod.draft_timeouts += state.timeouts_per_pod * TICK_SECONDS
+    if math.isfinite(state.step_seconds):
+        batches = state.busy * TICK_SECONDS / state.step_seconds
+        draft_metrics["count"][bisect.bisect_left(STEP_BUCKETS, state.step_seconds)] += batches
+        draft_metrics["sum"] += state.busy * TICK_SECONDS
+
+
+def draft_snapshot(draft_metrics: dict[str, Any]) -> Snapshot:
+    """Every ready draft pod shows the same (mean-field) cumulative step histogram."""
+    running, buckets = 0.0, []
+    for le, n in zip(STEP_BUCKETS, draft_metrics["count"], strict=True):
+        running += n
+        buckets.append((float(le), running))
+    return Snapshot(tuple(buckets), running, draft_metrics["sum"], 0.0)
+
+
+def resize_drafts(ready_at: list[float], wanted: int, ready_time: float, now: float) -> None:
+    """Add pods that serve after their start-up, or remove not-yet-ready ones first, then the newest."""
+    while len(ready_at) < wanted:
+        ready_at.append(ready_time)
+    while len(ready_at) > wanted:
+        starting = [i for i, r in enumerate(ready_at) if r > now]
+        ready_at.pop(starting[-1] if starting else len(ready_at) - 1)
+
+
+def resize_targets(
+    pods: dict[int, Pod],
+    current: int,
+    wanted: int,
+    now: float,
+    profile: SpecProfile,
+    next_id: int,
+    rng: random.Random,
+) -> int:
+    if wanted > current:
+        for _ in range(wanted - current):
+            pods[next_id] = Pod(ready_at=now + profile.target_startup_seconds)
+            next_id += 1
+    elif wanted < current:
+        victims = sorted(
+            (i for i, p in pods.items() if not p.draining), key=lambda i: (pods[i].ready_at <= now, -i)
+        )[: current - wanted]
+        for i in victims:
+            pods[i].draining = True
+            pods[i].queue, requeue = collections.deque(), list(pods[i].queue)
+            others = [j for j, p in pods.items() if p.ready_at <= now and not p.draining]
+            for arrived in requeue:  # queued work is retried elsewhere
+                pods[rng.choice(others)].queue.append(arrived)
+            if pods[i].busy == 0:
+                del pods[i]
+    return next_id
+
+
+def summarize_two_pool(run: TwoPoolRun, target: float) -> dict[str, Any]:
+    timed = [r for r in run.intervals if r.p95_queue is not None]
+    waits, e2e = sorted(run.queue_waits), sorted(run.e2e)
+    return {
+        "policy": run.policy.name,
+        "target_gpu_hours": round(run.target_gpu_seconds / 3600, 1),
+        "draft_gpu_hours": round(run.draft_gpu_seconds / 3600, 1),
+        "gpu_hours": round((run.target_gpu_seconds + run.draft_gpu_seconds) / 3600, 1),
+        "p95_queue_s": round(waits[int(0.95 * (len(waits) - 1))], 3),
+        "p95_e2e_s": round(e2e[int(0.95 * (len(e2e) - 1))], 2),
+        "intervals_over_target_pct": round(
+            100 * sum((r.p95_queue or 0.0) > target for r in timed) / max(1, len(timed)), 1
+        ),
+        "max_targets": max(r.targets for r in run.intervals),
+        "max_drafts": max(r.drafts for r in run.intervals),
+        "mean_paused_pct": round(100 * statistics.fmean(r.paused for r in run.intervals), 1),
+        "requests": len(run.queue_waits),
+        "rejected_requests": run.rejected,
+    }
+
+
+TWO_POOL_SCENARIO = TwoPoolScenario(
+    "ramp 40 → 200 → 60 target pods' worth; acceptance 3.0 → 1.8 → 3.0 at the peak",
+    load=tuple(
+        [(0.0, 40.0)]
+        + [(600.0 + 60.0 * k, 40.0 + 4.0 * (k + 1)) for k in range(40)]  # +4 pods' worth a minute
+        + [(4800.0 + 60.0 * k, 200.0 - 4.0 * (k + 1)) for k in range(35)]  # back to 60
+    ),
+    acceptance=((0.0, 3.0), (3300.0, 3.0), (3600.0, 1.8), (4200.0, 1.8), (4500.0, 3.0)),
+    duration=6900.0,
+)
+
+
+def two_pool_policies(scenario: TwoPoolScenario, profile: SpecProfile, busy: float) -> tuple[Policy, ...]:
+    """Scaling both pools; the targets alone (drafts stay at what the initial load needs); a
+    fixed draft pool sized for the peak load at the best acceptance."""
+    peak_rps = max(load for _, load in scenario.load) * profile.pod_capacity_rps(
+        scenario.accepted_length(0.0)
+    )
+    peak = drafts_for(profile, peak_rps, max(a for _, a in scenario.acceptance), busy)
+    return (
+        Policy("two-pool", scale_drafts=True),
+        Policy("targets only", scale_drafts=False),
+        Policy(f"fixed draft pool ({peak})", scale_drafts=False, fixed_drafts=peak),
+    )
+
+
+def plot_two_pool(runs: list[TwoPoolRun], target: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, len(runs), figsize=(5.4 * len(runs), 8.5), sharex=True, sharey="row")
+    for col, run in enumerate(runs):
+        rows = run.intervals
+        minutes = [r.time / 60 for r in rows]
+        pods, latency, spec = axes[0][col], axes[1][col], axes[2][col]
+        pods.step(
+            minutes,
+            [r.offered_pods for r in rows],
+            where="post",
+            color="0.6",
+            label="offered (target pods' worth at 3.0)",
+        )
+        pods.step(minutes, [r.targets for r in rows], where="post", color="C0", label="target pods")
+        pods.step(minutes, [5 * r.drafts for r in rows], where="post", color="C1", label="draft pods × 5")
+        pods.set_title(run.policy.name)
+        pods.set_ylabel("pods")
+        pods.legend(fontsize=7, loc="upper left")
+        latency.plot(
+            minutes,
+            [r.p95_queue if r.p95_queue is not None else float("nan") for r in rows],
+            color="C3",
+            lw=1,
+            label="p95 queue latency per 15 s",
+        )
+        latency.axhline(target, color="k", ls=":", label=f"target {target} s")
+        latency.set_yscale("symlog", linthresh=0.05)
+        latency.set_ylim(0, None)
+        latency.set_ylabel("seconds")
+        latency.legend(fontsize=7, loc="upper left")
+        spec.plot(
+            minutes,
+            [r.accepted_length for r in rows],
+            color="0.5",
+            ls="--",
+            label="acceptance (true mean accepted length)",
+        )
+        spec.plot(
+            minutes,
+            [r.measured_tokens_per_step or float("nan") for r in rows],
+            color="C2",
+            lw=1,
+            label="tokens per step, as scraped",
+        )
+        spec.plot(
+            minutes,
+            [1 + 2 * r.paused for r in rows],
+            color="C3",
+            lw=1,
+            label="1 + 2 × share of steps without a draft",
+        )
+        spec.set_ylim(0.9, 3.3)
+        spec.set_xlabel("minutes")
+        spec.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", type=float, default=0.5, help="target p95 queue latency, seconds")
@@ -387,7 +925,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--two-pool", action="store_true", help="targets and drafts, three policies")
     args = parser.parse_args(argv)
+    if args.two_pool:
+        return main_two_pool(args)
     profile = Profile(startup_seconds=args.startup)
     results, summaries = [], []
     for scenario in SCENARIOS:
@@ -412,6 +953,31 @@ def main(argv: list[str] | None = None) -> int:
             )
             + "\n"
         )
+    return 0
+
+
+def main_two_pool(args: argparse.Namespace) -> int:
+    profile = SpecProfile()
+    scenario = TWO_POOL_SCENARIO
+    policies = two_pool_policies(scenario, profile, DraftAutoscalingSpec().target_busy_fraction)
+    runs = []
+    for policy in policies:
+        run = simulate_two_pool(
+            scenario, profile, policy, args.interval, args.stabilization, args.target, args.seed
+        )
+        runs.append(run)
+        print(json.dumps(summarize_two_pool(run, args.target)), flush=True)
+    if args.plot:
+        plot_two_pool(runs, args.target, args.plot)
+    if args.json:
+        summary = {
+            "scenario": scenario.name,
+            "profile": asdict(profile),
+            "target_s": args.target,
+            "seed": args.seed,
+            "results": [summarize_two_pool(r, args.target) for r in runs],
+        }
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
     return 0
 
 

@@ -282,7 +282,9 @@ async def test_the_draft_pool_scales_on_its_busy_time_and_on_the_targets_fallbac
             share = await eventually(
                 lambda: status_of(cluster, "draftAutoscaling").get("draftsPerTarget"), timeout=SLOW
             )
-            assert 1.0 < share < 2.2  # 0.5-0.9 s of drafting per second at 50 % busy, one target pod
+            # Learned only from intervals at half the target busy time or more, from one or two
+            # draft pods busy at most 90 % against 50 %, for one target pod.
+            assert 0.5 <= share <= 2 * 0.9 / 0.5
             assert draft_replicas(cluster) == 2
 
         async with falling_back(target, "timeout"):  # the drafts look idle; the target times out

@@ -293,8 +293,9 @@ def draft_delta(steps: int, seconds: float) -> Snapshot:
     [
         ([], 0.8 / 0.5, False),  # busy 80 % of 10 s on each of 2 pods (no targets scraped)
         ([target_counters(100, 200)], 0.8 / 0.5, True),  # no fallbacks
-        ([target_counters(100, 100, 50, timeout=5)], 0.5 / 0.05, True),  # half the steps timed out
-        ([target_counters(100, 100, 50, server=5)], 0.5 / 0.05, True),  # refused: out of sessions
+        ([target_counters(100, 100, 50, timeout=5)], 0.8 / 0.5 / 0.5, True),  # half the demand unserved
+        ([target_counters(100, 100, 50, server=5)], 0.8 / 0.5 / 0.5, True),  # refused: out of sessions
+        ([target_counters(100, 200, 1, timeout=1)], 0.8 / 0.5, True),  # 1 %: under the 5 % target
         ([target_counters(100, 100, 50, connection=5)], 0.8 / 0.5, False),  # breakage is no reason
     ],
 )
@@ -306,6 +307,13 @@ def test_draft_signal_is_the_largest_of_busy_time_step_latency_and_fallbacks(
     assert signal.value == pytest.approx(0.8) and signal.fallbacks_counted == counted
     assert signal.ratio == pytest.approx(ratio, rel=0.02)
     assert signal.step_p95 is not None and signal.step_p95 <= 0.1
+
+
+def test_a_pool_that_looks_idle_while_its_targets_fall_back_scales_up() -> None:
+    """Targets that timed out pause speculation and send nothing: the pool's own busy time is low."""
+    drafts = [draft_delta(10, 0.05)]  # 5 % busy
+    signal = compute_draft_signal(drafts, 1, [target_counters(100, 20, 90, timeout=3)], DRAFT_SPEC, 10.0)
+    assert signal.ratio == pytest.approx(1.0 / 0.1)  # 90 % unserved: ten times the target's busy time
 
 
 def test_draft_signal_without_draft_pods_or_deltas_is_none() -> None:

@@ -6,7 +6,14 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from multiguess_operator.autoscaler.policy import Decision, PolicyConfig, Recommendation, capacity_at, decide
+from multiguess_operator.autoscaler.policy import (
+    Decision,
+    PolicyConfig,
+    Recommendation,
+    acceptance_floor,
+    capacity_at,
+    decide,
+)
 
 CFG = PolicyConfig(min_replicas=1, max_replicas=10, stabilization_seconds=300)
 
@@ -167,3 +174,14 @@ def test_a_fall_in_acceptance_raises_the_throughput_floor_at_once() -> None:
     halved = capacity_at(2.0, 3.0, 1.5)
     at_lower = decide(8, 0.2, now=1000.0, window=window, config=CFG, throughput=6.0, capacity=halved)
     assert (at_lower.replicas, at_lower.reason) == (8, "ThroughputFloor")  # needs ceil(6 / 0.75) = 8
+
+
+def test_a_fall_in_acceptance_adds_pods_before_the_queue_shows_it() -> None:
+    # 6 requests/s; 2 per pod learned at 3 tokens per step: 4 pods at 75 %. At 2 tokens per step
+    # a pod does 4/3 requests/s, so the same traffic needs ceil(6 / (0.75 × 4/3)) = 6.
+    assert acceptance_floor(6.0, 2.0, 3.0, 2.0) == 6
+    assert acceptance_floor(6.0, 2.0, 3.0, 2.8) == 0  # within the 10 % tolerance: noise
+    assert acceptance_floor(6.0, 2.0, 3.0, 3.6) == 0  # a rise only lowers the scale-down floor
+    assert acceptance_floor(None, 2.0, 3.0, 2.0) == acceptance_floor(6.0, None, 3.0, 2.0) == 0
+    up = decide(4, 1.0, now=0.0, window=(), config=CFG, follow=6, follow_reason="AcceptanceFell")
+    assert (up.replicas, up.reason) == (6, "AcceptanceFell")

@@ -31,6 +31,7 @@ from multiguess_operator.autoscaler.policy import (
     Decision,
     PolicyConfig,
     Recommendation,
+    acceptance_floor,
     capacity_at,
     decide,
 )
@@ -48,6 +49,7 @@ CAPACITY_FAILURES = ("timeout", "server")
 # at least this share of its target load without fallbacks (an idle pool says little about it).
 LEARN_DRAFT_SHARE_ABOVE = 0.5
 DRAFT_SHARE_SMOOTHING = 0.3  # weight of a new interval in the learned drafts per target pod
+MIN_SERVED_SHARE = 0.1  # when (nearly) every step fell back, count the demand as ten times today's
 
 
 class Bounds(Protocol):
@@ -142,8 +144,12 @@ def compute_draft_signal(
             seen.counter(DRAFT_FAILURES, kind=k) for k in CAPACITY_FAILURES
         )
     counted = fraction is not None and not (other > 0 and capacity == 0)
-    if counted and fraction is not None:
-        ratios.append(fraction / config.target_fallback_fraction)
+    if counted and fraction is not None and fraction > config.target_fallback_fraction:
+        # The steps that fell back are demand the pool did not serve: the busy time it would take
+        # is today's over the share served (at least the target's, since a pool whose targets
+        # paused speculation shows little busy time of its own).
+        served = max(busy / config.target_busy_fraction, 1.0)
+        ratios.append(served / max(1.0 - fraction, MIN_SERVED_SHARE))
     return DraftSignal(max(ratios), busy, step_p95, fraction, counted, capacity, other)
 
 
@@ -222,6 +228,7 @@ class Autoscaler:
             self.window = (Recommendation(now, current),)
         accepted = signal.tokens_per_step if isinstance(signal, Signal) else None
         effective = capacity_at(self.capacity, self.capacity_tokens, accepted)
+        fell = acceptance_floor(signal.throughput, self.capacity, self.capacity_tokens, accepted)
         decision = decide(
             current,
             signal.ratio,
@@ -232,7 +239,8 @@ class Autoscaler:
             signal.throughput,
             effective,
             learn=self.stable,
-            follow=follow,
+            follow=max(follow, fell),
+            follow_reason="AcceptanceFell" if fell > follow else "FollowTargets",
         )
         self.window = decision.window
         if decision.learned:

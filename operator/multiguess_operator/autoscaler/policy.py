@@ -23,7 +23,9 @@ the targets have started falling back to plain decoding.
 With speculation a target pod's requests/s depend on the tokens each verification step emits
 (mean accepted length): its steps/s are set by the hardware, each step emits that many tokens per
 sequence. ``capacity_at`` carries a capacity learned at one acceptance over to another, so a fall
-in acceptance lowers the floor's idea of a pod at once instead of after the next overflow.
+in acceptance lowers the floor's idea of a pod at once instead of after the next overflow, and
+``acceptance_floor`` adds the pods today's throughput needs at the lower acceptance before the
+queue shows it (reason ``AcceptanceFell``).
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def decide(
     capacity: float | None = None,
     learn: bool = True,
     follow: int = 0,
+    follow_reason: str = "FollowTargets",
 ) -> Decision:
     """One decision. ``current``: replicas asked for now; ``serving``: pods the signal came from
     (default: all of them); ``ratio``: signal / target, None when no pod could be scraped;
@@ -108,7 +111,7 @@ def decide(
     recommended = config.clamp(max(raw, follow))
     recent = (*recent, Recommendation(now, recommended))
     if recommended > current:
-        reason = "FollowTargets" if followed else "ScaleUpLimited" if limited else "ScaleUp"
+        reason = follow_reason if followed else "ScaleUpLimited" if limited else "ScaleUp"
         return Decision(recommended, recommended, reason, recent, capacity, learned)
     stabilized = max(r.replicas for r in recent)
     floor = math.ceil(throughput / (HEADROOM * capacity)) if capacity and throughput else 0
@@ -130,3 +133,21 @@ def capacity_at(
     if capacity is None or not learned_at or not tokens_per_step:
         return capacity
     return capacity * tokens_per_step / learned_at
+
+
+def acceptance_floor(
+    throughput: float | None,
+    capacity: float | None,
+    learned_at: float | None,
+    tokens_per_step: float | None,
+    tolerance: float = 0.1,
+) -> int:
+    """Pods that ``throughput`` needs at the capacity ``capacity_at`` gives for today's tokens per
+    step, when acceptance fell by more than ``tolerance`` since the capacity was learned (0 when
+    it did not, or when anything is unknown): the same requests now take more steps each."""
+    if not throughput or not capacity or not learned_at or not tokens_per_step:
+        return 0
+    if tokens_per_step >= learned_at * (1 - tolerance):
+        return 0
+    now = capacity_at(capacity, learned_at, tokens_per_step)
+    return math.ceil(throughput / (HEADROOM * now)) if now else 0
