@@ -162,7 +162,7 @@ def gpu_problems(kube: Kube, spec: DeploymentSpec) -> list[Problem]:
                 return []  # nodes cannot be listed (RBAC): nothing is known, so nothing is claimed
         have = known[gpu.product_label]
         if not have & set(gpu.allowed_products):
-            listed = ", ".join(sorted(have)) or "none"
+            listed = ", ".join(sorted(have)) or "none (is GPU feature discovery labelling them?)"
             problems.append(
                 Problem(
                     UNKNOWN_GPU,

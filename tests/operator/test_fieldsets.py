@@ -7,9 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from multiguess_operator.resources import stamp_hash
 from multiguess_operator.ssa import upgrade_patch, upgraded_managed_fields
 
 from tests.operator import fieldsets
+from tests.operator.test_resources import children, specs
 
 MANAGER = "multiguess-operator"
 
@@ -119,3 +122,19 @@ def test_merge_patch_of_two_objects_turns_one_into_the_other() -> None:
     after = {"a": {"c": [2]}, "e": 3}
     patch = fieldsets.merge_patch(before, after)
     assert patch == {"a": {"b": None, "c": [2]}, "d": None, "e": 3}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(first=specs, second=specs)
+def test_the_next_apply_leaves_exactly_the_new_manifest(
+    first: dict[str, Any], second: dict[str, Any]
+) -> None:
+    """Whatever two specs follow each other, every field the second one does not produce is gone
+    from the live Deployment after its apply (and nothing the first one set lingers)."""
+    live = None
+    for raw in (first, second):
+        wanted = stamp_hash(children(raw)["Deployment/demo-target"])
+        live = fieldsets.apply(live, wanted, MANAGER, True, "t")
+    assert live is not None
+    del live["metadata"]["managedFields"]
+    assert live == wanted
