@@ -8,7 +8,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import kopf
-from kopf._cogs.structs.references import Selector
 
 from multiguess_operator.autoscaler import daemon as autoscaling
 from multiguess_operator.kube import SPECDEPLOYS, Kube
@@ -35,8 +34,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # Service and PodDisruptionBudget in the cluster.
     owned = ",".join(f"{k}={v}" for k, v in OWNED.items())
     for api_version, plural in CHILD_RESOURCES:
-        group, _, version = api_version.rpartition("/")
-        settings.watching.label_selectors[Selector(group=group, version=version, plural=plural)] = owned
+        settings.watching.label_selectors[(*api_version.split("/"), plural)] = owned
 
 
 @kopf.on.login()

@@ -25,6 +25,7 @@ USER_CACHE_DIR = "/home/multiguess/.cache"  # the image's user (uid 10001) home,
 RUN_AS = 10001  # the Dockerfile's user and group
 DRAFT_SECRET_KEY = "secret"
 DRAFT_SHUTDOWN_SECONDS = 30  # the draft server's drain: its sessions end with the target's requests
+STARTUP_PERIOD_SECONDS = 10  # the startup probe's period; serving.startupTimeoutSeconds sets its count
 PROGRESS_MARGIN_SECONDS = 120  # a Deployment's progress deadline beyond the startup probe's budget
 SHUTDOWN_MARGIN_SECONDS = 10  # grace beyond preStop + drain, so the kubelet never kills a draining server
 
@@ -189,9 +190,6 @@ def _service(owner: str, namespace: str, name: str, component: str, port: int) -
 def startup_budget_seconds(spec: DeploymentSpec) -> int:
     """How long the startup probe lets a pod load its model (period × failure threshold)."""
     return STARTUP_PERIOD_SECONDS * _startup_failures(spec)
-
-
-STARTUP_PERIOD_SECONDS = 10
 
 
 def _startup_failures(spec: DeploymentSpec) -> int:
