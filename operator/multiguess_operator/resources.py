@@ -311,7 +311,10 @@ def _container(
     merged = {e["name"]: e for e in env}
     # Hub downloads land in the mounted cache whatever the image's own default.
     merged["HF_HOME"] = {"name": "HF_HOME", "value": HF_HOME}
+    # Libraries' caches go to the writable emptyDir (the root filesystem is read-only); Triton
+    # ignores XDG_CACHE_HOME and would write under $HOME/.triton.
     merged["XDG_CACHE_HOME"] = {"name": "XDG_CACHE_HOME", "value": USER_CACHE_DIR}
+    merged["TRITON_CACHE_DIR"] = {"name": "TRITON_CACHE_DIR", "value": f"{USER_CACHE_DIR}/triton"}
     merged.update({e["name"]: dict(e) for e in spec.serving.env})
     if spec.hf_token_secret:
         merged["HF_TOKEN"] = {

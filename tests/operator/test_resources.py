@@ -267,6 +267,12 @@ def test_pods_meet_pod_security_restricted_with_writable_scratch() -> None:
         volumes = {v["name"]: v for v in spec["volumes"]}
         for path in ("/tmp", "/models", "/home/multiguess/.cache"):
             assert "emptyDir" in volumes[mounts[path]]
+        cache_env = {
+            k: v for k, v in env(deployment).items() if k in ("XDG_CACHE_HOME", "TRITON_CACHE_DIR", "HF_HOME")
+        }
+        assert len(cache_env) == 3 and all(
+            any(str(v).startswith(m) for m in mounts) for v in cache_env.values()
+        )
         # restricted allows only these volume types
         allowed = {
             "configMap",
