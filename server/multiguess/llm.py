@@ -6,9 +6,11 @@ import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 
+from multiguess.engine.eagle3 import eagle3_drafter
 from multiguess.engine.engine import Engine, EngineConfig
 from multiguess.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION
 from multiguess.engine.ngram import NgramDrafter
+from multiguess.models.eagle3_checkpoint import embedded_head
 from multiguess.models.loading import LoadedModel, check_draft_compatible, load_model
 from multiguess.options import DRAFTERS
 from multiguess.outputs import CompletionOutput, RequestOutput
@@ -65,13 +67,17 @@ def build_engine(
     draft_quantization: str | None = None,
     draft_dtype: str | None = None,
 ) -> Engine:
-    """An engine with the chosen drafter: a draft ``model``, ``ngram`` lookup, or ``none``."""
+    """An engine with the chosen drafter: a draft ``model``, an ``eagle3`` head (``draft`` is its
+    folder; the embedded target's shipped head by default), ``ngram`` lookup, or ``none``."""
     if drafter not in DRAFTERS:
         raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}; got {drafter!r}")
     target_model, draft_model = load_pair(
         target, draft, dtype, device, draft_device, draft_quantization, drafter == "model", draft_dtype
     )
-    return Engine(target_model, draft_model, config, NgramDrafter() if drafter == "ngram" else None)
+    engine = Engine(target_model, draft_model, config, NgramDrafter() if drafter == "ngram" else None)
+    if drafter == "eagle3":
+        engine.drafter = eagle3_drafter(draft or embedded_head(), engine.target)
+    return engine
 
 
 class LLM:

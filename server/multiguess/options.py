@@ -2,4 +2,4 @@
 
 DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = ("none", "int8")
-DRAFTERS = ("model", "ngram", "none")
+DRAFTERS = ("model", "eagle3", "ngram", "none")

@@ -8,15 +8,29 @@ target's own, token for token (greedy) and in distribution (sampling).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from multiguess import LLM, SamplingParams
 from multiguess.distill.eagle3_train import HeadBatch, build_head, frozen_embedding, ttt_hidden
 from multiguess.engine.drafter import DraftRequest, TreeBudget, _Candidate
 from multiguess.engine.eagle3 import Eagle3Drafter, HeadRunner
 from multiguess.engine.eagle3_head import default_aux_layers
+from multiguess.errors import IncompatibleDraftError, UnsupportedModelError
+from multiguess.models.eagle3_checkpoint import save_head
 from transformers import AutoModelForCausalLM
 
-from tests.tiny_models import model_config
+from tests.engine.test_sampling_exact import (
+    ALPHA,
+    LENGTH,
+    SAMPLES,
+    SETTINGS,
+    chi_square_pvalue,
+    draw,
+    exact_distribution,
+)
+from tests.tiny_models import build_tokenizer, model_config, save_model
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +91,111 @@ def test_features_that_do_not_continue_start_the_sequence_afresh(tiny_target: to
     ids = torch.randint(4, 64, (10,), generator=torch.Generator().manual_seed(4))
     feats = target_features(tiny_target, ids)
     request = DraftRequest(0, ids.tolist(), TreeBudget(2, 2, 4))
-    with pytest.raises(RuntimeError, match="no target features"):
+    (nothing,) = drafter.propose([request])  # no features yet: the root alone
+    assert nothing.tree.tokens == (int(ids[-1]),)
+    drafter.add_features(0, 0, feats[:3])
+    with pytest.raises(RuntimeError, match="no target features"):  # they stop short of the root
         drafter.propose([request])
+    drafter.release(0)
     drafter.add_features(0, 0, feats[:4])
     drafter.add_features(0, 6, feats[6:9])  # a gap: positions 4 and 5 were never handed over
     assert drafter.base[0] == drafter.cached[0] == 6
     (proposal,) = drafter.propose([request])
     assert proposal.tree.tokens[0] == int(ids[-1]) and 1 < len(proposal.tree) <= 5
     assert drafter.cached[0] == len(ids) - 1
+
+
+@pytest.fixture(scope="module")
+def small_vocab_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Eight tokens: a random head's guesses land often enough that accepted paths are tested."""
+    folder = tmp_path_factory.mktemp("eagle3-target")
+    tokenizer = build_tokenizer([f"w{i}" for i in range(4)])
+    target = save_model(
+        folder / "target", model_config("llama", len(tokenizer), num_hidden_layers=4), 11, tokenizer
+    )
+    with torch.no_grad():  # a flatter target: sampled outcomes spread over many continuations
+        model = AutoModelForCausalLM.from_pretrained(target)
+        model.lm_head.weight.mul_(0.25)
+        model.save_pretrained(target)
+    return target
+
+
+def saved_head(target: Path, folder: Path, seed: int, vocab: list[int] | None = None) -> Path:
+    """A random head written in the ecosystem's layout, read back by the engine's loader."""
+    model = AutoModelForCausalLM.from_pretrained(target)
+    ids = torch.arange(model.config.vocab_size) if vocab is None else torch.tensor(vocab)
+    save_head(random_head(model, seed, ids), folder, torch.float32)
+    return folder
+
+
+def plain_outputs(target: Path, prompts: list[list[int]], dtype: str, max_tokens: int) -> list[list[int]]:
+    llm = LLM(str(target), None, dtype=dtype, drafter="none")
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize(
+    ("num_candidates", "depth", "adaptive"), [(1, 4, False), (3, 3, False), (2, 2, False), (3, 4, True)]
+)
+def test_greedy_output_is_the_targets_own(
+    small_vocab_target: Path, tmp_path: Path, num_candidates: int, depth: int, adaptive: bool
+) -> None:
+    """Chains and trees, a batch of prompts of different lengths (one of a single token), fixed
+    trees and the adaptive policy (observation probes): token for token plain decoding."""
+    head = saved_head(small_vocab_target, tmp_path / "head", seed=12)
+    prompts = [[5, 6, 7, 4, 5, 6], [7], [4, 4, 5, 7, 6, 5, 4, 7, 7, 6, 5]]
+    llm = LLM(str(small_vocab_target), str(head), num_candidates, depth, dtype="float32",
+              drafter="eagle3", adaptive=adaptive)  # fmt: skip
+    outs = llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs(small_vocab_target, prompts, "float32", 20)
+    stats = llm.engine.totals
+    assert stats.accepted_tokens > 0 and stats.fallback_steps == 0  # guesses landed; none failed
+    assert isinstance(llm.engine.drafter, Eagle3Drafter)
+
+
+def test_greedy_bf16_output_is_plain_bf16_decoding(gqa_pair: tuple[Path, Path], tmp_path: Path) -> None:
+    """In bf16 on the CPU kernels (where the machine has them) the tree's rows are bit-identical
+    to one-token steps, so speculation with the head equals plain bf16 decoding exactly."""
+    target, _ = gqa_pair
+    head = saved_head(target, tmp_path / "head", seed=13)
+    prompts = [[5, 9, 13, 21, 8], [30, 11, 17]]
+    llm = LLM(str(target), str(head), 3, 3, dtype="bfloat16", drafter="eagle3", adaptive=False)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs(target, prompts, "bfloat16", 16)
+    assert llm.engine.totals.fallback_steps == 0
+
+
+@pytest.mark.parametrize(("vocab", "setting"), [(None, "t1"), ([1, 4, 6, 7], "t1.3-topp0.8")])
+def test_sampling_matches_the_target_exactly(
+    small_vocab_target: Path, tmp_path: Path, vocab: list[int] | None, setting: str
+) -> None:
+    """The chi-square test of ``test_sampling_exact`` with the EAGLE-3 drafter's sampled trees,
+    over the whole vocabulary and over a draft vocabulary of half the tokens (d2t)."""
+    head = saved_head(small_vocab_target, tmp_path / "head", seed=14, vocab=vocab)
+    params = SamplingParams(max_tokens=LENGTH, ignore_eos=True, n=SAMPLES, seed=19, **SETTINGS[setting])
+    llm = LLM(str(small_vocab_target), str(head), 3, 2, dtype="float32", max_batch=256, drafter="eagle3")
+    samples = draw(llm, params)
+    assert len(samples) == SAMPLES and llm.engine.totals.accepted_tokens > 0
+    pvalue = chi_square_pvalue(samples, exact_distribution(small_vocab_target, params))
+    assert pvalue > ALPHA, f"{vocab}/{setting}: p = {pvalue:.2e}"
+
+
+def test_a_head_for_another_target_is_refused(
+    small_vocab_target: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    head = saved_head(small_vocab_target, tmp_path / "head", seed=15)
+    with pytest.raises(IncompatibleDraftError, match="made for another target"):
+        LLM(str(tiny_llama), str(head), dtype="float32", drafter="eagle3")
+    with pytest.raises(UnsupportedModelError, match="is an EAGLE-3 head"):
+        LLM(str(small_vocab_target), str(head), dtype="float32", drafter="model")
+
+
+def test_the_remote_drafter_refuses_eagle3() -> None:
+    """The head reads the target's hidden states in the target's process: no draft server."""
+    import argparse
+
+    from multiguess.commands.serve import build_engine
+
+    args = argparse.Namespace(draft_url="ws://127.0.0.1:1/draft", drafter="eagle3")
+    with pytest.raises(SystemExit, match="cannot be combined with --draft-url"):
+        build_engine(args)

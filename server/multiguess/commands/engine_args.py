@@ -41,7 +41,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--target", None, help="target model folder or hub id (default: embedded pair)")
     add_flag(parser, "--draft", None, help="draft model folder or hub id (default: embedded draft)")
     add_flag(parser, "--draft-quantization", None, choices=QUANTIZATIONS, help="int8: dynamic int8 draft")
-    add_flag(parser, "--drafter", "model", choices=DRAFTERS, help="draft model, n-gram lookup, or none")
+    add_flag(
+        parser,
+        "--drafter",
+        "model",
+        choices=DRAFTERS,
+        help="draft model, EAGLE-3 head on the target's features (--draft: its folder), n-gram lookup, or none",
+    )
     add_flag(parser, "--dtype", "auto", choices=DTYPE_NAMES, help="weights/activations dtype")
     add_flag(
         parser,
@@ -107,8 +113,10 @@ def build_llm(args: argparse.Namespace) -> Any:
     from multiguess.llm import LLM
 
     configure_threads(args.threads)
-    if args.target is not None and args.drafter == "model" and args.draft is None:
-        raise SystemExit("--target needs --draft (or --drafter ngram|none)")
+    if args.target is not None and args.drafter in ("model", "eagle3") and args.draft is None:
+        raise SystemExit(
+            "--target needs --draft (a draft model, or an EAGLE-3 head with --drafter eagle3; or --drafter ngram|none)"
+        )
     return LLM(
         target=args.target,
         draft=args.draft,

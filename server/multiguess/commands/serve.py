@@ -44,6 +44,11 @@ def build_engine(args: argparse.Namespace, registry: Any = None) -> Any:
     from multiguess.engine.guard import GuardedDrafter
 
     if args.draft_url:
+        if args.drafter == "eagle3":
+            raise SystemExit(
+                "--drafter eagle3 drafts in the target's process (it reads the target's hidden "
+                "states); it cannot be combined with --draft-url"
+            )
         from multiguess.engine.engine import EngineConfig
         from multiguess.llm import build_engine as build_local
         from multiguess.remote.client import RemoteDrafter

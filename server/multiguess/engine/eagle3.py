@@ -24,6 +24,7 @@ from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.drafter import DraftRequest, ModelDrafter, Proposal, _Candidate
 from multiguess.engine.eagle3_head import Eagle3Head
 from multiguess.engine.runner import NativeRunner
+from multiguess.engine.tree import TokenTree
 from multiguess.models.eagle3_checkpoint import load_head
 
 
@@ -164,6 +165,14 @@ class Eagle3Drafter(ModelDrafter):
             if src in state:
                 state[dst] = state.pop(src)
 
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        """Trees for the sequences the drafter holds features for; the others (a one-token
+        prompt before its first verification, a sequence forgotten after a failure) get their
+        root alone until the next verification hands their features over."""
+        ready = [r for r in requests if r.slot in self.pending]
+        drafted = dict(zip([r.slot for r in ready], super().propose(ready) if ready else [], strict=True))
+        return [drafted.get(r.slot) or Proposal(TokenTree.chain([r.token_ids[-1]])) for r in requests]
+
     def commit(self, slot: int, proposal: Proposal, acceptance: Acceptance) -> None:
         """Nothing of the tree is kept: its nodes read the head's own features, and the accepted
         ones are fed again with the target's once the verification's features arrive."""
@@ -185,10 +194,11 @@ class Eagle3Drafter(ModelDrafter):
             counts.append(len(held))
         width = max(1, max(counts))
         tokens = torch.zeros(len(slots), width, dtype=torch.long)
-        features = torch.zeros(len(slots), width, self.pending[slots[0]].shape[-1])
+        device = self.runner.device  # where the captured features already are
+        features = torch.zeros(len(slots), width, self.pending[slots[0]].shape[-1], device=device)
         for b, (slot, ids, start, n) in enumerate(zip(slots, token_ids, starts, counts, strict=True)):
             tokens[b, :n] = torch.tensor(ids[start + 1 : start + 1 + n])
-            features[b, :n] = self.pending[slot].float()
+            features[b, :n] = self.pending[slot].to(device, torch.float32)
         positions = torch.tensor(starts)[:, None] + torch.arange(width)
         length = max(s + width for s in starts)
         visible = chain_visibility([self.base[s] for s in slots], starts, counts, width, length)
@@ -220,7 +230,9 @@ class Eagle3Drafter(ModelDrafter):
     ) -> list[torch.Tensor]:
         tokens, depths, used, region = self._place_level(beams, cands, fed)
         hidden_size = self.runner.head.config.hidden_size
-        parents = torch.zeros(len(beams), tokens.shape[1], hidden_size, dtype=self.runner.dtype)
+        parents = torch.zeros(
+            len(beams), tokens.shape[1], hidden_size, dtype=self.runner.dtype, device=self.runner.device
+        )
         for b, beam in enumerate(beams):
             for j, c in enumerate(beam):
                 parents[b, j] = self._hidden[b][cands[b][c].parent]
@@ -240,7 +252,10 @@ class Eagle3Drafter(ModelDrafter):
 
     def observe(self, slot: int, token_ids: list[int], width: int, since: int) -> list[int | None]:
         """Feed the positions whose target features arrived and rank each token they guess for
-        the first time (position p guesses ``token_ids[p + 2]``) among the head's ``width`` best."""
+        the first time (position p guesses ``token_ids[p + 2]``) among the head's ``width`` best;
+        nothing for a sequence it holds no features for."""
+        if slot not in self.pending:
+            return []
         ((start, logits, _),) = self._feed_chain([slot], [token_ids])
         first = max(start + 2, since)
         known = torch.tensor(token_ids[first:], dtype=torch.long)

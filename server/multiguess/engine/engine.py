@@ -228,9 +228,14 @@ class Engine:
         proposals = self._propose(batch)
         drafted = time.perf_counter()
         self.last_tree_sizes = [len(p.tree) - 1 for p in proposals]
-        logits = self.target.forward_trees(
-            [s.slot for s in batch], [s.cache_len for s in batch], [p.tree for p in proposals]
+        capture = self._feature_layers()
+        verified = self.target.forward_trees(
+            [s.slot for s in batch],
+            [s.cache_len for s in batch],
+            [p.tree for p in proposals],
+            capture=capture,
         )
+        logits, features = (verified.logits, verified.features) if capture else (verified, None)
         # Draft time per level only from steps that drafted on caught-up caches (see CostMeter).
         drafting = [s for s, p in zip(batch, proposals, strict=True) if len(p.tree) > 1]
         steady = all(s.drafted_at == self.steps - 1 for s in drafting)
@@ -257,6 +262,8 @@ class Engine:
                     with_replacement=False,
                 )
             self.target.cache.compact(seq.slot, seq.cache_len, acceptance.path)
+            if features is not None:
+                self._hand_features(seq, seq.cache_len, features[b, acceptance.path])
             seq.cache_len += len(acceptance.path)
             if self.drafter is not None and len(proposal.tree) > 1:
                 self.drafter.commit(seq.slot, proposal, acceptance)
@@ -292,15 +299,32 @@ class Engine:
             admitted.append(seq)
         prefill = [s for s in admitted if len(s.prompt_ids) > 1]
         if prefill:
-            self.target.forward_trees(
+            capture = self._feature_layers()
+            out = self.target.forward_trees(
                 [s.slot for s in prefill],
                 [0] * len(prefill),
                 [TokenTree.chain(s.prompt_ids[:-1]) for s in prefill],
                 last_only=True,
+                capture=capture,
             )
+            for b, seq in enumerate(prefill if capture else []):
+                self._hand_features(seq, 0, out.features[b, : len(seq.prompt_ids) - 1])
         for seq in admitted:
             seq.cache_len = len(seq.prompt_ids) - 1
         self.running.extend(admitted)
+
+    def _feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose hidden states the drafter reads (EAGLE-3); every target
+        forward captures them then, and none otherwise."""
+        return tuple(getattr(self.drafter, "feature_layers", ())) if self.drafter is not None else ()
+
+    def _hand_features(self, seq: Sequence, position: int, features: torch.Tensor) -> None:
+        """The target's features of ``seq`` from ``position`` on, for the drafter's next proposal."""
+        assert self.drafter is not None
+        try:
+            self.drafter.add_features(seq.slot, position, features)  # type: ignore[attr-defined]
+        except Exception as exc:  # a failing drafter must never fail a request
+            self._decode_without_drafter(exc, [seq])
 
     def _planned(self, batch: list[Sequence]) -> list[TreeBudget]:
         """The adaptive policy's tree for each sequence of ``batch`` this step.

@@ -194,6 +194,20 @@ class GuardedDrafter:
             self.release(slot)
             return None
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose hidden states the inner drafter reads (none: it reads none)."""
+        return tuple(getattr(self.inner, "feature_layers", ()))
+
+    def add_features(self, slot: int, position: int, features: torch.Tensor) -> None:
+        """Handed over even while paused, so the inner drafter stays in step; a failure trips
+        the guard and drops the slot's state."""
+        try:
+            self.inner.add_features(slot, position, features)  # type: ignore[attr-defined]
+        except Exception as exc:
+            self._trip(f"add_features failed: {type(exc).__name__}: {exc}")
+            self.release(slot)
+
     def _trip(self, reason: str) -> None:
         self.failures += 1
         self.degraded, self.reason = True, reason

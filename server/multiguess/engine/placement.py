@@ -55,10 +55,13 @@ def sees_only_its_own(prefix_lens: list[int], write_from: torch.Tensor, visible:
 class Placement(NamedTuple):
     """Where one forward's tokens go: rotary tables ``[B, T, 1, D]``, the sequences' slots, the
     cache row each starts writing at, the backend's attention mask (``[B, 1, T, L]``, or None
-    where the backend attends without one) and the attended length L."""
+    where the backend attends without one) and the attended length L. ``captured``, when given,
+    receives a copy of the hidden states ``[B, T, D]`` entering each layer it has a key for
+    (transformers' ``output_hidden_states[i]``): the features a drafter such as EAGLE-3 reads."""
 
     rope: tuple[torch.Tensor, torch.Tensor]
     slots: list[int]
     write_from: torch.Tensor
     mask: torch.Tensor | None
     length: int
+    captured: dict[int, torch.Tensor | None] | None = None

@@ -11,6 +11,8 @@ device family (cache dtype, weight layout, attention, kernels) is the backend's
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from multiguess.engine.backends import backend_for
@@ -20,6 +22,14 @@ from multiguess.engine.linear import rms_norm
 from multiguess.engine.placement import Placement, region_attention_mask, rotary_tables, sees_only_its_own
 from multiguess.engine.tree import TokenTree, pack_trees
 from multiguess.models.loading import LoadedModel
+
+
+class Captured(NamedTuple):
+    """A forward's logits and the hidden states it captured: ``[B, T, len(layers) * D]``, the
+    states entering each requested layer, concatenated in the order asked."""
+
+    logits: torch.Tensor
+    features: torch.Tensor
 
 
 class NativeRunner:
@@ -100,21 +110,25 @@ class NativeRunner:
         write_from: torch.Tensor,
         visible: torch.Tensor,
         logits_at: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        capture: tuple[int, ...] = (),
+    ) -> torch.Tensor | Captured:
         """Write a batch of token-tree nodes into the caches and return float32 logits.
 
         ``tokens`` and ``positions`` (rotary) are ``[B, T]``; row b is written to the cache at
         ``write_from[b] + 0..T-1``; ``visible`` is ``[B, T, W]`` over the region after each
         prefix (see ``region_attention_mask``). Logits are for every node ``[B, T, V]``, or for the
         ``logits_at`` column of each row only ``[B, V]`` (a prefill needs just the last one); V
-        is the vocabulary, or ``head_vocab`` when the runner scores only that.
+        is the vocabulary, or ``head_vocab`` when the runner scores only that. With ``capture``
+        (layer indices, transformers' ``output_hidden_states`` numbering) the result is
+        ``Captured``: the logits and the hidden states entering those layers at every node,
+        copied as the layers run; without it nothing is copied.
         """
         batch, width = tokens.shape
         device = self.device
         length = max(int(write_from.max()) + width, max(prefix_lens) + visible.shape[2])
         if length > self.capacity:
             raise ValueError(f"sequence would exceed the cache capacity of {self.capacity} tokens")
-        if self.static is not None:
+        if self.static is not None and not capture:
             out = self.static.run(
                 slots, prefix_lens, tokens, positions, write_from, visible, logits_at, length
             )
@@ -126,21 +140,40 @@ class NativeRunner:
         )
         x = self.embed(tokens.to(device)).to(self.dtype)
         cos, sin = self.rotary(x, positions.to(device))
+        captured = dict.fromkeys(capture) if capture else None
         at = Placement(
-            rotary_tables(cos, sin), slots, write_from, self.backend.mask(visible_mask, plain), length
+            rotary_tables(cos, sin),
+            slots,
+            write_from,
+            self.backend.mask(visible_mask, plain),
+            length,
+            captured,
         )
         x = self.backend.run_layers(self, x, at)
         if logits_at is not None:  # the norm is per row: selecting first is the same
             x = x[torch.arange(batch, device=device), logits_at.to(device)]
         if self.head is None:
-            return self.lm_head(rms_norm(self.norm, x)).float()
-        return self.head(x, norm=self.norm).float()
+            logits = self.lm_head(rms_norm(self.norm, x)).float()
+        else:
+            logits = self.head(x, norm=self.norm).float()
+        if captured is None:
+            return logits
+        if any(captured[i] is None for i in capture):
+            raise ValueError(f"cannot capture layers {capture}: the model has {len(self.layers)} layers")
+        return Captured(logits, torch.cat([captured[i] for i in capture], dim=-1))
 
     def forward_trees(
-        self, slots: list[int], prefix_lens: list[int], trees: list[TokenTree], last_only: bool = False
-    ) -> torch.Tensor:
+        self,
+        slots: list[int],
+        prefix_lens: list[int],
+        trees: list[TokenTree],
+        last_only: bool = False,
+        capture: tuple[int, ...] = (),
+    ) -> torch.Tensor | Captured:
         """Each tree written right after its prefix, seeing prefix + ancestors (verify, prefill)."""
         tokens, depths, ancestors = pack_trees(trees)
         lens = torch.tensor(prefix_lens)
         logits_at = torch.tensor([len(t) - 1 for t in trees]) if last_only else None
-        return self.forward(slots, prefix_lens, tokens, lens[:, None] + depths, lens, ancestors, logits_at)
+        return self.forward(
+            slots, prefix_lens, tokens, lens[:, None] + depths, lens, ancestors, logits_at, capture
+        )

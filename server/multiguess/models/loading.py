@@ -70,6 +70,10 @@ class LoadedModel:
 
 
 def check_architecture(config: object, name: str) -> None:
+    if "LlamaForCausalLMEagle3" in (getattr(config, "architectures", None) or []):
+        raise UnsupportedModelError(
+            f"{name} is an EAGLE-3 head, not a causal LM: it drafts beside its target with --drafter eagle3"
+        )
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(

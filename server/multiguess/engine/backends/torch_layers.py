@@ -26,6 +26,8 @@ def run_layers(runner: NativeRunner, x: torch.Tensor, at: Placement, attend: Att
     where = runner.cache.locate(at.slots, at.write_from, x.shape[1])
     selector = StaticKVCache.selector(at.slots)
     for i in range(len(runner.layers)):
+        if at.captured is not None and i in at.captured:
+            at.captured[i] = x.clone()
         q = queries_writing_cache(runner, i, x, at.rope, where)
         keys, values = runner.cache.read(i, selector, at.length)
         out = attend(q, keys, values, at.mask, runner.attention_scale(i)).to(runner.dtype)

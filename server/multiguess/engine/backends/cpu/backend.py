@@ -172,6 +172,8 @@ class CpuBackend:
             length=at.length,
             threads=torch.get_num_threads(),
         )
-        for layer in self.layer_weights:
+        for i, layer in enumerate(self.layer_weights):
+            if at.captured is not None and i in at.captured:
+                at.captured[i] = x.clone()  # the kernel updates x in place
             bf16_kernel.run_layer(layer, step, x)
         return x
