@@ -198,11 +198,12 @@ class ModelDrafter:
         rows = [logits[b : b + 1] for b in range(len(requests))]
         for level in range(max(r.budget.depth for r in requests)):
             dists = self._proposal_distributions(requests, rows)
+            top = self._top_children(requests, rows, level)
             for b, req in enumerate(requests):
                 if level >= req.budget.depth:
                     beams[b] = []
                     continue
-                new = self._expand(req, beams[b], rows[b], dists[b], cands[b], probs[b])
+                new = self._expand(req, beams[b], top[b], dists[b], cands[b], probs[b])
                 new.sort(key=lambda i: (not cands[b][i].spine, -cands[b][i].score))
                 beams[b] = new[: req.budget.num_candidates]
             if level + 1 == max(r.budget.depth for r in requests) or not any(beams):
@@ -237,25 +238,48 @@ class ModelDrafter:
             dists[b] = chunk
         return dists
 
+    def _top_children(
+        self, requests: list[DraftRequest], rows: list[torch.Tensor], level: int
+    ) -> list[list[tuple[list[int], list[float]]]]:
+        """Each greedy request's children per beam row: its top-k tokens by log-probability, for
+        every greedy request of the batch in one top-k and one copy to the host."""
+        greedy = [
+            b for b, r in enumerate(requests) if r.sample is None and level < r.budget.depth and len(rows[b])
+        ]
+        choices: list[list[tuple[list[int], list[float]]]] = [[] for _ in requests]
+        if not greedy:
+            return choices
+        merged = torch.cat([rows[b] for b in greedy])
+        k = min(max(requests[b].budget.num_candidates for b in greedy), merged.shape[-1])
+        top = torch.topk(torch.log_softmax(merged, dim=-1), k)
+        tokens, scores = self._tokens(top.indices).tolist(), top.values.tolist()
+        start = 0
+        for b in greedy:
+            end, width = start + len(rows[b]), requests[b].budget.num_candidates
+            choices[b] = [
+                (t[:width], s[:width]) for t, s in zip(tokens[start:end], scores[start:end], strict=True)
+            ]
+            start = end
+        return choices
+
     def _expand(
         self,
         req: DraftRequest,
         beam: list[int],
-        rows: torch.Tensor,
+        top: list[tuple[list[int], list[float]]],
         dists: torch.Tensor | None,
         cands: list[_Candidate],
         probs: dict[int, torch.Tensor],
     ) -> list[int]:
         """Add the children of each beam node and return their indices.
 
-        ``rows`` hold the beam's draft logits; ``dists`` their processed distributions when the
-        request samples its children (greedy requests take the top-k by log-probability).
+        Greedy requests take ``top`` (``_top_children``); sampled ones draw from ``dists``, the
+        beam rows' processed distributions.
         """
         new = []
         k = req.budget.num_candidates
         if dists is None:
-            top = torch.topk(torch.log_softmax(rows, dim=-1), min(k, rows.shape[-1]))
-            choices = list(zip(self._tokens(top.indices).tolist(), top.values.tolist(), strict=True))
+            choices = top
         else:
             assert req.sample is not None
             choices = []
