@@ -75,6 +75,9 @@ def test_gpu_check_renders_when_a_cuda_run_is_recorded(tmp_path: Path) -> None:
     assert "Not yet run on a GPU" not in page
     assert "Commit `f00d123`" in page and "NVIDIA H200, 139.8 GiB" in page
     assert "| (b) speed llama-1b | tree, batch 1 | pass | 123.40 | 1.90 |  |" in page
+    assert "| GPU check | passed on NVIDIA H200, 139.8 GiB | `f00d123` |" in bench_docs.headline(
+        tmp_path / "bench"
+    )
 
 
 def test_a_gpu_check_dry_run_on_the_cpu_is_not_a_gpu_result(tmp_path: Path) -> None:

@@ -442,6 +442,11 @@ def headline_rows(bench: Path) -> list[list[Any]]:
                 f"`{report.get('commit', 'unknown')}`",
             ]
         )
+    report = load(bench, GPU_FILE)
+    if report is not None and str(report.get("environment", {}).get("device", "")).startswith("cuda"):
+        record = provenance_of(report)
+        verdict = "passed" if report.get("passed") else "FAILED"
+        rows.append(["GPU check", f"{verdict} on {record['machine']}", f"`{record['commit']}`"])
     return rows
 
 
