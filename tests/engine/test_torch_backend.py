@@ -104,3 +104,21 @@ def test_static_graph_forward_equals_the_eager_forward(pair: tuple, num_candidat
 def test_cuda_graphs_are_refused_on_the_cpu_backend(pair: tuple) -> None:
     with pytest.raises(ValueError, match="torch backend"):
         Engine(pair[0], None, EngineConfig(max_model_len=64, adaptive=False, backend="cpu", cuda_graphs=True))
+
+
+def test_static_graphs_attend_over_a_bucketed_span(pair: tuple) -> None:
+    """Graphs are keyed by the attended span (powers of two from 256), not the whole capacity:
+    sequences crossing 256 tokens switch graphs and decode what the eager forward decodes."""
+    target, draft = pair
+    prompts = random_prompts(33, (240, 20))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    outputs = []
+    for graphs in (False, True):
+        config = EngineConfig(
+            2, 2, max_batch=2, max_model_len=512, adaptive=False, backend="torch", cuda_graphs=graphs
+        )
+        engine = Engine(target, draft, config)
+        outputs.append(decode(engine, prompts, params))
+    spans = {key[2] for key in engine.target.static.graphs}
+    assert {256, 512} <= spans and max(spans) < engine.target.capacity
+    assert outputs[0] == outputs[1]

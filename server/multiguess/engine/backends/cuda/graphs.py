@@ -4,8 +4,8 @@ A GPU forward of a small batch is bound by launching its ~10 kernels per layer, 
 A graph records one forward over static buffers and replays it with one launch. Shapes are
 bucketed: the batch to the next of ``BATCHES`` (rows placed at their cache slots, so the batch
 must hold slots 0..n-1, as the engine keeps them), the node count to the next power of two, and
-attention runs over the whole cache capacity with a bool mask, so one graph serves every
-context length. Padding rows write into free slots and see only themselves; padding nodes of a
+the attended cache span to the next power of two from ``MIN_SPAN`` (a bool mask hides what lies
+past each sequence), so a handful of graphs serves every context length. Padding rows write into free slots and see only themselves; padding nodes of a
 real row write past its tree, where nothing reads before it is written again.
 
 ``StaticForward.run`` returns None where a forward does not fit a bucket (a long prefill, slots
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_WIDTH = 128
+MIN_SPAN = 256
 
 
 def bucket(n: int, sizes: tuple[int, ...], limit: int) -> int | None:
@@ -36,19 +37,20 @@ def bucket(n: int, sizes: tuple[int, ...], limit: int) -> int | None:
     return next((s for s in (*sizes, limit) if n <= s <= limit), None)
 
 
-def widths(limit: int) -> tuple[int, ...]:
-    return tuple(2**i for i in range(limit.bit_length() + 1) if 2**i <= limit)
+def powers_of_two(start: int, limit: int) -> tuple[int, ...]:
+    """``start``, twice that, … up to ``limit`` (``start`` a power of two)."""
+    return tuple(2**i for i in range(start.bit_length() - 1, limit.bit_length() + 1) if 2**i <= limit)
 
 
 class _Graph:
     """One bucket's static inputs, outputs and (on CUDA) its captured graph."""
 
-    def __init__(self, runner: NativeRunner, batch: int, width: int, last_only: bool) -> None:
-        device, capacity = runner.device, runner.capacity
+    def __init__(self, runner: NativeRunner, batch: int, width: int, span: int, last_only: bool) -> None:
+        device = runner.device
         self.tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, width, dtype=torch.long, device=device)
         self.starts = torch.zeros(batch, dtype=torch.long, device=device)
-        self.mask = torch.zeros(batch, 1, width, capacity, dtype=torch.bool, device=device)
+        self.mask = torch.zeros(batch, 1, width, span, dtype=torch.bool, device=device)
         self.logits_at = torch.zeros(batch, dtype=torch.long, device=device) if last_only else None
         self.runner = runner
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -66,10 +68,11 @@ class _Graph:
             heads[None, :, None],
             (self.starts[:, None] + torch.arange(width, device=r.device))[:, None, :],
         )
-        at = Placement(rotary_tables(cos, sin), list(range(batch)), self.starts, self.mask, r.capacity)
+        span = self.mask.shape[-1]
+        at = Placement(rotary_tables(cos, sin), list(range(batch)), self.starts, self.mask, span)
         for i in range(len(r.layers)):
             q = torch_layers.queries_writing_cache(r, i, x, at.rope, where)
-            keys, values = r.cache.read(i, slice(0, batch), r.capacity)
+            keys, values = r.cache.read(i, slice(0, batch), span)
             out = attention(q, keys, values, self.mask, r.attention_scale(i)).to(r.dtype)
             o = r.o[i]
             x = x + r.layers[i].self_attn.o_proj(out) if o is None else o(out, residual=x)
@@ -104,10 +107,11 @@ class StaticForward:
 
     def __init__(self, runner: NativeRunner, max_width: int = MAX_WIDTH) -> None:
         self.runner = runner
-        self.widths = widths(max_width)
+        self.widths = powers_of_two(1, max_width)
+        self.spans = powers_of_two(MIN_SPAN, runner.capacity)
         self.capture = runner.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self.graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self.graphs: dict[tuple[int, int, int, bool], _Graph] = {}
 
     def run(
         self,
@@ -128,10 +132,13 @@ class StaticForward:
             return None
         batch = bucket(n, BATCHES, r.cache.num_slots)
         padded = bucket(width, self.widths, self.widths[-1])
-        if batch is None or padded is None or int(write_from.max()) + padded > r.capacity:
+        if batch is None or padded is None:
             return None
-        key = (batch, padded, logits_at is not None)
-        graph = self.graphs.get(key) or _Graph(self.runner, batch, padded, logits_at is not None)
+        span = bucket(max(length, int(write_from.max()) + padded), self.spans, r.capacity)
+        if span is None:
+            return None
+        key = (batch, padded, span, logits_at is not None)
+        graph = self.graphs.get(key) or _Graph(self.runner, batch, padded, span, logits_at is not None)
         self._fill(graph, rows, prefix_lens, tokens, positions, write_from, visible, logits_at, length)
         if key not in self.graphs:
             if self.capture:
@@ -158,12 +165,12 @@ class StaticForward:
         and nodes that see only themselves."""
         n, width = tokens.shape
         batch, padded = graph.tokens.shape
-        capacity = self.runner.capacity
+        span = graph.mask.shape[-1]
         order = torch.tensor(rows)
         tokens, positions, write_from, visible = (t.cpu() for t in (tokens, positions, write_from, visible))
         starts = torch.zeros(batch, dtype=torch.long)
         starts[:n] = write_from[order]
-        mask = torch.zeros(batch, 1, padded, capacity, dtype=torch.bool)
+        mask = torch.zeros(batch, 1, padded, span, dtype=torch.bool)
         lens = torch.tensor(prefix_lens)[order]
         mask[:n, :, :width, :length] = region_attention_mask(lens, visible[order], length)
         own = starts[:, None] + torch.arange(padded)
