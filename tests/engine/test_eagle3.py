@@ -199,3 +199,21 @@ def test_the_remote_drafter_refuses_eagle3() -> None:
     args = argparse.Namespace(draft_url="ws://127.0.0.1:1/draft", drafter="eagle3")
     with pytest.raises(SystemExit, match="cannot be combined with --draft-url"):
         build_engine(args)
+
+
+def test_eagle3_drafting_stays_on_the_device(small_vocab_target: Path, tmp_path: Path) -> None:
+    """Captured features, the head's cache and its trees meet only tensors of their own device
+    (``tests/fake_device.py``), greedy and sampled, with the same greedy tokens."""
+    from tests.engine.test_device_hygiene import SAMPLED, on_device, token_ids
+
+    head = saved_head(small_vocab_target, tmp_path / "head", seed=16)
+    llm = LLM(str(small_vocab_target), str(head), 3, 3, dtype="float32", drafter="eagle3", adaptive=False)
+    prompts = [[5, 6, 7, 4, 5], [7, 6]]
+    greedy = SamplingParams(max_tokens=10, ignore_eos=True)
+    expected = token_ids(llm.generate(prompts, greedy))
+    got, caught = on_device(llm, lambda: token_ids(llm.generate(prompts, greedy)))
+    assert caught == [] and got == expected
+    for params in SAMPLED:
+        _, caught = on_device(llm, lambda p=params: llm.generate(prompts, p))
+        assert caught == [], params
+    assert llm.engine.totals.fallback_steps == 0 and llm.engine.totals.accepted_tokens > 0

@@ -147,10 +147,12 @@ def run_eagle3(args: argparse.Namespace, target: Path, data: object, training: o
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "distill",
-        help="train a small draft model from a target's own outputs (self-distillation)",
+        help="train a small draft model or an EAGLE-3 head from a target's own outputs (self-distillation)",
         description="Stages: data (the target's greedy replies to a diverse prompt set and its top-k "
-        "distributions over local text, in resumable shards), train (teacher-forced distillation with "
-        "resumable checkpoints), export (bf16 safetensors + tokenizer + eval.json + provenance). "
+        "distributions over local text, in resumable shards; with --method eagle3 also the target's "
+        "hidden states at the head's layers), train (teacher-forced distillation, or training-time "
+        "test for a head, with resumable checkpoints), export (bf16 safetensors + eval.json + "
+        "provenance; a draft also gets the tokenizer, a head the LlamaForCausalLMEagle3 layout). "
         "Rerunning the same command resumes.",
     )
     parser.add_argument(
