@@ -21,8 +21,9 @@ import kubernetes.config
 import pytest
 from kopf._cogs.aiokits.aioenums import FlagSetter  # what kopf hands a daemon as ``stopped``
 from kopf.testing import KopfRunner
+from multiguess_operator.autoscaler import loop
 from multiguess_operator.handlers import autoscale
-from multiguess_operator.resources import DRAFT_PORT, selector
+from multiguess_operator.resources import selector
 
 from tests.operator.conftest import DEPLOYMENTS, PODS, SPECDEPLOYS, Cluster, eventually
 from tests.operator.exporters import DraftExporter, Exporter, draft_exporter, exporter, free_port
@@ -246,11 +247,13 @@ async def test_a_paused_autoscaler_holds_no_task_that_can_fail_the_operator_stop
 
 
 async def test_the_draft_pool_scales_on_its_busy_time_and_on_the_targets_fallbacks(
-    cluster: Cluster, operator: KopfRunner
+    cluster: Cluster, operator: KopfRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Busy drafts → more drafts; drafts that look idle while the targets time out on them and
     decode plainly → more drafts; fallbacks from a broken connection → not a reason to scale."""
-    port = free_port()
+    port, draft_port = free_port(), free_port()
+    # Draft pods serve on DRAFT_PORT; a draft server on this machine may hold it on every address.
+    monkeypatch.setattr(loop, "DRAFT_PORT", draft_port)
     draft = {
         **specdeploy("demo")["spec"]["draft"],
         "autoscaling": {
@@ -266,8 +269,8 @@ async def test_the_draft_pool_scales_on_its_busy_time_and_on_the_targets_fallbac
     body = specdeploy("demo", replicas=1, draft=draft, serving={"port": port})
     with (
         exporter("127.0.0.42", port) as target,
-        draft_exporter("127.0.0.44", DRAFT_PORT) as first,
-        draft_exporter("127.0.0.45", DRAFT_PORT),
+        draft_exporter("127.0.0.44", draft_port) as first,
+        draft_exporter("127.0.0.45", draft_port),
     ):
         await cluster.create(PODS, target_pod("demo-target-a", "127.0.0.42"))
         await cluster.create(PODS, target_pod("demo-draft-a", "127.0.0.44", "draft"))
