@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from multiguess.engine.acceptance import Acceptance
+from multiguess.engine.padding import padded_groups
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.sampling import Generators, Processing, draw_without_replacement, processed_probs
 from multiguess.engine.tree import TokenTree
@@ -181,7 +182,15 @@ class ModelDrafter:
         slots = [r.slot for r in requests]
         starts = [self.cached.get(r.slot, 0) for r in requests]
         chunks = [TokenTree.chain(r.token_ids[s:]) for r, s in zip(requests, starts, strict=True)]
-        logits = self.runner.forward_trees(slots, starts, chunks, last_only=True)
+        groups = padded_groups([len(c) for c in chunks], self.runner.capacity)  # runs, in order
+        logits = torch.cat(
+            [
+                self.runner.forward_trees(
+                    [slots[i] for i in g], [starts[i] for i in g], [chunks[i] for i in g], last_only=True
+                )
+                for g in groups
+            ]
+        )
         prefixes = [len(r.token_ids) for r in requests]
         for r, n in zip(requests, prefixes, strict=True):
             self.cached[r.slot] = n

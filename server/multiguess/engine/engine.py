@@ -29,6 +29,7 @@ from multiguess.engine.drafter import Drafter, DraftRequest, ModelDrafter, Propo
 from multiguess.engine.logprobs import step_logprobs
 from multiguess.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION, check_utilization
 from multiguess.engine.memory_probe import fit_to_memory
+from multiguess.engine.padding import padded_groups
 from multiguess.engine.penalties import node_logits
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.sampling import Generators, Processing, processed_probs
@@ -298,16 +299,17 @@ class Engine:
             seq.slot = len(self.running) + len(admitted)  # the lowest free slot (see _retire)
             admitted.append(seq)
         prefill = [s for s in admitted if len(s.prompt_ids) > 1]
-        if prefill:
-            capture = self._feature_layers()
+        capture = self._feature_layers() if prefill else ()
+        for group in padded_groups([len(s.prompt_ids) - 1 for s in prefill], self.config.max_model_len):
+            seqs = [prefill[i] for i in group]
             out = self.target.forward_trees(
-                [s.slot for s in prefill],
-                [0] * len(prefill),
-                [TokenTree.chain(s.prompt_ids[:-1]) for s in prefill],
+                [s.slot for s in seqs],
+                [0] * len(seqs),
+                [TokenTree.chain(s.prompt_ids[:-1]) for s in seqs],
                 last_only=True,
                 capture=capture,
             )
-            for b, seq in enumerate(prefill if capture else []):
+            for b, seq in enumerate(seqs if capture else []):
                 self._hand_features(seq, 0, out.features[b, : len(seq.prompt_ids) - 1])
         for seq in admitted:
             seq.cache_len = len(seq.prompt_ids) - 1

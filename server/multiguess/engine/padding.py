@@ -1,0 +1,23 @@
+"""Splitting a batch of token chains into forwards whose padded size stays within a budget."""
+
+from __future__ import annotations
+
+
+def padded_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices of ``lengths``, in order, in runs whose padded size (longest × count) stays within
+    ``budget`` tokens: one forward each. Chains of a forward are padded to its longest, so a
+    batch of new prompts prefilled together would cost (in activations) a prefill of
+    longest × count tokens; the memory plan measured one of ``budget``. A longer chain is a run
+    of its own."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if current and max(longest, n) * (len(current) + 1) > budget:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, n)
+    if current:
+        groups.append(current)
+    return groups

@@ -1,0 +1,42 @@
+"""Prefills split so that no forward pads past the budget the memory plan measured."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from multiguess import SamplingParams
+from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.engine.padding import padded_groups
+from multiguess.models.loading import load_model
+
+from tests.engine.test_device_hygiene import decode
+from tests.engine.test_lossless import random_prompts
+
+
+def test_runs_keep_order_and_stay_within_the_padded_budget() -> None:
+    lengths = [10, 30, 5, 100, 3, 3, 3]
+    groups = padded_groups(lengths, 64)
+    assert [i for g in groups for i in g] == list(range(len(lengths)))
+    assert groups == [[0, 1], [2], [3], [4, 5, 6]]
+    for group in groups:
+        if len(group) > 1:
+            assert max(lengths[i] for i in group) * len(group) <= 64
+
+
+def test_everything_fits_in_one_forward_when_the_budget_allows() -> None:
+    assert padded_groups([4, 8, 2], 24) == [[0, 1, 2]]
+    assert padded_groups([], 8) == []
+
+
+def test_split_prefills_decode_what_each_prompt_decodes_alone(
+    tiny_llama: Path, tiny_llama_draft: Path
+) -> None:
+    """Prompts whose padded prefill exceeds max_model_len are prefilled (target) and caught up
+    (draft) in several forwards; the output is what each decodes alone, token for token."""
+    target, draft = load_model(str(tiny_llama), "float32"), load_model(str(tiny_llama_draft), "float32")
+    prompts = random_prompts(41, (90, 80, 70, 5))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    config = EngineConfig(3, 3, max_batch=4, max_model_len=128, adaptive=False)
+    alone = [decode(Engine(target, None, config), [p], params)[0] for p in prompts]
+    assert padded_groups([len(p) - 1 for p in prompts], config.max_model_len) != [[0, 1, 2, 3]]
+    assert decode(Engine(target, draft, config), prompts, params) == alone
