@@ -87,7 +87,6 @@ def load_model(
     dtype: str = "auto",
     device: str = "auto",
     quantization: str = "none",
-    device_map: str | dict | None = None,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer from a local folder or a hub id.
 
@@ -106,12 +105,11 @@ def load_model(
     if quantization == "int8" and not device.startswith("cpu"):
         raise ValueError("int8 dynamic quantization runs on the CPU only; use quantization='none'")
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, device_map=device_map)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load model {name!r}: {exc}") from exc
-    if device_map is None:
-        model.to(device)
+    model.to(device)
     model.eval()
     if quantization == "int8":
         model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
