@@ -110,21 +110,27 @@ SETTINGS = {
 # (num_candidates, depth); "wide" offers every token of the vocabulary as a child; "subset"
 # drafts over a draft vocabulary of half the tokens (q is zero on the others).
 SHAPES = {"chain": (1, 2), "wide": (8, 1), "tree": (3, 2), "bushy": (4, 2), "ngram": (3, 2), "subset": (3, 2)}
-CASES = [(shape, "t1") for shape in ("chain", "wide", "tree", "bushy", "subset")] + [
-    ("tree", "t0.6-topk5"),
-    ("tree", "t1.3-topp0.8"),
-    ("bushy", "t1-penalized"),  # every node's counts include its ancestors' tokens
-    ("ngram", "t1"),  # deterministic children: q is a point mass
+# Unseeded samples go through multi-draft speculative sampling; seeded ones draw each token
+# with a uniform fixed by seed and position and are verified like greedy output.
+CASES = [(shape, "t1", False) for shape in ("chain", "wide", "tree", "bushy", "subset")] + [
+    ("tree", "t0.6-topk5", False),
+    ("tree", "t1.3-topp0.8", False),
+    ("bushy", "t1-penalized", False),  # every node's counts include its ancestors' tokens
+    ("ngram", "t1", False),  # deterministic children: q is a point mass
+    ("chain", "t1", True),
+    ("bushy", "t1.3-topp0.8", True),
+    ("tree", "t1-penalized", True),
 ]
 
 
-@pytest.mark.parametrize(("shape", "setting"), CASES)
+@pytest.mark.parametrize(("shape", "setting", "seeded"), CASES)
 def test_speculative_sampling_matches_the_target_exactly(
-    small_vocab_pair: tuple[Path, Path], shape: str, setting: str
+    small_vocab_pair: tuple[Path, Path], shape: str, setting: str, seeded: bool
 ) -> None:
     target, draft = small_vocab_pair
     num_candidates, depth = SHAPES[shape]
-    params = SamplingParams(max_tokens=LENGTH, ignore_eos=True, n=SAMPLES, seed=17, **SETTINGS[setting])
+    seed = 17 if seeded else None
+    params = SamplingParams(max_tokens=LENGTH, ignore_eos=True, n=SAMPLES, seed=seed, **SETTINGS[setting])
     drafter, draft_dir = ("ngram", None) if shape == "ngram" else ("model", str(draft))
     if shape == "subset":
         draft_dir = str(with_draft_vocab(draft, [1, 4, 6, 7]))

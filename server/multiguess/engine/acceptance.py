@@ -2,7 +2,10 @@
 
 Both rules walk the tree from the root. Greedy follows the child equal to the target's argmax.
 Sampling follows multi-draft speculative sampling (see ``accept_sampled``), which keeps the
-output distribution exactly the target's whatever the draft proposed.
+output distribution exactly the target's whatever the draft proposed. A seeded sample draws
+each token from the target's distribution with a uniform fixed by its seed and position
+(``seeded_choices``); that makes its output a function of the seed alone, so it is verified
+like greedy output: token-identical to plain seeded decoding whatever tree was drafted.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from multiguess.engine.sampling import draw
+from multiguess.engine.sampling import draw, draws_at, position_uniform
 from multiguess.engine.tree import TokenTree
 
 
@@ -68,7 +71,10 @@ def accept_sampled(
                 q = torch.zeros_like(p)
                 q[x] = 1.0
             assert q is not None
-            if q[x] > 0 and torch.rand((), generator=generator, dtype=torch.float64, device=p.device) * q[x] < p[x]:
+            if (
+                q[x] > 0
+                and torch.rand((), generator=generator, dtype=torch.float64, device=p.device) * q[x] < p[x]
+            ):
                 chosen = child
                 break
             residual = torch.clamp(p - q, min=0.0)
@@ -85,3 +91,9 @@ def accept_sampled(
             return Acceptance(path, [tree.tokens[i] for i in path[1:]] + [bonus])
         node = chosen
         path.append(node)
+
+
+def seeded_choices(target_probs: torch.Tensor, tree: TokenTree, seed: int, length: int) -> list[int]:
+    """The token a seeded sample takes after each node of ``tree``, whose root is token
+    ``length - 1`` of the sequence: node ``i`` chooses token ``length + depth(i)``."""
+    return draws_at(target_probs, [position_uniform(seed, length + d) for d in tree.depths])

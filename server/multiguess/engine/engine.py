@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from multiguess.engine.acceptance import Acceptance, accept_greedy, accept_sampled
+from multiguess.engine.acceptance import Acceptance, accept_greedy, accept_sampled, seeded_choices
 from multiguess.engine.adaptive import (
     AdaptivePolicy,
     CostMeter,
@@ -254,6 +254,9 @@ class Engine:
         for b, (seq, proposal) in enumerate(zip(batch, proposals, strict=True)):
             if seq.params.greedy:
                 acceptance = accept_greedy(proposal.tree, rows[b].argmax(dim=-1).tolist())
+            elif seq.params.seed is not None:  # the seed alone fixes its output: verified like greedy
+                choices = seeded_choices(target_probs[b], proposal.tree, seq.params.seed, len(seq.token_ids))
+                acceptance = accept_greedy(proposal.tree, choices)
             else:
                 acceptance = accept_sampled(
                     proposal.tree,
@@ -442,10 +445,10 @@ class Engine:
 
 
 def fixed_tree(params: SamplingParams) -> bool:
-    """Whether a request drafts its own fixed tree instead of the policy's: it set one, or it
-    is a seeded sample, whose output must not depend on timing or on the batch it shares."""
-    overridden = params.depth is not None or params.num_candidates is not None
-    return overridden or (params.seed is not None and not params.greedy)
+    """Whether a request drafts its own fixed tree instead of the policy's: it set one. A
+    seeded sample follows the policy too: its output does not depend on the trees drafted
+    (``acceptance.seeded_choices``), so timing and batch neighbours cannot change it."""
+    return params.depth is not None or params.num_candidates is not None
 
 
 def processing(params: SamplingParams) -> Processing:

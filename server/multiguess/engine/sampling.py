@@ -69,7 +69,9 @@ def _truncated(
     out = logits.new_zeros(logits.shape, dtype=torch.float64).scatter_(-1, order, probs)
     if not bool(settled.all()):
         rest = (~settled).nonzero()[:, 0]
-        out[rest] = _truncated(logits[rest], temperature[rest], top_k[rest], top_p[rest], widest_k, widths[1:])
+        out[rest] = _truncated(
+            logits[rest], temperature[rest], top_k[rest], top_p[rest], widest_k, widths[1:]
+        )
     return out
 
 
@@ -166,6 +168,20 @@ def draw_without_replacement(probs: torch.Tensor, count: int, generator: torch.G
         picks.append(token)
         left[token] = 0.0
     return picks
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1) that depends on the seed and the token's position in the sequence
+    only: the same on every device, whatever else was drawn before."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return (int.from_bytes(digest) >> 11) / 2**53
+
+
+def draws_at(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
+    """Row ``i`` of ``probs`` drawn by the inverse CDF at ``uniforms[i]``."""
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    u = torch.tensor(uniforms, dtype=torch.float64, device=probs.device)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)[:, 0].tolist()
 
 
 class Generators:

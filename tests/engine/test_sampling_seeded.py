@@ -1,0 +1,58 @@
+"""A seeded sample is a function of its seed: speculation (any tree, chain, batch, adaptive
+or not) reproduces plain seeded decoding token for token. Its exactness in distribution is
+tested with the other samplers in test_sampling_exact.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from multiguess import LLM, SamplingParams
+from multiguess.engine.acceptance import seeded_choices
+from multiguess.engine.sampling import position_uniform
+from multiguess.engine.tree import TokenTree
+
+from tests.engine.test_lossless import random_prompts
+
+SEEDED = dict(max_tokens=24, ignore_eos=True, temperature=0.9, top_p=0.95, seed=7, n=2)
+PENALIZED = dict(SEEDED, presence_penalty=0.5, repetition_penalty=1.2, top_k=20)
+
+
+def token_ids(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    return [o.token_ids for out in llm.generate(prompts, params) for o in out.outputs]
+
+
+@pytest.mark.parametrize("settings", [SEEDED, PENALIZED], ids=["seeded", "penalized"])
+@pytest.mark.parametrize(("num_candidates", "depth"), [(1, 4), (3, 4), (4, 2)])
+def test_seeded_speculation_equals_plain_seeded_decoding(
+    tiny_llama: Path, tiny_llama_draft: Path, settings: dict, num_candidates: int, depth: int
+) -> None:
+    prompts = random_prompts(21, (3, 12, 40))
+    params = SamplingParams(**settings)  # type: ignore[arg-type]
+    spec = LLM(str(tiny_llama), str(tiny_llama_draft), num_candidates, depth, dtype="float32", adaptive=False)
+    expected = token_ids(LLM(str(tiny_llama), None, dtype="float32"), prompts, params)
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for out in outs for o in out.outputs] == expected
+    assert sum(o.stats["accepted_tokens"] for out in outs for o in out.outputs) > 0
+    assert len({tuple(ids) for ids in expected}) == len(expected), "samples of one prompt must differ"
+
+
+def test_seeded_output_does_not_depend_on_the_policy_or_the_batch(
+    tiny_llama: Path, tiny_llama_draft: Path
+) -> None:
+    prompts = random_prompts(22, (5, 17, 33, 8))
+    params = SamplingParams(**SEEDED)  # type: ignore[arg-type]
+    expected = token_ids(LLM(str(tiny_llama), None, dtype="float32"), prompts, params)
+    adaptive = LLM(str(tiny_llama), str(tiny_llama_draft), 3, 4, dtype="float32", adaptive=True, max_batch=3)
+    assert token_ids(adaptive, prompts, params) == expected
+    one_by_one = [ids for prompt in prompts for ids in token_ids(adaptive, [prompt], params)]
+    assert one_by_one == expected
+
+
+def test_a_node_draws_with_the_uniform_of_its_position() -> None:
+    probs = torch.tensor([[0.5, 0.5], [0.5, 0.5], [0.5, 0.5]], dtype=torch.float64)
+    tree = TokenTree((0, 1, 0), (-1, 0, 0))  # two children of the root: both at position 11
+    choices = seeded_choices(probs, tree, seed=3, length=10)
+    assert choices == [int(position_uniform(3, 10) >= 0.5), *[int(position_uniform(3, 11) >= 0.5)] * 2]
+    assert len({position_uniform(s, p) for s in range(20) for p in range(20)}) == 400
