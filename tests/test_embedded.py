@@ -57,6 +57,30 @@ def test_existing_cache_is_reused_untouched(tmp_path: Path) -> None:
     assert (int8.target, int8.draft, int8.draft_quantization) == (models.target, models.target, "int8")
 
 
+def test_a_pod_finds_the_baked_pair_behind_its_cache_volume(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The operator mounts a cache volume (MULTIGUESS_CACHE_DIR) over an image that baked the
+    embedded pair and the kernels read-only (MULTIGUESS_CACHE): both are found, nothing is
+    converted again, and new files would go to the volume."""
+    monkeypatch.setenv("MULTIGUESS_CACHE_DIR", str(tmp_path / "volume"))
+    monkeypatch.setenv("MULTIGUESS_CACHE", str(tmp_path / "baked"))
+    assert embedded.cache_roots() == [tmp_path / "volume", tmp_path / "baked"]
+    assert embedded.cache_root() == tmp_path / "volume"
+    fake_model_dir(tmp_path / "baked" / embedded.TARGET_DIRNAME)
+    assert embedded.prepare_target() == tmp_path / "baked" / embedded.TARGET_DIRNAME
+    assert not (tmp_path / "volume").exists()
+
+    from multiguess.engine.backends.cpu import bf16_kernel
+
+    built = bf16_kernel.compiled_path()
+    assert built.parent == tmp_path / "volume" / "kernels"
+    baked = tmp_path / "baked" / "kernels" / built.name
+    baked.parent.mkdir(parents=True)
+    baked.write_bytes(b"")
+    assert bf16_kernel.compiled_path() == baked
+
+
 def test_incomplete_folder_is_not_a_draft(tmp_path: Path) -> None:
     assert embedded.shipped_draft(tmp_path) is None
     fake_model_dir(tmp_path / "d")

@@ -33,11 +33,19 @@ class EmbeddedModels:
     dtype: str
 
 
+def cache_roots() -> list[Path]:
+    """Where prepared files (converted models, compiled kernels) are looked for, in order:
+    ``$MULTIGUESS_CACHE_DIR`` (the cache volume the operator mounts on pods), ``$MULTIGUESS_CACHE``
+    (the image bakes the embedded pair and the kernels there, read-only), else
+    ``~/.cache/multiguess``. New files go to the first."""
+    configured = [os.environ.get(name) for name in ("MULTIGUESS_CACHE_DIR", "MULTIGUESS_CACHE")]
+    roots = [Path(c).expanduser() for c in configured if c]
+    return list(dict.fromkeys(roots)) or [Path.home() / ".cache" / "multiguess"]
+
+
 def cache_root() -> Path:
-    """Where converted models live: ``$MULTIGUESS_CACHE_DIR`` (what the operator sets on pods),
-    ``$MULTIGUESS_CACHE``, or ``~/.cache/multiguess``."""
-    configured = os.environ.get("MULTIGUESS_CACHE_DIR") or os.environ.get("MULTIGUESS_CACHE")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "multiguess"
+    """Where new prepared files are written (``cache_roots``' first)."""
+    return cache_roots()[0]
 
 
 def locate_target_gguf() -> Path:
@@ -91,7 +99,8 @@ def convert_gguf(gguf: Path, destination: Path) -> None:
 
 def prepare_target(cache: Path | None = None) -> Path:
     """The target's safetensors folder, converting it from the GGUF on first use."""
-    folder = (cache or cache_root()) / TARGET_DIRNAME
+    prepared = [root / TARGET_DIRNAME for root in ([cache] if cache else cache_roots())]
+    folder = next((f for f in prepared if is_complete_model_dir(f)), prepared[0])
     if not is_complete_model_dir(folder):
         gguf = locate_target_gguf()
         print(f"multiguess: converting {gguf.name} to safetensors in {folder} (once, ~20 s)", file=sys.stderr)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from multiguess.models.embedded import cache_root
+from multiguess.models.embedded import cache_roots
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +53,11 @@ def cpu_has_avx512_bf16() -> bool:
 
 
 def compiled_path() -> Path:
-    """Where the library for this source and these flags lives in the cache folder."""
+    """Where the library for this source and these flags is: the first cache folder that has
+    it (an image bakes it in a read-only one), else where it is built, in the first folder."""
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return cache_root() / "kernels" / f"bf16_kernels-{digest}.so"
+    places = [root / "kernels" / f"bf16_kernels-{digest}.so" for root in cache_roots()]
+    return next((p for p in places if p.exists()), places[0])
 
 
 def find_compiler() -> str | None:
