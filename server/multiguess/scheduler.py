@@ -49,6 +49,10 @@ class EngineFailure(Exception):
     """The engine failed or stopped while the request ran."""
 
 
+class ShuttingDown(EngineFailure):
+    """The shutdown grace period ran out before the request finished."""
+
+
 @dataclass(frozen=True)
 class Sample:
     prompt_ids: list[int]
@@ -201,6 +205,15 @@ class Scheduler:
         if not job.done:
             self._commands.put(("abort", job, None))
 
+    @property
+    def idle(self) -> bool:
+        """No admitted request is still running (a drain can end)."""
+        return self._in_flight == 0
+
+    def expire(self, message: str) -> None:
+        """End every running request now with ``ShuttingDown`` (the drain's grace ran out)."""
+        self._commands.put(("expire", None, ShuttingDown(message)))
+
     def drain(self) -> None:
         """Stop admitting (SIGTERM); requests already admitted run to completion."""
         if self.state in ("loading", "ready"):
@@ -255,8 +268,11 @@ class Scheduler:
                 kind, job, done = command
                 if kind == "add":
                     self._add(engine, job, done)
+                elif kind == "expire":  # its third item is the error to end requests with
+                    self._fail_all(engine, done)
                 else:
                     self._abort(engine, job.id)
+                    self._count(engine)
             if engine.has_unfinished():
                 self._step(engine)
 
@@ -289,6 +305,7 @@ class Scheduler:
         for i, seq in enumerate(sequences):
             self._owner[seq.request_id] = (tracked, i)
         self.metrics.prompt_tokens.inc(sum(len(s.prompt_ids) for s in job.samples))
+        self._count(engine)
         done.set_result(None)
 
     def _abort(self, engine: Engine, job_id: str) -> None:
@@ -336,6 +353,10 @@ class Scheduler:
                 if not tracked.unfinished:
                     del self._tracked[tracked.job.id]
                     self.metrics.e2e.observe(now - tracked.job.submitted)
+        self._count(engine)
+
+    def _count(self, engine: Engine) -> None:
+        """The gauges the autoscaler reads: set after every change, not at the next step."""
         self.metrics.running.set(len(engine.running))
         self.metrics.waiting.set(len(engine.waiting))
 
@@ -354,8 +375,7 @@ class Scheduler:
         for job_id, tracked in list(self._tracked.items()):
             self._abort(engine, job_id)
             self._post(tracked.job, error)
-        self.metrics.running.set(len(engine.running))
-        self.metrics.waiting.set(len(engine.waiting))
+        self._count(engine)
 
     def _post(self, job: Job, item: Event | Exception) -> None:
         assert self._loop is not None

@@ -157,17 +157,6 @@ def test_generate_endpoint(server: LiveServer, offline: LLM) -> None:
     }
 
 
-def test_generate_reads_json_sent_as_a_form(server: LiveServer, offline: LLM) -> None:
-    """``curl -d '{...}' /generate`` sends a form content type; the body is JSON all the same."""
-    form = {"content-type": "application/x-www-form-urlencoded"}
-    with server.client() as client:
-        resp = client.post("/generate", content=b'{"prompt": "w5 w6", "max_tokens": 9}', headers=form)
-        broken = client.post("/generate", content=b"prompt=w5", headers=form)
-    assert resp.status_code == 200
-    assert resp.json()["result"] == expected(offline, "w5 w6", max_tokens=9)[0]
-    assert broken.status_code == 400 and "error" in broken.json()
-
-
 def test_models_and_health(server: LiveServer, oai: openai.OpenAI) -> None:
     assert [m.id for m in oai.models.list()] == [MODEL]
     with server.client() as client:

@@ -182,12 +182,16 @@ def free_port() -> int:
 
 @pytest.mark.slow  # two real processes importing torch: ~15 s on an idle machine, ~50 s on a busy one
 def test_serve_draft_and_serve_as_the_operator_runs_them(
-    tiny_llama: Path, tiny_llama_draft: Path, truth: Callable
+    tiny_llama: Path, tiny_llama_draft: Path, truth: Callable, tmp_path: Path
 ) -> None:
     """Both commands as real processes, configured by the operator's environment variables
-    (``placement: separate``): exact output, drafted remotely, both sides' metrics."""
+    (``placement: separate``, the deployment's draft secret mounted as a file in both pools):
+    exact output, drafted remotely, both sides' metrics."""
     draft_port, target_port = free_port(), free_port()
+    secret = tmp_path / "draft-secret"
+    secret.write_text("generated-per-deployment\n")
     common = {
+        "MULTIGUESS_DRAFT_SECRET_FILE": str(secret),
         "MULTIGUESS_DTYPE": "float32",
         "MULTIGUESS_HOST": "127.0.0.1",
         "MULTIGUESS_LOG_LEVEL": "warning",
@@ -225,6 +229,7 @@ def test_serve_draft_and_serve_as_the_operator_runs_them(
         draft_metrics = httpx.get(f"{draft_url}/metrics").text
         assert metric_value(draft_metrics, "multiguess_draft_requests_total") > 0
         assert metric_value(draft_metrics, "multiguess_draft_connections") == 1
+        assert metric_value(draft_metrics, "multiguess_draft_auth_failures_total") == 0
     finally:
         for process in processes:
             process.terminate()

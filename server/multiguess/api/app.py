@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -13,11 +13,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from multiguess.api import errors
+from multiguess.api.gate import OPEN_PATHS, RequestGate
 from multiguess.api.generation import router as generation_router
 from multiguess.api.schemas import ModelCard, ModelList
 from multiguess.engine.engine import Engine
 from multiguess.metrics import Metrics
 from multiguess.scheduler import Scheduler
+
+MAX_BODY = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,9 @@ class ServerSettings:
     max_queue: int = 64
     request_timeout: float = 600.0
     warmup: bool = True
+    max_body: int = MAX_BODY  # bytes of one request body at most (413 beyond)
+    api_key: str | None = field(default=None, repr=False)  # Bearer key for all but health (and metrics)
+    protect_metrics: bool = False  # /metrics needs the API key too
 
 
 def readiness(scheduler: Scheduler) -> tuple[int, dict[str, str]]:
@@ -39,19 +45,18 @@ def readiness(scheduler: Scheduler) -> tuple[int, dict[str, str]]:
     return 200, {"status": "ready"}
 
 
-class JsonBodies:
-    """Read every POST body as JSON, whatever its content type: every body this API takes is
-    JSON, and ``curl -d '{"prompt": ...}' /generate`` (the original guide's call) sends it as a
-    form. Without this such a request fails with a puzzling validation error."""
+def without_validation_status(build: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    """FastAPI lists 422 for every body; this API answers invalid bodies with 400 (as OpenAI
+    does), so the document must not promise a status that is never returned."""
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
+    def document() -> dict[str, Any]:
+        schema = build()
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        return schema
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
-            scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
-        await self.app(scope, receive, send)
+    return document
 
 
 def create_app(load: Callable[[], Engine], settings: ServerSettings | None = None) -> FastAPI:
@@ -74,8 +79,12 @@ def create_app(load: Callable[[], Engine], settings: ServerSettings | None = Non
     app.state.settings = settings
     app.state.metrics = metrics
     errors.install(app)
-    app.add_middleware(JsonBodies)
-    app.include_router(generation_router)
+    open_paths = OPEN_PATHS if settings.protect_metrics else OPEN_PATHS | {"/metrics"}
+    app.add_middleware(
+        RequestGate, max_body=settings.max_body, api_key=settings.api_key, open_paths=open_paths
+    )
+    app.include_router(generation_router, responses=errors.GENERATION_ERRORS)
+    app.openapi = without_validation_status(app.openapi)
 
     @app.get("/health/live", responses={503: {"description": "the engine failed; restart"}})
     async def live(request: Request) -> JSONResponse:
@@ -89,13 +98,13 @@ def create_app(load: Callable[[], Engine], settings: ServerSettings | None = Non
         status, body = readiness(request.app.state.scheduler)
         return JSONResponse(body, status_code=status)
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, responses=errors.error_responses(401))
     async def models(request: Request) -> Any:
         engine = request.app.state.scheduler.engine
         max_len = engine.config.max_model_len if engine else 0
         return ModelList(data=[ModelCard(id=settings.model_name, created=created, max_model_len=max_len)])
 
-    @app.get("/metrics", response_class=Response)
+    @app.get("/metrics", response_class=Response, responses=errors.error_responses(401))
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

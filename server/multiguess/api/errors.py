@@ -14,22 +14,49 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from multiguess.errors import InvalidRequestError
-from multiguess.scheduler import EngineFailure, NotReady, Overloaded, RequestTimeout
+from multiguess.scheduler import EngineFailure, NotReady, Overloaded, RequestTimeout, ShuttingDown
 
 log = logging.getLogger(__name__)
 
 ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
     504: "timeout_error",
 }
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body, as the OpenAPI document lists it."""
+
+    error: ErrorDetail
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for the error statuses an operation really returns."""
+    return {status: {"model": ErrorResponse, "description": HTTPStatus(status).phrase} for status in statuses}
+
+
+# What a generation endpoint may answer besides 200 (the gate's, validation's, admission's,
+# the engine's): the document lists them so that clients and fuzzers know them.
+GENERATION_ERRORS = error_responses(400, 401, 404, 413, 415, 429, 500, 503, 504)
 
 
 class APIError(Exception):
@@ -65,6 +92,8 @@ def from_exception(exc: Exception) -> APIError:
         return APIError(503, str(exc), code="not_ready", headers={"Retry-After": "5"})
     if isinstance(exc, RequestTimeout):
         return APIError(504, str(exc), code="request_timeout")
+    if isinstance(exc, ShuttingDown):
+        return APIError(503, str(exc), code="shutting_down")
     if isinstance(exc, EngineFailure):
         return APIError(500, str(exc), code="engine_failure")
     log.error("unexpected error", exc_info=exc)

@@ -11,11 +11,12 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
 
 from multiguess.api import sse
 from multiguess.api.errors import APIError, error_body, from_exception
@@ -52,10 +53,17 @@ STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"content": {"text/event-stream": {}}, "description": "JSON, or server-sent events when streaming"}
 }
 ChunkFn = Callable[[Event], dict[str, Any] | None]
+T = TypeVar("T")
 
 
 class ClientGone(Exception):
     """The client closed the connection before the response was ready."""
+
+
+async def off_loop(tokenize: Callable[..., T], *args: Any) -> T:
+    """Tokenizing a long prompt takes seconds: in a worker thread, so that health checks and
+    running streams are answered meanwhile."""
+    return await run_in_threadpool(tokenize, *args)
 
 
 def scheduler_of(request: Request) -> Scheduler:
@@ -178,7 +186,7 @@ def header(kind: str, model: str) -> dict[str, Any]:
 async def completions(body: CompletionRequest, request: Request) -> Any:
     model = check_model(request, body.model)
     scheduler = scheduler_of(request)
-    prompts = completion_prompts(body, scheduler.engine.tokenizer)  # type: ignore[union-attr]
+    prompts = await off_loop(completion_prompts, body, scheduler.engine.tokenizer)  # type: ignore[union-attr]
     tokenizer = scheduler.engine.tokenizer  # type: ignore[union-attr]
     logprobs, best_of = completion_options(body)
     samples = build_samples(scheduler, body, prompts, body.max_tokens, best_of, logprobs)
@@ -239,7 +247,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     model = check_model(request, body.model)
     scheduler = scheduler_of(request)
-    prompt = chat_prompt(body.messages, scheduler.engine.tokenizer)  # type: ignore[union-attr]
+    prompt = await off_loop(chat_prompt, body.messages, scheduler.engine.tokenizer)  # type: ignore[union-attr]
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     top = chat_logprobs(body)
     samples = build_samples(scheduler, body, [prompt], max_tokens, body.n, top)
@@ -320,9 +328,9 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     scheduler = scheduler_of(request)
     tokenizer = scheduler.engine.tokenizer  # type: ignore[union-attr]
     if body.chat:
-        prompt = chat_prompt([ChatMessage(role="user", content=body.prompt)], tokenizer)
+        prompt = await off_loop(chat_prompt, [ChatMessage(role="user", content=body.prompt)], tokenizer)
     else:
-        prompt = tokenizer.encode(body.prompt)
+        prompt = await off_loop(tokenizer.encode, body.prompt)
     samples = build_samples(scheduler, body, [prompt], body.max_tokens, 1)
     try:
         outcome = await run_collected(request, scheduler, samples, 1)

@@ -12,14 +12,24 @@ import argparse
 import contextlib
 import logging
 import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from multiguess.commands.engine_args import add_engine_args, add_flag, build_llm, configure_threads
+from multiguess.commands.engine_args import (
+    add_engine_args,
+    add_flag,
+    add_switch,
+    build_llm,
+    configure_threads,
+)
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+ANSWER_SECONDS = 5  # after the grace: time for the 503s and error events to reach the clients
+MAX_BODY = 4 * 1024 * 1024  # the API's default (multiguess.api.app.MAX_BODY), without importing it
 
 
 def log_level(text: str) -> str:
@@ -80,23 +90,60 @@ def build_engine(args: argparse.Namespace, registry: Any = None) -> Any:
     return engine
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """``--api-key`` or the contents of ``--api-key-file`` (one trailing newline dropped)."""
+    from multiguess.remote.handshake import load_secret
+
+    try:
+        key = load_secret(args.api_key, args.api_key_file, flag="--api-key")
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"multiguess serve: {exc}") from None
+    return key.decode() if key is not None else None
+
+
 def make_server(args: argparse.Namespace) -> Any:
     import uvicorn
 
     from multiguess.api import ServerSettings, create_app
 
-    settings = ServerSettings(served_name(args), args.max_queue, args.request_timeout)
+    settings = ServerSettings(
+        served_name(args),
+        args.max_queue,
+        args.request_timeout,
+        max_body=args.max_body_size,
+        api_key=api_key(args),
+        protect_metrics=args.protect_metrics,
+    )
     app = create_app(lambda: build_engine(args, app.state.metrics.registry), settings)
 
     class DrainingServer(uvicorn.Server):
-        """On SIGTERM/SIGINT: readiness fails and new requests get 503 at once, in-flight ones
-        finish (up to the grace period), then the process exits 0 instead of re-raising."""
+        """On SIGTERM/SIGINT: readiness fails and new requests get 503 at once, while the port
+        stays open (a new connection is answered 503, not refused); in-flight requests finish
+        within ``--shutdown-grace``, and those still running then end with a 503 in the API's
+        error shape (streams: an error event). Then uvicorn stops and the process exits 0."""
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             scheduler = getattr(app.state, "scheduler", None)
-            if scheduler is not None:
-                scheduler.drain()
-            super().handle_exit(sig, frame)
+            if scheduler is None or scheduler.state == "draining":  # not started, or a second signal
+                super().handle_exit(sig, frame)
+                return
+            scheduler.drain()
+            threading.Thread(
+                target=self.drain, args=(scheduler,), name="multiguess-drain", daemon=True
+            ).start()
+
+        def drain(self, scheduler: Any) -> None:
+            deadline = time.monotonic() + args.shutdown_grace
+            while not scheduler.idle and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not scheduler.idle:
+                scheduler.expire(
+                    f"the server shut down before the request finished ({args.shutdown_grace:g} s grace)"
+                )
+                answered = time.monotonic() + ANSWER_SECONDS
+                while not scheduler.idle and time.monotonic() < answered:
+                    time.sleep(0.05)
+            self.should_exit = True
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
@@ -112,7 +159,7 @@ def make_server(args: argparse.Namespace) -> Any:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=int(args.shutdown_grace),
+        timeout_graceful_shutdown=ANSWER_SECONDS,  # the drain above already waited the grace
     )
     return DrainingServer(config)
 
@@ -122,6 +169,13 @@ def run(args: argparse.Namespace) -> int:
     configure_threads(args.threads)  # before any torch work, on the main thread
     make_server(args).run()
     return 0
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError("must be >= 1")
+    return value
 
 
 def positive_float(text: str) -> float:
@@ -155,6 +209,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="draft server (multiguess serve-draft) instead of a local draft",
     )
     add_draft_secret_flags(parser)
+    add_flag(parser, "--api-key", None, str, help="clients must send 'Authorization: Bearer <key>'")
+    add_flag(parser, "--api-key-file", None, str, help="file holding the API key (a mounted Secret)")
+    add_switch(parser, "--protect-metrics", "/metrics needs the API key too (health checks stay open)")
+    add_flag(
+        parser, "--max-body-size", MAX_BODY, positive_int, help="bytes one request body may have (413 beyond)"
+    )
     add_flag(parser, "--host", "0.0.0.0", str, help="address to listen on")
     add_flag(parser, "--port", 8000, int, help="port to listen on")
     add_flag(parser, "--max-queue", 64, int, help="waiting samples beyond the batch before 429")

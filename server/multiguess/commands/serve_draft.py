@@ -12,7 +12,13 @@ import signal
 from typing import Any
 
 from multiguess.commands.engine_args import add_flag, add_switch
-from multiguess.commands.serve import LOG_FORMAT, add_draft_secret_flags, log_level, positive_float
+from multiguess.commands.serve import (
+    LOG_FORMAT,
+    add_draft_secret_flags,
+    log_level,
+    positive_float,
+    positive_int,
+)
 
 
 def load_draft(args: argparse.Namespace) -> Any:
@@ -58,13 +64,6 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: None)
     make_server(args).run()
     return 0
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError("must be >= 1")
-    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -123,14 +123,14 @@ def parse_answer(text: str | bytes) -> object:
     return _object(text, "client answer").get("proof")
 
 
-def load_secret(value: str | None, path: str | None) -> bytes | None:
-    """The draft secret from ``--draft-secret`` or the file ``--draft-secret-file`` names (a
-    mounted Kubernetes Secret: one trailing newline is not part of it); None when neither is set."""
+def load_secret(value: str | None, path: str | None, flag: str = "--draft-secret") -> bytes | None:
+    """A secret from ``flag`` or the file ``flag``-file names (a mounted Kubernetes Secret: one
+    trailing newline is not part of it); None when neither is set."""
     if value and path:
-        raise ValueError("give --draft-secret or --draft-secret-file, not both")
+        raise ValueError(f"give {flag} or {flag}-file, not both")
     if path:
         text = Path(path).read_text(encoding="utf-8")
         value = text[:-1] if text.endswith("\n") else text
         if not value:
-            raise ValueError(f"the draft secret file {path} is empty")
+            raise ValueError(f"the file {path} given as {flag}-file is empty")
     return value.encode() if value else None

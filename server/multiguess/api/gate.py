@@ -1,0 +1,168 @@
+"""What every request passes before a route sees it: the API key, the content type, the body size.
+
+A pure ASGI middleware, so a refused request costs no parsing: a missing or wrong
+``Authorization: Bearer <key>`` is a 401 (compared in constant time), a POST that is not
+``application/json`` a 415 (a cross-site form or ``text/plain`` POST never runs), a body
+over ``max_body`` bytes a 413, whether it announces its length or streams it, and JSON text
+that is not valid Unicode (a lone surrogate escape such as ``"\\ud800"``, which no tokenizer or
+UTF-8 encoder takes) a 400. The body is read here, up to the limit, and replayed to the app.
+Every refusal has the API's JSON error body.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from multiguess.api.errors import error_body
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+OPEN_PATHS = frozenset({"/health/live", "/health/ready"})
+
+
+class Refused(Exception):
+    def __init__(self, status: int, message: str, code: str, headers: Iterable[tuple[str, str]] = ()) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.headers = status, message, code, list(headers)
+
+
+def bearer_matches(headers: dict[bytes, bytes], key: bytes) -> bool:
+    """``Authorization: Bearer <key>``, as OpenAI clients send it; constant-time compare."""
+    scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
+
+
+def has_lone_surrogate(body: bytes) -> bool:
+    """Whether the JSON text holds a string that is not valid Unicode. Only ``\\uD800``-``\\uDFFF``
+    escapes can make one (raw bytes that are not UTF-8 fail JSON parsing anyway), so bodies
+    without such an escape, nearly all of them, are not parsed here."""
+    if b"\\ud" not in body.lower():
+        return False
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return False  # the app reports invalid JSON itself
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def is_json(content_type: bytes) -> bool:
+    media = content_type.split(b";")[0].strip().lower()
+    return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
+
+
+class RequestGate:
+    def __init__(
+        self, app: Any, max_body: int, api_key: str | None = None, open_paths: frozenset[str] = OPEN_PATHS
+    ) -> None:
+        if max_body < 1:
+            raise ValueError("max_body must be >= 1 byte")
+        self.app, self.max_body, self.open_paths = app, max_body, open_paths
+        self.key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            self.check_headers(scope)
+            if scope["method"] in ("POST", "PUT", "PATCH"):
+                body = await self.read_body(receive)
+                receive = replay(body, receive)
+        except Refused as refused:
+            await respond(send, refused)
+            return
+        await self.app(scope, receive, send)
+
+    def check_headers(self, scope: Scope) -> None:
+        headers = dict(scope["headers"])
+        if (
+            self.key is not None
+            and scope["path"] not in self.open_paths
+            and not bearer_matches(headers, self.key)
+        ):
+            raise Refused(
+                401,
+                "a valid API key is required: send 'Authorization: Bearer <key>'",
+                "invalid_api_key",
+                [("www-authenticate", "Bearer")],
+            )
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return
+        if not is_json(headers.get(b"content-type", b"")):
+            raise Refused(
+                415,
+                "the request body must be JSON: send 'Content-Type: application/json'",
+                "unsupported_media_type",
+            )
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            raise Refused(413, self.too_large(), "body_too_large")
+
+    async def read_body(self, receive: Receive) -> bytes:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise Refused(400, "the client went away before sending the body", "client_gone")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                raise Refused(413, self.too_large(), "body_too_large")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                body = b"".join(chunks)
+                if has_lone_surrogate(body):
+                    raise Refused(
+                        400,
+                        "the request holds text that is not valid Unicode (a lone surrogate)",
+                        "invalid_unicode",
+                    )
+                return body
+
+    def too_large(self) -> str:
+        return (
+            f"the request body is larger than the server's limit of {self.max_body} bytes (--max-body-size)"
+        )
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """The body once, then whatever the connection says next (a disconnect)."""
+    sent = False
+
+    async def again() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return again
+
+
+async def respond(send: Send, refused: Refused) -> None:
+    payload = json.dumps(error_body(refused.status, refused.message, code=refused.code)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    headers += [(k.encode(), v.encode()) for k, v in refused.headers]
+    if refused.status == 413:
+        headers.append((b"connection", b"close"))  # the rest of the body is not read
+    await send({"type": "http.response.start", "status": refused.status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
