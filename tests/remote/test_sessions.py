@@ -56,3 +56,24 @@ def test_released_slots_are_reused() -> None:
     table.remove(("t", 0))
     second, evicted = table.create(("t", 5))
     assert second.slot == first.slot and evicted == []
+
+
+def test_a_connection_past_its_limit_evicts_only_its_own_sessions() -> None:
+    table = SessionTable(4, idle_seconds=100, clock=Clock(), per_client=2)
+    other, _ = table.create(("other", 0))
+    first, _ = table.create(("flood", 0))
+    table.create(("flood", 1))
+    _, evicted = table.create(("flood", 2))
+    assert evicted == [first] and table.get(("other", 0)) is other and len(table) == 3
+    with pytest.raises(SessionsFull, match="limit of 2"):
+        table.create(("flood", 3), pinned=[("flood", 1), ("flood", 2)])
+
+
+def test_a_closed_connection_frees_all_its_sessions() -> None:
+    table = SessionTable(3, idle_seconds=100, clock=Clock())
+    table.create(("gone", 0))
+    table.create(("gone", 1))
+    kept, _ = table.create(("stays", 0))
+    assert len(table.remove_client("gone")) == 2
+    assert len(table) == 1 and table.get(("stays", 0)) is kept
+    assert {table.create(("new", i))[0].slot for i in range(2)} | {kept.slot} == {0, 1, 2}
