@@ -12,6 +12,7 @@ from multiguess.engine.tree import TokenTree
 from transformers import AutoModelForCausalLM
 
 from tests.engine.test_lossless import random_prompts
+from tests.fake_device import FakeDevice
 
 EOS = 2  # the tiny models' end-of-sequence token
 PENALIZED = dict(
@@ -97,3 +98,29 @@ def test_min_tokens_holds_back_the_end(tiny_llama: Path, tiny_llama_draft: Path)
     out = spec.generate([[5, 6, 7]], SamplingParams(max_tokens=20, logit_bias={EOS: 100}, min_tokens=6))[0]
     assert len(out.token_ids) == 7 and out.token_ids[-1] == EOS and EOS not in out.token_ids[:-1]
     assert out.outputs[0].finish_reason == "stop"
+
+
+ON_DEVICE = [
+    SamplingParams(max_tokens=10, logprobs=3, min_tokens=4, **{**PENALIZED, "logit_bias": {EOS: 5.0}}),  # type: ignore[arg-type]
+    SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=2, logprobs=2, **PENALIZED),  # type: ignore[arg-type]
+    SamplingParams(max_tokens=10, temperature=1.0, top_k=10, logprobs=1, min_tokens=3, **PENALIZED),  # type: ignore[arg-type]
+]
+
+
+@pytest.mark.parametrize("params", ON_DEVICE, ids=["greedy", "seeded", "sampled"])
+def test_adjustments_and_logprobs_stay_on_the_device(
+    tiny_llama: Path, tiny_llama_draft: Path, params: SamplingParams
+) -> None:
+    """Penalties, bias, min_tokens, logprobs and seeded draws make their tensors on the device
+    of the logits they meet (``tests/fake_device.py`` catches a host tensor meeting them)."""
+    llm = LLM(str(tiny_llama), str(tiny_llama_draft), 3, 3, dtype="float32", adaptive=False)
+    prompts = random_prompts(24, (5, 13))
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    mode = FakeDevice()
+    with mode:
+        mode.adopt(llm)
+        outs = llm.generate(prompts, params)
+    assert mode.caught == []
+    assert all(o.outputs[0].logprobs for o in outs)
+    if params.greedy or params.seed is not None:
+        assert [o.token_ids for o in outs] == expected
