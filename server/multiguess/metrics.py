@@ -80,6 +80,26 @@ class Metrics:
             buckets=(0, 1, 2, 4, 8, 16, 32, 64),
             registry=reg,
         )
+        # Where guesses land: per tree depth, the levels verified and accepted; per accepted
+        # child, its rank among its siblings (0: the draft's first guess; wider trees catch more).
+        self.level_verified = Counter(
+            "multiguess_spec_level_verified",
+            "Tree levels the target verified, by depth below the root (1: the first drafted token).",
+            ["depth"],
+            registry=reg,
+        )
+        self.level_accepted = Counter(
+            "multiguess_spec_level_accepted",
+            "Tree levels at which the target accepted a drafted child, by depth below the root.",
+            ["depth"],
+            registry=reg,
+        )
+        self.accepted_rank = Counter(
+            "multiguess_spec_accepted_rank",
+            "Accepted drafted children by their rank among their siblings (the tree's width).",
+            ["rank"],
+            registry=reg,
+        )
         self.rejected = Counter(
             "multiguess_requests_rejected",
             "Requests refused before generation, by reason.",
@@ -96,12 +116,19 @@ class Metrics:
             if delta > 0:
                 self.spec[name].inc(delta)
 
-    def observe_step(self, tree_sizes: list[int]) -> None:
-        """One engine step's batch size and each sequence's tree size."""
+    def observe_step(self, tree_sizes: list[int], outcomes: list[list[tuple[int, int | None]]]) -> None:
+        """One engine step's batch size, each sequence's tree size, and each sequence's verified
+        levels in depth order: (children, the accepted child's rank or None)."""
         if tree_sizes:
             self.batch_size.observe(len(tree_sizes))
         for size in tree_sizes:
             self.tree_nodes.observe(size)
+        for levels in outcomes:
+            for depth, (_, rank) in enumerate(levels, start=1):
+                self.level_verified.labels(depth=str(depth)).inc()
+                if rank is not None:
+                    self.level_accepted.labels(depth=str(depth)).inc()
+                    self.accepted_rank.labels(rank=str(rank)).inc()
 
     def observe_gap(self, seconds: float, tokens: int) -> None:
         """One step's gap, spread evenly over the tokens it produced."""

@@ -325,7 +325,7 @@ class Scheduler:
             return
         now = time.monotonic()
         self.metrics.add_spec(before, engine.totals)
-        self.metrics.observe_step(engine.last_tree_sizes)
+        self.metrics.observe_step(engine.last_tree_sizes, engine.last_outcomes)
         for tracked in self._tracked.values():
             if not tracked.admitted and all(seq.slot >= 0 for seq in tracked.sequences):
                 tracked.admitted = True

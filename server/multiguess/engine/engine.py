@@ -157,7 +157,9 @@ class Engine:
         self.target = NativeRunner(target, self.config.max_batch, capacity, eager, **runner)
         if drafter is None and draft is not None:
             vocab = draft.draft_vocab if self.config.draft_vocab else None
-            drafter = ModelDrafter(NativeRunner(draft, self.config.max_batch, capacity, eager, vocab, **runner))
+            drafter = ModelDrafter(
+                NativeRunner(draft, self.config.max_batch, capacity, eager, vocab, **runner)
+            )
         self.drafter = drafter
         self.eos_ids = frozenset(eos_token_ids(target))
         self.waiting: deque[Sequence] = deque()
@@ -165,6 +167,7 @@ class Engine:
         self.totals = SpecStats()
         self.last_draft_error: str | None = None
         self.last_tree_sizes: list[int] = []  # drafted nodes per sequence in the last step
+        self.last_outcomes: list[list[Outcome]] = []  # per sequence, the last step's verified levels
         self.costs = CostMeter()
         # The draft's coverage by width on this traffic, for greedy (True) and sampled requests
         # apart: the policy's prior until anything was drafted, then running rates over every
@@ -229,6 +232,7 @@ class Engine:
         proposals = self._propose(batch)
         drafted = time.perf_counter()
         self.last_tree_sizes = [len(p.tree) - 1 for p in proposals]
+        self.last_outcomes = []
         capture = self._feature_layers()
         verified = self.target.forward_trees(
             [s.slot for s in batch],
@@ -272,7 +276,8 @@ class Engine:
             if self.drafter is not None and len(proposal.tree) > 1:
                 self.drafter.commit(seq.slot, proposal, acceptance)
             self._record(seq, proposal, acceptance)
-            observed[seq.params.greedy].extend(level_outcomes(proposal.tree, acceptance.path))
+            self.last_outcomes.append(level_outcomes(proposal.tree, acceptance.path))
+            observed[seq.params.greedy].extend(self.last_outcomes[-1])
             before = len(seq.output_ids)
             logprobs = step_logprobs(
                 seq.params.logprobs, acceptance.path, acceptance.tokens, rows[b], target_probs.get(b)
