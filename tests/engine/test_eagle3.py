@@ -226,3 +226,28 @@ def test_eagle3_drafting_stays_on_the_device(small_vocab_target: Path, tmp_path:
         _, caught = on_device(llm, lambda p=params: llm.generate(prompts, p))
         assert caught == [], params
     assert llm.engine.totals.fallback_steps == 0 and llm.engine.totals.accepted_tokens > 0
+
+
+def test_the_cli_chooses_the_eagle3_drafter(
+    small_vocab_target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from multiguess import cli
+    from multiguess.errors import ModelLoadError
+    from multiguess.models.eagle3_checkpoint import SHIPPED_HEAD, embedded_head
+
+    head = saved_head(small_vocab_target, tmp_path / "head", seed=17)
+    common = ["generate", "--prompt", "w1 w2 w3 w0", "--target", str(small_vocab_target), "--dtype", "float32",
+              "--max-tokens", "12", "--no-adaptive"]  # fmt: skip
+    assert cli.main([*common, "--drafter", "none"]) == 0
+    plain = capsys.readouterr().out
+    assert cli.main([*common, "--drafter", "eagle3", "--draft", str(head)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == plain
+    assert json.loads(captured.err.strip().splitlines()[-1])["draft_tokens"] > 0
+    with pytest.raises(SystemExit, match="--target needs --draft"):
+        cli.main([*common, "--drafter", "eagle3"])
+    if not SHIPPED_HEAD.exists():
+        with pytest.raises(ModelLoadError, match="no EAGLE-3 head ships for the embedded target"):
+            embedded_head()
