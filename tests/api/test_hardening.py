@@ -185,15 +185,14 @@ def test_gauges_are_right_at_an_abort(
     start_server: Callable[..., LiveServer], tiny_llama: Path, tiny_llama_draft: Path
 ) -> None:
     """A client that leaves is reflected at once: no step follows to refresh the gauges."""
-    slow = tiny_loader(
-        tiny_llama, tiny_llama_draft, SMALL_CONFIG, faults=Faults(delay=0.05)
-    )  # seconds for the request
+    # At least 0.1 s per step: the request runs for 8 s or more unless it is aborted.
+    slow = tiny_loader(tiny_llama, tiny_llama_draft, SMALL_CONFIG, faults=Faults(delay=0.1))
     live = start_server(slow, max_queue=4)
     body = {"prompt": "w3 w4", "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
     with live.client() as client:
         with client.stream("POST", "/v1/completions", json=body) as resp:
             next(line for line in resp.iter_lines() if line.startswith("data: "))
-            deadline = time.monotonic() + 5  # the step posts its tokens before it sets the gauges
+            deadline = time.monotonic() + 20  # the step posts its tokens before it sets the gauges
             while metric(client, "multiguess_requests_running") != 1:
                 assert time.monotonic() < deadline, "requests_running never showed the running request"
                 time.sleep(0.01)
