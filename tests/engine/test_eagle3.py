@@ -251,3 +251,16 @@ def test_the_cli_chooses_the_eagle3_drafter(
     if not SHIPPED_HEAD.exists():
         with pytest.raises(ModelLoadError, match="no EAGLE-3 head ships for the embedded target"):
             embedded_head()
+
+
+def test_the_servers_guard_passes_features_through(small_vocab_target: Path, tmp_path: Path) -> None:
+    """``serve`` wraps the drafter in ``GuardedDrafter``: features still reach the head."""
+    from multiguess.engine.guard import GuardedDrafter
+
+    head = saved_head(small_vocab_target, tmp_path / "head", seed=18)
+    llm = LLM(str(small_vocab_target), str(head), 3, 3, dtype="float32", drafter="eagle3", adaptive=False)
+    llm.engine.drafter = GuardedDrafter(llm.engine.drafter, llm.engine.target.vocab_size)
+    prompts = [[5, 6, 7, 4, 5], [7]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs(small_vocab_target, prompts, "float32", 12)
+    assert llm.engine.totals.accepted_tokens > 0 and not llm.engine.drafter.degraded
