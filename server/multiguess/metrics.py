@@ -5,6 +5,8 @@ The names are a contract (DESIGN.md): the operator's autoscaler scrapes the queu
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -15,12 +17,13 @@ from prometheus_client import (
     generate_latest,
 )
 
+from multiguess.engine.guard import FALLBACK_REASONS
 from multiguess.engine.sequence import SpecStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5)
 REJECT_REASONS = ("queue_full", "not_ready")
-SPEC_FIELDS = ("verify_steps", "draft_tokens", "accepted_tokens", "fallback_steps")
+SPEC_FIELDS = ("verify_steps", "draft_tokens", "accepted_tokens")
 
 
 class Metrics:
@@ -65,9 +68,17 @@ class Metrics:
                 ("verify_steps", "Target verification forwards."),
                 ("draft_tokens", "Drafted tokens the target verified."),
                 ("accepted_tokens", "Drafted tokens the target accepted."),
-                ("fallback_steps", "Sample-steps decoded without the drafter because it failed or paused."),
             )
         }
+        self.fallback_steps = Counter(
+            "multiguess_spec_fallback_steps",
+            "Sample-steps decoded without the drafter, by reason: timeout, refused (by a draft "
+            "server), invalid (a draft failed validation), paused (cool-down after a failure), error.",
+            ["reason"],
+            registry=reg,
+        )
+        for reason in FALLBACK_REASONS:
+            self.fallback_steps.labels(reason=reason)
         self.batch_size = Histogram(
             "multiguess_batch_size",
             "Sequences verified together in one engine step.",
@@ -109,12 +120,16 @@ class Metrics:
         for reason in REJECT_REASONS:
             self.rejected.labels(reason=reason)  # present (at 0) before the first rejection
 
-    def add_spec(self, before: SpecStats, after: SpecStats) -> None:
-        """Move the speculation counters by what the engine's totals moved since ``before``."""
+    def add_spec(self, before: SpecStats, after: SpecStats, fallbacks: Mapping[str, int]) -> None:
+        """Move the speculation counters by what the engine's totals moved since ``before``, and
+        the fallback counter by ``fallbacks`` (steps by reason)."""
         for name in SPEC_FIELDS:
             delta = getattr(after, name) - getattr(before, name)
             if delta > 0:
                 self.spec[name].inc(delta)
+        for reason, steps in fallbacks.items():
+            if steps > 0:
+                self.fallback_steps.labels(reason=reason).inc(steps)
 
     def observe_step(self, tree_sizes: list[int], outcomes: list[list[tuple[int, int | None]]]) -> None:
         """One engine step's batch size, each sequence's tree size, and each sequence's verified

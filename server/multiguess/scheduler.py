@@ -8,6 +8,7 @@ loop never waits on a step; it only exchanges commands and events with the worke
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import itertools
@@ -315,7 +316,7 @@ class Scheduler:
             self._owner.pop(seq.request_id, None)
 
     def _step(self, engine: Engine) -> None:
-        before = replace(engine.totals)
+        before, fallbacks = replace(engine.totals), collections.Counter(engine.fallback_reasons)
         started = time.monotonic()
         try:
             outputs = engine.step()
@@ -324,7 +325,7 @@ class Scheduler:
             self._fail_all(engine, EngineFailure(f"the engine failed: {type(exc).__name__}: {exc}"))
             return
         now = time.monotonic()
-        self.metrics.add_spec(before, engine.totals)
+        self.metrics.add_spec(before, engine.totals, engine.fallback_reasons - fallbacks)
         self.metrics.observe_step(engine.last_tree_sizes, engine.last_outcomes)
         for tracked in self._tracked.values():
             if not tracked.admitted and all(seq.slot >= 0 for seq in tracked.sequences):

@@ -20,9 +20,11 @@ def sse_events(lines: list[str]) -> list[Any]:
 
 
 def metric(client: httpx.Client, name: str, **labels: str) -> float:
-    """One sample's value from /metrics (0 when absent)."""
-    for family in text_string_to_metric_families(client.get("/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
+    """A sample's value from /metrics, summed over the label sets that match ``labels`` (0 when
+    absent)."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(client.get("/metrics").text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )

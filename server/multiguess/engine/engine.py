@@ -7,6 +7,7 @@ so it is also the fallback when the drafter fails.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import random
@@ -26,6 +27,7 @@ from multiguess.engine.adaptive import (
     level_outcomes,
 )
 from multiguess.engine.drafter import Drafter, DraftRequest, ModelDrafter, Proposal, SampleSpec, TreeBudget
+from multiguess.engine.guard import fallback_reason
 from multiguess.engine.logprobs import step_logprobs
 from multiguess.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION, check_utilization
 from multiguess.engine.memory_probe import fit_to_memory
@@ -168,6 +170,7 @@ class Engine:
         self.last_draft_error: str | None = None
         self.last_tree_sizes: list[int] = []  # drafted nodes per sequence in the last step
         self.last_outcomes: list[list[Outcome]] = []  # per sequence, the last step's verified levels
+        self.fallback_reasons: collections.Counter[str] = collections.Counter()  # steps, by reason
         self.costs = CostMeter()
         # The draft's coverage by width on this traffic, for greedy (True) and sampled requests
         # apart: the policy's prior until anything was drafted, then running rates over every
@@ -424,6 +427,7 @@ class Engine:
             self.drafter.release(seq.slot)
             seq.stats.fallback_steps += 1
             self.totals.fallback_steps += 1
+        self.fallback_reasons[fallback_reason(exc)] += len(seqs)
 
     def _record(self, seq: Sequence, proposal: Proposal, acceptance: Acceptance) -> None:
         for stats in (seq.stats, self.totals):

@@ -30,12 +30,28 @@ from multiguess.engine.tree import TokenTree
 log = logging.getLogger(__name__)
 
 
+FALLBACK_REASONS = ("timeout", "refused", "invalid", "paused", "error")
+
+
+def fallback_reason(exc: BaseException) -> str:
+    """Why a step decoded without its drafter, one of ``FALLBACK_REASONS``: what the exception
+    says of itself (``fallback_reason``), else a timeout or a plain error."""
+    reason = getattr(exc, "fallback_reason", None)
+    if reason in FALLBACK_REASONS:
+        return reason
+    return "timeout" if isinstance(exc, TimeoutError) else "error"
+
+
 class DrafterUnavailable(RuntimeError):
     """Raised from ``propose`` while speculation is paused."""
+
+    fallback_reason = "paused"
 
 
 class InvalidDraft(ValueError):
     """A drafter returned proposals that do not fit the requests (wrong count, tree or rows)."""
+
+    fallback_reason = "invalid"
 
 
 def tree_problem(tree: object, request: DraftRequest, vocab_size: int) -> str | None:

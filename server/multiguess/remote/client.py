@@ -58,8 +58,16 @@ class RemoteDraftError(RuntimeError):
     """The draft server did not deliver this step (its message says why)."""
 
 
+class DraftTimeout(RemoteDraftError):
+    """The draft server did not answer within the step's time."""
+
+    fallback_reason = "timeout"
+
+
 class ServerRefused(RemoteDraftError):
     """The server answered, but drafted none of the step's requests."""
+
+    fallback_reason = "refused"
 
 
 def wire_request(req: DraftRequest, start: int, sampling: Sampling | None) -> Request:
@@ -122,7 +130,7 @@ class RemoteDrafter:
             proposals = self._round_trips(requests, deadline)
         except TimeoutError:
             self._fail("timeout")
-            raise RemoteDraftError(f"draft server did not answer within {self.step_timeout:g} s") from None
+            raise DraftTimeout(f"draft server did not answer within {self.step_timeout:g} s") from None
         except (OSError, WebSocketException) as exc:
             self._fail("connection")
             raise RemoteDraftError(f"draft server connection failed: {type(exc).__name__}: {exc}") from None
