@@ -122,3 +122,19 @@ def test_static_graphs_attend_over_a_bucketed_span(pair: tuple) -> None:
     spans = {key[2] for key in engine.target.static.graphs}
     assert {256, 512} <= spans and max(spans) < engine.target.capacity
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_torch_backend_plain_decoding_equals_the_cpu_backend(
+    request: pytest.FixtureRequest, family: str
+) -> None:
+    """Plain decode steps and prefills from position 0 attend without a mask on the torch
+    backend (grouped-query decode folded into one call); they decode what the CPU backend does."""
+    target = load_model(str(request.getfixturevalue(f"tiny_{family}")), "float32")
+    prompts = random_prompts(34, (1, 7, 30))
+    outputs = [
+        decode(Engine(target, None, EngineConfig(max_model_len=128, adaptive=False, backend=b)), [p], GREEDY)
+        for b in ("cpu", "torch")
+        for p in prompts
+    ]
+    assert outputs[: len(prompts)] == outputs[len(prompts) :]
