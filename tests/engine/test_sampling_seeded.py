@@ -10,8 +10,9 @@ import pytest
 import torch
 from multiguess import LLM, SamplingParams
 from multiguess.engine.acceptance import seeded_choices
-from multiguess.engine.sampling import position_uniform
+from multiguess.engine.sampling import position_noise
 from multiguess.engine.tree import TokenTree
+from scipy.stats import kstest
 
 from tests.engine.test_lossless import random_prompts
 
@@ -50,9 +51,18 @@ def test_seeded_output_does_not_depend_on_the_policy_or_the_batch(
     assert one_by_one == expected
 
 
-def test_a_node_draws_with_the_uniform_of_its_position() -> None:
-    probs = torch.tensor([[0.5, 0.5], [0.5, 0.5], [0.5, 0.5]], dtype=torch.float64)
-    tree = TokenTree((0, 1, 0), (-1, 0, 0))  # two children of the root: both at position 11
-    choices = seeded_choices(probs, tree, seed=3, length=10)
-    assert choices == [int(position_uniform(3, 10) >= 0.5), *[int(position_uniform(3, 11) >= 0.5)] * 2]
-    assert len({position_uniform(s, p) for s in range(20) for p in range(20)}) == 400
+def test_a_node_draws_with_the_noise_of_its_position() -> None:
+    vocab = torch.arange(6)
+    probs = torch.softmax(torch.randn(3, 6, generator=torch.Generator().manual_seed(0)), -1).double()
+    tree = TokenTree((0, 1, 4), (-1, 0, 0))  # two children of the root: both choose position 11
+    noise = position_noise(3, [10, 11], vocab)
+    expected = (probs.log() + noise[[0, 1, 1]]).argmax(-1).tolist()
+    assert seeded_choices(probs, tree, seed=3, length=10) == expected
+    assert torch.equal(position_noise(3, [11], vocab[2:4]), noise[1:, 2:4])  # per token, not per row
+    assert not torch.equal(position_noise(4, [11], vocab), noise[1:])
+
+
+def test_the_noise_is_gumbel() -> None:
+    """Its CDF is exp(-exp(-g)): uniform after the transform (Kolmogorov-Smirnov)."""
+    noise = position_noise(9, list(range(40)), torch.arange(500)).flatten()
+    assert kstest(torch.exp(-torch.exp(-noise)).numpy(), "uniform").pvalue > 1e-3

@@ -3,9 +3,11 @@
 Both rules walk the tree from the root. Greedy follows the child equal to the target's argmax.
 Sampling follows multi-draft speculative sampling (see ``accept_sampled``), which keeps the
 output distribution exactly the target's whatever the draft proposed. A seeded sample draws
-each token from the target's distribution with a uniform fixed by its seed and position
-(``seeded_choices``); that makes its output a function of the seed alone, so it is verified
-like greedy output: token-identical to plain seeded decoding whatever tree was drafted.
+each token by the Gumbel-max trick with noise fixed by its seed, the token's position and the
+token (``seeded_choices``); that makes its output a function of the seed alone, so it is
+verified like greedy output: token-identical to plain seeded decoding whatever tree was
+drafted. A draft that perturbs its own distribution with the same noise proposes the target's
+choice often (``sampling.gumbel_top``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from multiguess.engine.sampling import draw, draws_at, position_uniform
+from multiguess.engine.sampling import draw, gumbel_top, position_noise
 from multiguess.engine.tree import TokenTree
 
 
@@ -96,4 +98,8 @@ def accept_sampled(
 def seeded_choices(target_probs: torch.Tensor, tree: TokenTree, seed: int, length: int) -> list[int]:
     """The token a seeded sample takes after each node of ``tree``, whose root is token
     ``length - 1`` of the sequence: node ``i`` chooses token ``length + depth(i)``."""
-    return draws_at(target_probs, [position_uniform(seed, length + d) for d in tree.depths])
+    depths = sorted(set(tree.depths))
+    vocab = torch.arange(target_probs.shape[-1], device=target_probs.device)
+    noise = position_noise(seed, [length + d for d in depths], vocab)
+    rows = torch.tensor([depths.index(d) for d in tree.depths], device=target_probs.device)
+    return gumbel_top(target_probs, noise[rows], 1)[:, 0].tolist()

@@ -24,7 +24,14 @@ import torch
 from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.padding import padded_groups
 from multiguess.engine.runner import NativeRunner
-from multiguess.engine.sampling import Generators, Processing, draw_without_replacement, processed_probs
+from multiguess.engine.sampling import (
+    Generators,
+    Processing,
+    draw_without_replacement,
+    gumbel_top,
+    position_noise,
+    processed_probs,
+)
 from multiguess.engine.tree import TokenTree
 
 
@@ -60,6 +67,9 @@ class DraftRequest:
 class SampleSpec:
     processing: Processing
     generators: Generators
+    # A seeded request: its children are the best under the Gumbel noise its target draws with
+    # (``acceptance.seeded_choices``), not independent draws.
+    coupled: bool = False
 
 
 @dataclass
@@ -294,8 +304,14 @@ class ModelDrafter:
             choices = []
             for parent, q in zip(beam, dists, strict=True):
                 probs[parent] = self._over_vocabulary(q)
-                generator = req.sample.generators.on(q.device)
-                picks = torch.tensor(draw_without_replacement(q, k, generator), device=q.device)
+                if req.sample.coupled:
+                    position = len(req.token_ids) + (0 if parent == -1 else cands[parent].depth)
+                    tokens = self._tokens(torch.arange(len(q), device=q.device))
+                    noise = position_noise(req.sample.generators.seed, [position], tokens)
+                    picks = gumbel_top(q[None], noise, k)[0]
+                else:
+                    generator = req.sample.generators.on(q.device)
+                    picks = torch.tensor(draw_without_replacement(q, k, generator), device=q.device)
                 choices.append((self._tokens(picks).tolist(), torch.log(q[picks]).tolist()))
         for parent, (picks, scores) in zip(beam, choices, strict=True):
             base = 0.0 if parent == -1 else cands[parent].score

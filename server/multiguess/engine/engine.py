@@ -465,8 +465,11 @@ def processing(params: SamplingParams) -> Processing:
 
 
 def sample_spec(seq: Sequence) -> SampleSpec | None:
-    """Sampled requests draw their children from the draft; greedy ones take its top-k."""
-    return None if seq.params.greedy else SampleSpec(processing(seq.params), seq.generators)
+    """Sampled requests draw their children from the draft (seeded ones take the draft's best
+    under the noise their target draws with); greedy ones take its top-k."""
+    if seq.params.greedy:
+        return None
+    return SampleSpec(processing(seq.params), seq.generators, coupled=seq.params.seed is not None)
 
 
 def target_distributions(batch: list[Sequence], rows: list[torch.Tensor]) -> dict[int, torch.Tensor]:

@@ -170,18 +170,39 @@ def draw_without_replacement(probs: torch.Tensor, count: int, generator: torch.G
     return picks
 
 
-def position_uniform(seed: int, position: int) -> float:
-    """A uniform in [0, 1) that depends on the seed and the token's position in the sequence
-    only: the same on every device, whatever else was drawn before."""
-    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
-    return (int.from_bytes(digest) >> 11) / 2**53
+def _signed(value: int) -> int:
+    return value - 2**64 if value >= 2**63 else value
 
 
-def draws_at(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
-    """Row ``i`` of ``probs`` drawn by the inverse CDF at ``uniforms[i]``."""
-    cdf = torch.cumsum(probs.double(), dim=-1)
-    u = torch.tensor(uniforms, dtype=torch.float64, device=probs.device)[:, None] * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)[:, 0].tolist()
+_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shift(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """A logical right shift of int64 words (torch shifts arithmetically)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def position_noise(seed: int, positions: list[int], tokens: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise ``[len(positions), len(tokens)]`` for the given token ids at each position
+    of a seeded sample: a function of seed, position and token alone (splitmix64 of a per-position
+    key), so every device and every tree shape sees the same values."""
+    keys = []
+    for position in positions:
+        digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+        keys.append(_signed(int.from_bytes(digest)))
+    z = torch.tensor(keys, dtype=torch.long, device=tokens.device)[:, None] + tokens.long()[None, :] * _GOLDEN
+    z = (z ^ _shift(z, 30)) * _MIX1
+    z = (z ^ _shift(z, 27)) * _MIX2
+    z = z ^ _shift(z, 31)
+    uniform = (_shift(z, 11).double() + 0.5) * 2.0**-53
+    return -torch.log(-torch.log(uniform))
+
+
+def gumbel_top(probs: torch.Tensor, noise: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` best tokens of each row by log-probability plus noise, within the support
+    (the first is an exact draw from the row: the Gumbel-max trick)."""
+    support = int((probs > 0).sum(dim=-1).min())
+    return torch.topk(torch.log(probs.double()) + noise, min(count, support), dim=-1).indices
 
 
 class Generators:
