@@ -56,13 +56,13 @@ def test_a_node_draws_with_the_noise_of_its_position() -> None:
     probs = torch.softmax(torch.randn(3, 6, generator=torch.Generator().manual_seed(0)), -1).double()
     tree = TokenTree((0, 1, 4), (-1, 0, 0))  # two children of the root: both choose position 11
     noise = position_noise(3, [10, 11], vocab)
-    expected = (probs.log() + noise[[0, 1, 1]]).argmax(-1).tolist()
+    expected = (probs / noise[[0, 1, 1]]).argmax(-1).tolist()
     assert seeded_choices(probs, tree, seed=3, length=10) == expected
     assert torch.equal(position_noise(3, [11], vocab[2:4]), noise[1:, 2:4])  # per token, not per row
     assert not torch.equal(position_noise(4, [11], vocab), noise[1:])
 
 
-def test_the_noise_is_gumbel() -> None:
-    """Its CDF is exp(-exp(-g)): uniform after the transform (Kolmogorov-Smirnov)."""
+def test_the_noise_is_exponential() -> None:
+    """Its CDF is 1 - exp(-e): uniform after the transform (Kolmogorov-Smirnov)."""
     noise = position_noise(9, list(range(40)), torch.arange(500)).flatten()
-    assert kstest(torch.exp(-torch.exp(-noise)).numpy(), "uniform").pvalue > 1e-3
+    assert kstest(1 - torch.exp(-noise).numpy(), "uniform").pvalue > 1e-3

@@ -3,11 +3,11 @@
 Both rules walk the tree from the root. Greedy follows the child equal to the target's argmax.
 Sampling follows multi-draft speculative sampling (see ``accept_sampled``), which keeps the
 output distribution exactly the target's whatever the draft proposed. A seeded sample draws
-each token by the Gumbel-max trick with noise fixed by its seed, the token's position and the
-token (``seeded_choices``); that makes its output a function of the seed alone, so it is
+each token by an exponential race (the Gumbel-max trick) with noise fixed by its seed, the
+token's position and the token (``seeded_choices``); that makes its output a function of the seed alone, so it is
 verified like greedy output: token-identical to plain seeded decoding whatever tree was
 drafted. A draft that perturbs its own distribution with the same noise proposes the target's
-choice often (``sampling.gumbel_top``).
+choice often (``sampling.race_top``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from multiguess.engine.sampling import draw, gumbel_top, position_noise
+from multiguess.engine.sampling import draw, position_noise, race_top
 from multiguess.engine.tree import TokenTree
 
 
@@ -102,4 +102,4 @@ def seeded_choices(target_probs: torch.Tensor, tree: TokenTree, seed: int, lengt
     vocab = torch.arange(target_probs.shape[-1], device=target_probs.device)
     noise = position_noise(seed, [length + d for d in depths], vocab)
     rows = torch.tensor([depths.index(d) for d in tree.depths], device=target_probs.device)
-    return gumbel_top(target_probs, noise[rows], 1)[:, 0].tolist()
+    return race_top(target_probs, noise[rows], 1)[:, 0].tolist()

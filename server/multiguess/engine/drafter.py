@@ -28,9 +28,9 @@ from multiguess.engine.sampling import (
     Generators,
     Processing,
     draw_without_replacement,
-    gumbel_top,
     position_noise,
     processed_probs,
+    race_top,
 )
 from multiguess.engine.tree import TokenTree
 
@@ -67,7 +67,7 @@ class DraftRequest:
 class SampleSpec:
     processing: Processing
     generators: Generators
-    # A seeded request: its children are the best under the Gumbel noise its target draws with
+    # A seeded request: its children win the draft's race under the noise its target draws with
     # (``acceptance.seeded_choices``), not independent draws.
     coupled: bool = False
 
@@ -308,7 +308,7 @@ class ModelDrafter:
                     position = len(req.token_ids) + (0 if parent == -1 else cands[parent].depth)
                     tokens = self._tokens(torch.arange(len(q), device=q.device))
                     noise = position_noise(req.sample.generators.seed, [position], tokens)
-                    picks = gumbel_top(q[None], noise, k)[0]
+                    picks = race_top(q[None], noise, k)[0]
                 else:
                     generator = req.sample.generators.on(q.device)
                     picks = torch.tensor(draw_without_replacement(q, k, generator), device=q.device)

@@ -183,9 +183,9 @@ def _shift(z: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def position_noise(seed: int, positions: list[int], tokens: torch.Tensor) -> torch.Tensor:
-    """Gumbel noise ``[len(positions), len(tokens)]`` for the given token ids at each position
-    of a seeded sample: a function of seed, position and token alone (splitmix64 of a per-position
-    key), so every device and every tree shape sees the same values."""
+    """Exponential(1) noise ``[len(positions), len(tokens)]`` for the given token ids at each
+    position of a seeded sample: a function of seed, position and token alone (splitmix64 of a
+    per-position key), so every device and every tree shape sees the same values."""
     keys = []
     for position in positions:
         digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
@@ -194,15 +194,14 @@ def position_noise(seed: int, positions: list[int], tokens: torch.Tensor) -> tor
     z = (z ^ _shift(z, 30)) * _MIX1
     z = (z ^ _shift(z, 27)) * _MIX2
     z = z ^ _shift(z, 31)
-    uniform = (_shift(z, 11).double() + 0.5) * 2.0**-53
-    return -torch.log(-torch.log(uniform))
+    return -torch.log((_shift(z, 11).double() + 0.5) * 2.0**-53)
 
 
-def gumbel_top(probs: torch.Tensor, noise: torch.Tensor, count: int) -> torch.Tensor:
-    """The ``count`` best tokens of each row by log-probability plus noise, within the support
-    (the first is an exact draw from the row: the Gumbel-max trick)."""
+def race_top(probs: torch.Tensor, noise: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` winners of each row's exponential race (largest ``p / noise``) within the
+    support: the first is an exact draw from the row, the Gumbel-max trick without logarithms."""
     support = int((probs > 0).sum(dim=-1).min())
-    return torch.topk(torch.log(probs.double()) + noise, min(count, support), dim=-1).indices
+    return torch.topk(probs.double() / noise, min(count, support), dim=-1).indices
 
 
 class Generators:
