@@ -39,7 +39,9 @@ def region_attention_mask(prefix_lens: torch.Tensor, visible: torch.Tensor, leng
     return ((rel < 0)[:, None, :] | (visible.gather(2, cols) & in_region[:, None, :]))[:, None]
 
 
-def sees_only_its_own(prefix_lens: list[int], write_from: torch.Tensor, visible: torch.Tensor, length: int) -> bool:
+def sees_only_its_own(
+    prefix_lens: list[int], write_from: torch.Tensor, visible: torch.Tensor, length: int
+) -> bool:
     """Whether each row sees exactly its prefix and itself over all ``length`` cached positions:
     one token per sequence after prefixes of one length, or one chain written from position 0.
     Such a forward needs no mask (a decode step) or only causality (a prefill)."""
