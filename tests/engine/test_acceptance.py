@@ -34,7 +34,7 @@ def test_sampled_with_point_mass_target_is_deterministic() -> None:
     probs = torch.zeros(5, vocab)
     for node, token in enumerate([6, 0, 8, 0, 3]):
         probs[node, token] = 1.0
-    result = accept_sampled(TREE, probs, {}, torch.Generator().manual_seed(0), with_replacement=False)
+    result = accept_sampled(TREE, probs, {}, torch.Generator().manual_seed(0))
     assert result.tokens == [6, 8, 3]
 
 

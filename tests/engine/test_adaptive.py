@@ -117,14 +117,14 @@ def test_update_counts_each_width_only_where_the_level_had_that_many_children() 
 
 def test_cost_meter_ratio() -> None:
     meter = CostMeter(smoothing=0.5, prior_ratio=0.1)
-    assert meter.ratio() == 0.1
-    meter.record(draft_seconds=0.0, levels=0, verify_seconds=0.04)  # a plain step: no draft cost
-    assert meter.ratio() == 0.1
-    meter.record(draft_seconds=0.012, levels=3, verify_seconds=0.04)
-    assert meter.ratio() == pytest.approx(0.004 / 0.04)
-    meter.record(draft_seconds=0.024, levels=3, verify_seconds=0.04)
-    assert meter.ratio() == pytest.approx(0.006 / 0.04)
-    assert meter.ratio(plain_step=0.03) == pytest.approx(0.006 / 0.03)  # against the plain step
+    assert meter.ratio(plain_step=0.04) == 0.1
+    meter.record(draft_seconds=0.0, levels=0)  # a plain step: no draft cost
+    assert meter.ratio(plain_step=0.04) == 0.1
+    meter.record(draft_seconds=0.012, levels=3)
+    assert meter.ratio(plain_step=0.04) == pytest.approx(0.004 / 0.04)
+    meter.record(draft_seconds=0.024, levels=3)
+    assert meter.ratio(plain_step=0.04) == pytest.approx(0.006 / 0.04)
+    assert meter.ratio(plain_step=0.03) == pytest.approx(0.006 / 0.03)
 
 
 # Target forward seconds by tokens: this CPU's shape (flat, then compute-bound) and a flat one.

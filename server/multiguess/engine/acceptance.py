@@ -48,7 +48,6 @@ def accept_sampled(
     target_probs: torch.Tensor,
     draft_probs: dict[int, torch.Tensor],
     generator: torch.Generator | None,
-    with_replacement: bool,
 ) -> Acceptance:
     """Multi-draft speculative sampling on a tree (SpecInfer / MCSD style); exact in distribution.
 
@@ -56,9 +55,9 @@ def accept_sampled(
     the distribution node i's children were drawn from; a node missing there has deterministic
     children (top-k, n-gram), for which q is a point mass on each child in turn. At each node the children are
     tried in order: child token x is accepted with probability min(1, p(x) / q(x)); on rejection
-    p becomes norm(max(p - q, 0)). Without replacement, q is renormalised after removing the
-    rejected token, because the next child was drawn from what was left. If all children are
-    rejected, the bonus token is drawn from the residual p.
+    p becomes norm(max(p - q, 0)), and q is renormalised after removing the rejected token,
+    because sampled siblings are drawn without replacement: the next child was drawn from what
+    was left. If all children are rejected, the bonus token is drawn from the residual p.
     """
     children = tree.children()
     node, path = 0, [0]
@@ -83,7 +82,7 @@ def accept_sampled(
             if residual.sum() <= 0:  # p == q up to rounding: rejection had probability ~0
                 break
             p = residual / residual.sum()
-            if sampled_q is not None and not with_replacement:
+            if sampled_q is not None:
                 q[x] = 0.0
                 if q.sum() <= 0:
                     break

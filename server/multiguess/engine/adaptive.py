@@ -290,24 +290,20 @@ class ProbeSchedule:
 
 @dataclass
 class CostMeter:
-    """Running draft and verification times of the engine's steps, for ``cost_ratio``."""
+    """The running draft time per level of the engine's steps, for ``cost_ratio``."""
 
     smoothing: float = 0.2
     prior_ratio: float = 0.1  # assumed before anything was measured: a small draft
     draft_per_level: float | None = None
-    verify: float | None = None
 
-    def record(self, draft_seconds: float, levels: int, verify_seconds: float) -> None:
-        self.verify = self._blend(self.verify, verify_seconds)
+    def record(self, draft_seconds: float, levels: int) -> None:
         if levels > 0:
-            self.draft_per_level = self._blend(self.draft_per_level, draft_seconds / levels)
+            new = draft_seconds / levels
+            old = self.draft_per_level
+            self.draft_per_level = new if old is None else (1 - self.smoothing) * old + self.smoothing * new
 
-    def _blend(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
-
-    def ratio(self, plain_step: float | None = None) -> float:
-        """Draft time per level in units of ``plain_step`` (default: the measured verification)."""
-        reference = plain_step or self.verify
-        if self.draft_per_level is None or not reference:
+    def ratio(self, plain_step: float) -> float:
+        """Draft time per level in units of ``plain_step`` (the target's plain step at this batch)."""
+        if self.draft_per_level is None or not plain_step:
             return self.prior_ratio
-        return self.draft_per_level / reference
+        return self.draft_per_level / plain_step

@@ -248,7 +248,7 @@ class Engine:
         drafting = [s for s, p in zip(batch, proposals, strict=True) if len(p.tree) > 1]
         steady = all(s.drafted_at == self.steps - 1 for s in drafting)
         levels = max(p.tree.max_depth for p in proposals) if steady else 0
-        self.costs.record(drafted - started, levels, time.perf_counter() - drafted)
+        self.costs.record(drafted - started, levels)
         for seq in drafting:
             seq.drafted_at = self.steps
         outputs: list[StepOutput] = []
@@ -266,11 +266,7 @@ class Engine:
                 acceptance = accept_greedy(proposal.tree, choices)
             else:
                 acceptance = accept_sampled(
-                    proposal.tree,
-                    target_probs[b],
-                    proposal.draft_probs,
-                    seq.generators.on(logits.device),
-                    with_replacement=False,
+                    proposal.tree, target_probs[b], proposal.draft_probs, seq.generators.on(logits.device)
                 )
             self.target.cache.compact(seq.slot, seq.cache_len, acceptance.path)
             if features is not None:
