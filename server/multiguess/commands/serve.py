@@ -72,6 +72,8 @@ def build_engine(args: argparse.Namespace, registry: Any = None) -> Any:
             args.max_model_len,
             adaptive=not args.no_adaptive,
             eager=args.eager,
+            cuda_graphs=args.cuda_graphs,
+            gpu_memory_utilization=args.gpu_memory_utilization,
         )
         engine = build_local(config, args.target, None, "none", args.dtype, args.device)
         engine.drafter = RemoteDrafter(
