@@ -3,7 +3,21 @@
 import pytest
 import torch
 from multiguess.engine.placement import region_attention_mask
-from multiguess.engine.tree import TokenTree, pack_trees
+from multiguess.engine.tree import TokenTree, ancestor_masks, pack_trees
+
+
+def path_to(tree: TokenTree, node: int) -> list[int]:
+    """Node indices from the root down to ``node``, walking parents: the reference the batched
+    masks are checked against."""
+    path = [node]
+    while tree.parents[path[-1]] != -1:
+        path.append(tree.parents[path[-1]])
+    return path[::-1]
+
+
+def ancestor_mask(tree: TokenTree) -> torch.Tensor:
+    """One tree's ``[n, n]`` ancestor-or-self mask, through the batched ``ancestor_masks``."""
+    return ancestor_masks(torch.tensor([0, *tree.parents[1:]])[None], tree.max_depth)[0]
 
 
 def test_depths_children_and_paths() -> None:
@@ -14,20 +28,20 @@ def test_depths_children_and_paths() -> None:
     tree = TokenTree((10, 11, 12, 13, 14, 15, 16), (-1, 0, 0, 1, 1, 2, 5))
     assert tree.depths == (0, 1, 1, 2, 2, 2, 3)
     assert tree.children() == [[1, 2], [3, 4], [5], [], [], [6], []]
-    assert tree.path_to(6) == [0, 2, 5, 6]
+    assert path_to(tree, 6) == [0, 2, 5, 6]
     assert tree.max_depth == 3
 
 
 def test_ancestor_mask_is_ancestors_and_self() -> None:
     tree = TokenTree((1, 2, 3, 4), (-1, 0, 0, 2))
     expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
-    assert torch.equal(tree.ancestor_mask(), expected)
+    assert torch.equal(ancestor_mask(tree), expected)
 
 
 def test_chain_is_causal() -> None:
     tree = TokenTree.chain([5, 6, 7])
     assert tree.parents == (-1, 0, 1)
-    assert torch.equal(tree.ancestor_mask(), torch.tril(torch.ones(3, 3, dtype=torch.bool)))
+    assert torch.equal(ancestor_mask(tree), torch.tril(torch.ones(3, 3, dtype=torch.bool)))
 
 
 @pytest.mark.parametrize(
@@ -70,6 +84,6 @@ def test_packed_masks_and_depths_agree_with_paths_for_random_trees() -> None:
         assert tokens[b, :n].tolist() == list(tree.tokens)
         assert depths[b, :n].tolist() == list(tree.depths)
         for node in range(n):
-            assert mask[b, node].nonzero().flatten().tolist() == sorted(tree.path_to(node))
+            assert mask[b, node].nonzero().flatten().tolist() == sorted(path_to(tree, node))
         assert torch.equal(mask[b, n:, n:], torch.eye(mask.shape[1] - n, dtype=torch.bool))
         assert not mask[b, n:, :n].any()

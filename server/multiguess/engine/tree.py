@@ -50,17 +50,6 @@ class TokenTree:
             kids[p].append(i)
         return kids
 
-    def path_to(self, node: int) -> list[int]:
-        """Node indices from the root down to ``node``."""
-        path = [node]
-        while self.parents[path[-1]] != -1:
-            path.append(self.parents[path[-1]])
-        return path[::-1]
-
-    def ancestor_mask(self) -> torch.Tensor:
-        """[n, n] bool: entry (i, j) is True when node j is node i or one of its ancestors."""
-        return ancestor_masks(torch.tensor([0, *self.parents[1:]])[None], self.max_depth)[0]
-
 
 def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     """``[B, T, T]`` ancestor-or-self masks from ``[B, T]`` parent indices (roots and padding
