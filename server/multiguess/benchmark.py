@@ -138,8 +138,8 @@ def step_against_bound(
     engine: Engine, prompt: list[int], weights: int, rounds: int = 5, steps: int = 32
 ) -> StepBound:
     """Time plain decode steps (prefill left out) right after each bandwidth probe, ``rounds``
-    times. This VM's bandwidth drifts by up to 2x within the hour (22-52 GB/s measured), so a
-    bound probed minutes away from the steps it is compared with says little about them."""
+    times. A shared machine's bandwidth drifts within the hour (docs/ENGINE.md), so a bound
+    probed minutes away from the steps it is compared with says little about them."""
     step, bandwidth, bound, ratio = [], [], [], []
     for _ in range(rounds):
         probed = measure_bandwidth(repeats=3)

@@ -30,11 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     if words and words[0] in SERVING_COMMANDS and "OMP_WAIT_POLICY" not in os.environ:
         # A server's HTTP threads share the cores with torch's OpenMP threads. OpenMP's default
-        # spin (300k iterations) waits for a preempted sibling in every parallel region: decode
-        # steps 6x slower when the cores are shared; passive waiting avoids that but puts
-        # threads to sleep between ops (1.6x slower on idle cores). A short spin keeps both:
-        # over HTTP here, 37% more tokens/s than passive at 1 client, 20-30% at 8. Set before
-        # torch loads its OpenMP runtime; an explicit setting of either variable wins.
+        # spin (300k iterations) waits for a preempted sibling in every parallel region, which
+        # stalls decode steps when the cores are shared; passive waiting puts threads to sleep
+        # between ops, which slows them on idle cores. A short spin avoids both (measured in
+        # docs/ENGINE.md, "OpenMP waiting"). Set before torch loads its OpenMP runtime; an
+        # explicit setting of either variable wins.
         os.environ.setdefault("GOMP_SPINCOUNT", "50000")
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)

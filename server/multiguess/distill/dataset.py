@@ -1,7 +1,7 @@
 """The distillation data job: held-out replies for evaluation, then training replies and text.
 
 Replies (batched greedy generation) are what the draft must predict at serving time but are
-slow to make; teacher-forced text is ~3x faster per token. The job interleaves the two so that
+slow to make; teacher-forced text is much cheaper per token (docs/DRAFT.md). The job interleaves the two so that
 whenever it is stopped the data holds both, and every shard it writes survives a restart.
 """
 

@@ -4,11 +4,11 @@ Four signals decide. *Acceptance by width*: a drafted node with c children lets 
 when the target's token is among them, which happens at the draft's top-c *coverage* on this
 traffic (``Coverage``: running estimates for c = 1 … num_candidates, every verified tree
 observing each level its accepted path tried). A chain drafts one child per level and goes on
-at the top-1 rate; a tree of width 3 at the top-3 rate, which for the embedded pair is
-~1.5× higher. So each tree shape's expected tokens follow from the coverage and the tree the
-drafter would grow (``expected_tokens``). *Draft cost*: each level costs ``r`` plain target
-steps (r = measured draft time per level / the target's plain step at this batch size; steps in
-which a sequence's draft first caught up on tokens it had not seen are left out: that catch-up
+at the top-1 rate; a tree of width 3 at the top-3 rate, which is higher. So each tree
+shape's expected tokens follow from the coverage and the tree the drafter would grow
+(``expected_tokens``). *Draft cost*: each level costs ``r`` plain target steps (r = measured
+draft time per level / the target's plain step at this batch size; steps in which a
+sequence's draft first caught up on tokens it had not seen are left out: that catch-up
 is paid once when drafting resumes, not per level). *Verification cost*: verifying n nodes per
 sequence costs ``g`` plain steps, read from the target's forward time by tokens in the forward
 (``ForwardCost``, measured when the engine starts): nearly 1 while the forward is memory-bound,
@@ -29,8 +29,8 @@ which is what a verified tree would have measured, at no cost to the target. Oth
 probe with a one-level tree as wide as the budget allows (it measures every width's coverage at
 once), which pads the whole batch to its width in the target's forward. One sequence at a time,
 because a probe makes the draft catch up on everything that sequence added since it last
-drafted — its whole prompt, for a new request: when the batch probed at once, a batch of 8 paid
-~47 ms of draft catch-up every 64 steps (~2% of its throughput) for estimates that kept saying no.
+drafted — its whole prompt, for a new request: a whole batch probing at once pays every
+sequence's catch-up together for estimates that keep saying no (docs/ENGINE.md).
 """
 
 from __future__ import annotations

@@ -102,14 +102,12 @@ def measure_forward_cost(
     single tokens costs about the same as a chain of as many: both are one matmul over that
     many rows, and attention over as many rows of context.
 
-    The context matters: without it attention is free, and two sequences' 4-node trees, which
-    cost 1.35x two roots after 256 tokens, were priced at 1.17x; at 2 clients the policy then
-    drafted trees that lost (a drafting step took 18 ms against 10 ms plain).
-    The sizes take turns for ``rounds`` rounds and each keeps its fastest time, so a burst of
-    load on a shared machine hits one sample, not one size; the curve is then made
-    non-decreasing (more tokens never cost less). With best-of-two per size in a row, a noisy
-    start measured 2 tokens slower than 4 and 16 tokens at 1.56x one, and trees were planned
-    smaller than they pay."""
+    The context matters: without it attention is free, trees are priced below what they cost,
+    and the policy drafts trees that lose. The sizes take turns for ``rounds`` rounds and each
+    keeps its fastest time, so a burst of load on a shared machine hits one sample, not one
+    size (timing each size back to back misordered sizes and planned trees smaller than they
+    pay); the curve is then made non-decreasing (more tokens never cost less). The measurements
+    behind both choices are in docs/ENGINE.md."""
     counts = sorted({min(2**i, limit) for i in range(limit.bit_length() + 1)})
     context = max(0, min(context, runner.capacity - limit))
     if context:
@@ -360,9 +358,9 @@ class Engine:
     def _observe(self, seq: Sequence) -> bool:
         """Probe a greedy sequence without a tree: rank the tokens the target chose since the
         draft last saw the sequence among the draft's guesses (``Drafter.observe``). A probe
-        tree pads every sequence of the batch to its width in the target's forward: at batch 2
-        a probe step took 14.2 ms against 8.2 ms here. This costs one draft forward over the
-        catch-up that drafting would make anyway.
+        tree pads every sequence of the batch to its width in the target's forward
+        (docs/ENGINE.md); this costs one draft forward over the catch-up that drafting would
+        make anyway.
         False when the drafter cannot (a sampled sequence's children are draws, not ranks)."""
         assert self.drafter is not None
         if not seq.params.greedy:

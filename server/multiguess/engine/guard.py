@@ -6,7 +6,7 @@ which speculation is paused instead of retried every step, and ``degraded``/``re
 readiness. Output stays exact throughout: the target verifies whatever is (not) proposed.
 
 The inner drafter runs inline and its time is checked afterwards: handing each step to a
-watchdog thread cost ~3 ms per step on a busy CPU, more than a GPU step can spare. A slow
+watchdog thread costs more per step on a busy CPU than a GPU step can spare. A slow
 step's proposal is still used (it is correct, and already paid for); the pause starts after
 it. A drafter that can block indefinitely (a remote one) must bound its own calls.
 

@@ -1,10 +1,9 @@
 """A draft's vocabulary: the tokens its LM head scores (frequency-ranked, as in FR-Spec).
 
-A small draft's LM head is its largest layer: 49k rows × 256 for the embedded draft, a third
-of its forward at batch 1. The target's replies use few of those tokens (8,192 cover 98.5% of
-the teacher's reply tokens and 94% of held-out ones), and the draft is rarely right on the rest,
-so scoring only them keeps acceptance (0.4253 vs 0.4257 held out) at a sixth of the head's
-cost. Output stays exact: the draft only proposes, and the target verifies against its full
+A small draft's LM head is its largest layer: 49k rows × 256 for the embedded draft. The
+target's replies use few of those tokens (a few thousand cover nearly all of them), and the
+draft is rarely right on the rest, so scoring only them keeps acceptance at a fraction of the
+head's cost (measured in docs/ENGINE.md, "The draft's vocabulary"). Output stays exact: the draft only proposes, and the target verifies against its full
 vocabulary; a sampled draft's distribution is zero outside the subset, which rejection
 sampling accounts for like any other proposal distribution.
 
