@@ -91,7 +91,7 @@ def table(header: list[str], rows: list[list[Any]], align: str | None = None) ->
     align = align or "l" + "r" * (len(header) - 1)
     rule = ["---" if a == "l" else "---:" for a in align]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
-    lines += ["| " + " | ".join(fmt(c) if not isinstance(c, str) else c for c in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(map(fmt, row)) + " |" for row in rows]
     return lines
 
 
