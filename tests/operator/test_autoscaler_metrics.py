@@ -350,7 +350,7 @@ def test_the_serving_images_speculation_and_draft_metrics_parse() -> None:
     target.queue.observe(0.1)
     target.spec["verify_steps"].inc(10)
     target.spec["accepted_tokens"].inc(15)
-    target.spec["fallback_steps"].inc(2)
+    target.fallback_steps.labels(reason="timeout").inc(2)
     client.failures.labels(kind="timeout").inc(3)
     client.refused.inc(1)
     page = parse(generate_latest(target.registry).decode())
