@@ -134,7 +134,7 @@ class NativeRunner:
             )
             if out is not None:
                 return out
-        plain = sees_only_its_own(prefix_lens, write_from, visible, length)
+        plain = self.backend.attends_unmasked and sees_only_its_own(prefix_lens, write_from, visible, length)
         visible_mask = region_attention_mask(
             torch.tensor(prefix_lens, device=device), visible.to(device), length
         )

@@ -34,6 +34,7 @@ class Backend(Protocol):
     attn_dtype: torch.dtype  # the KV cache's and attention's dtype
     projection: type[Projection]  # how fused projections keep their weights
     cost_tokens: int  # how many tokens the forward-cost curve is measured up to, at least
+    attends_unmasked: bool  # whether forwards that see only their own prefix go without a mask
 
     def attach(self, runner: NativeRunner) -> None:
         """Prepare per-model state once the runner has built its projections and cache."""

@@ -1,13 +1,13 @@
 """multiguess's bf16 kernels for CPUs with AVX512-BF16, compiled from C on first use.
 
-Why: a decode step streams every weight once, and on this machine (2 cores, AVX512-BF16, no
-AMX) oneDNN streams them at 12–17 GB/s for decode-sized products; the product here
+Why: a decode step streams every weight once, and for decode-sized products oneDNN streams
+them well below the memory's bandwidth on CPUs without AMX; the product here
 (``kernels/bf16_kernels.c``: panels of 64 output rows, one contiguous stream each,
-``vdpbf16ps``) reaches 24–36 GB/s and is no slower up to 256 rows, and it runs the norms, SiLU
-gating and residual adds around it in the same call. Rotary with the cache write, and attention,
-are one call each instead of dozens of framework calls, and the runner calls all of a layer's
-kernels at once (``run_layer``: one call from Python per layer instead of six, which saved a
-third of a plain decode step here; docs/ENGINE.md). Every row of
+``vdpbf16ps``) streams faster, is no slower for many rows, and runs the norms, SiLU gating and
+residual adds around it in the same call. Rotary with the cache write, and attention, are one
+call each instead of dozens of framework calls, and the runner calls all of a layer's kernels
+at once (``run_layer``: one call from Python per layer instead of six). docs/ENGINE.md has the
+measurements. Every row of
 every kernel is computed independently of the others, so a token's logits are the same bits in
 a one-token decode step and inside a verified tree: speculation equals plain decoding in bf16
 as well as in fp32.

@@ -50,6 +50,7 @@ class TorchBackend:
     name = label = "torch"
     projection = Projection
     cost_tokens = 128  # GPUs verify tens of tokens for about the price of one
+    attends_unmasked = True
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.attn_dtype = dtype
