@@ -117,11 +117,9 @@ class Timed:
             self.wire.append(round_trip - server)
         return proposals
 
-    def commit(self, slot: int, proposal: Any, acceptance: Any) -> None:
-        self.inner.commit(slot, proposal, acceptance)
-
-    def release(self, slot: int) -> None:
-        self.inner.release(slot)
+    def __getattr__(self, name: str) -> Any:
+        """The rest of the drafter interface (commit, release, move, observe, ...) as is."""
+        return getattr(self.inner, name)
 
 
 def decode(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
@@ -158,7 +156,10 @@ def engine_comparison(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [
         tok.encode(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True)) for c in chat
     ]
-    config = EngineConfig(args.num_candidates, args.depth, args.max_nodes, max_batch=args.batch)
+    # Fixed trees: the adaptive policy may stop drafting, and this measures a drafting step.
+    config = EngineConfig(
+        args.num_candidates, args.depth, args.max_nodes, max_batch=args.batch, adaptive=False
+    )
     local = Engine(target, draft, config)
     local_timer = Timed(local.drafter)
     local.drafter = local_timer
