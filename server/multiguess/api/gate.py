@@ -24,6 +24,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/health/live", "/health/ready"})
+DISCARD_LIMIT = 16  # a refused body is read and dropped up to this many times the limit
 
 
 class Refused(Exception):
@@ -89,6 +90,8 @@ class RequestGate:
                 receive = replay(body, receive)
         except Refused as refused:
             await respond(send, refused)
+            if refused.status == 413:
+                await discard_body(receive, DISCARD_LIMIT * self.max_body)
             return
         await self.app(scope, receive, send)
 
@@ -156,6 +159,18 @@ def replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return again
+
+
+async def discard_body(receive: Receive, limit: int) -> None:
+    """Read and drop what is left of a refused body, up to ``limit`` bytes. A server that closes
+    a connection with unread data in it makes the kernel reset the connection, and the reset can
+    destroy the 413 on its way to the client; past ``limit`` the connection is closed anyway."""
+    read = 0
+    while read <= limit:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        read += len(message.get("body", b""))
 
 
 async def respond(send: Send, refused: Refused) -> None:
