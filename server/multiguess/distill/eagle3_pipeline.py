@@ -17,7 +17,6 @@ Stages, each resuming from what the work folder already holds:
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -36,7 +35,7 @@ from multiguess.distill.eagle3_train import (
     ttt_loss,
 )
 from multiguess.distill.evaluate import quality
-from multiguess.distill.pipeline import EVAL_DURING_TRAINING, git_commit
+from multiguess.distill.pipeline import EVAL_DURING_TRAINING, git_commit, publish
 from multiguess.distill.train import TrainConfig, train
 from multiguess.engine.eagle3_head import Eagle3Head, default_aux_layers
 from multiguess.models.draft_vocab import count_tokens, load_draft_vocab, most_frequent
@@ -163,10 +162,7 @@ def export(plan: Eagle3Plan, command: str) -> dict:
         "metrics": metrics,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    (staging / "eval.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    (staging / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
-    shutil.rmtree(plan.out, ignore_errors=True)
-    staging.rename(plan.out)
+    publish(staging, plan.out, metrics, provenance)
     return provenance
 
 

@@ -125,12 +125,18 @@ def export(plan: DistillPlan, command: str) -> dict:
         "metrics": metrics,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    (staging / "PROVENANCE.md").write_text(provenance_markdown(provenance))
+    publish(staging, plan.out, metrics, provenance)
+    return provenance
+
+
+def publish(staging: Path, out: Path, metrics: dict, provenance: dict) -> None:
+    """Write an export's ``eval.json`` and ``provenance.json`` into ``staging``, then put it in
+    place of ``out`` by a rename (a reader never sees half an export)."""
     (staging / "eval.json").write_text(json.dumps(metrics, indent=2) + "\n")
     (staging / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
-    (staging / "PROVENANCE.md").write_text(provenance_markdown(provenance))
-    shutil.rmtree(plan.out, ignore_errors=True)
-    staging.rename(plan.out)
-    return provenance
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
 
 
 def export_draft_vocab(size: int, records: list, folder: Path) -> torch.Tensor | None:
