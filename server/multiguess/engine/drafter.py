@@ -193,14 +193,13 @@ class ModelDrafter:
         starts = [self.cached.get(r.slot, 0) for r in requests]
         chunks = [TokenTree.chain(r.token_ids[s:]) for r, s in zip(requests, starts, strict=True)]
         groups = padded_groups([len(c) for c in chunks], self.runner.capacity)  # runs, in order
-        logits = torch.cat(
-            [
-                self.runner.forward_trees(
-                    [slots[i] for i in g], [starts[i] for i in g], [chunks[i] for i in g], last_only=True
-                )
-                for g in groups
-            ]
-        )
+        parts = [
+            self.runner.forward_trees(
+                [slots[i] for i in g], [starts[i] for i in g], [chunks[i] for i in g], last_only=True
+            )
+            for g in groups
+        ]
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # one run, the usual step: no copy
         prefixes = [len(r.token_ids) for r in requests]
         for r, n in zip(requests, prefixes, strict=True):
             self.cached[r.slot] = n
