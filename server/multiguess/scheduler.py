@@ -70,7 +70,7 @@ class Event:
     finished: bool
     finish_reason: str | None
     stats: dict[str, float]
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # of ``token_ids``, when asked
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked: of tokens whose text is out
 
 
 @dataclass
@@ -345,7 +345,7 @@ class Scheduler:
                 out.finished,
                 out.finish_reason,
                 stats,
-                out.sequence.recent_logprobs(len(out.new_token_ids)),
+                out.logprobs,
             )
             self._post(tracked.job, event)
             if out.finished:

@@ -208,7 +208,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         ]
 
         def chunk(event: Event) -> dict[str, Any] | None:
-            if not event.text and not event.finished and not (body.logprobs is not None and event.token_ids):
+            if not event.text and not event.finished and not event.logprobs:
                 return None
             lp = None
             if body.logprobs is not None:
@@ -273,7 +273,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         ]
 
         def chunk(event: Event) -> dict[str, Any] | None:
-            if not event.text and not event.finished and not (top is not None and event.token_ids):
+            if not event.text and not event.finished and not event.logprobs:
                 return None
             delta = {"content": event.text} if event.text else {}
             lp = chat_logprobs_body(event.logprobs, tokenizer, top).model_dump() if top is not None else None

@@ -28,7 +28,7 @@ from multiguess.engine.adaptive import (
 )
 from multiguess.engine.drafter import Drafter, DraftRequest, ModelDrafter, Proposal, SampleSpec, TreeBudget
 from multiguess.engine.guard import fallback_reason
-from multiguess.engine.logprobs import step_logprobs
+from multiguess.engine.logprobs import TokenLogprob, step_logprobs
 from multiguess.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION, check_utilization
 from multiguess.engine.memory_probe import fit_to_memory
 from multiguess.engine.padding import padded_groups
@@ -137,6 +137,7 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     sequence: Sequence
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens whose text is out
 
 
 class Engine:
@@ -280,14 +281,16 @@ class Engine:
                 seq.params.logprobs, acceptance.path, acceptance.tokens, rows[b], target_probs.get(b)
             )
             seq.append(acceptance.tokens, self.eos_ids, self.tokenizer, logprobs)
+            delta = seq.take_text_delta()
             outputs.append(
                 StepOutput(
                     seq.request_id,
                     seq.output_ids[before:],
-                    seq.take_text_delta(),
+                    delta,
                     seq.finished,
                     seq.finish_reason,
                     seq,
+                    seq.take_logprobs(self.tokenizer),
                 )
             )
         for greedy, outcomes in observed.items():

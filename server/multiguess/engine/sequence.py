@@ -51,6 +51,8 @@ class Sequence:
     stats: SpecStats = field(default_factory=SpecStats)
     decoded: IncrementalText = field(default_factory=IncrementalText)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked
+    sent_logprobs: int = 0  # records handed out by ``take_logprobs``
+    cut: bool = False  # a stop string ended the text
 
     @property
     def token_ids(self) -> list[int]:
@@ -63,10 +65,6 @@ class Sequence:
     @property
     def cumulative_logprob(self) -> float:
         return sum(lp.logprob for lp in self.logprobs)
-
-    def recent_logprobs(self, count: int) -> list[TokenLogprob]:
-        """The records of the last ``count`` output tokens (none when not recorded)."""
-        return self.logprobs[len(self.logprobs) - count :] if self.logprobs and count else []
 
     @property
     def remaining(self) -> int:
@@ -106,6 +104,7 @@ class Sequence:
         if hits:
             self.text = self.text[: min(hits)]
             self.finish_reason = "stop"
+            self.cut = True
 
     def take_text_delta(self) -> str:
         """New text safe to stream: holds back an unfinished character or a possible stop prefix."""
@@ -117,3 +116,30 @@ class Sequence:
         delta = visible[self.sent_text_len :]
         self.sent_text_len = len(visible)
         return delta
+
+    def take_logprobs(self, tokenizer: PreTrainedTokenizerBase) -> list[TokenLogprob]:
+        """The records not handed out yet of the tokens whose text is released (call it after
+        ``take_text_delta``). A stop string may end the text inside a token or before tokens
+        already generated, so with stop strings the records follow the released text, not the
+        tokens; without them every record goes out at once (the only text held back then is an
+        unfinished character, whose tokens are generated all the same)."""
+        end = len(self.logprobs)
+        if self.logprobs and (self.cut or (self.params.stop and not self.finished)):
+            end = self.tokens_for(tokenizer, self.sent_text_len)
+        records = self.logprobs[self.sent_logprobs : end]
+        self.sent_logprobs = max(self.sent_logprobs, end)
+        return records
+
+    def tokens_for(self, tokenizer: PreTrainedTokenizerBase, chars: int) -> int:
+        """The fewest output tokens whose text holds the text's first ``chars`` characters (a
+        token that ends inside a character holds none of it). Searched from the tokens already
+        handed out, decoding a prefix of the output per probe."""
+        low, high = self.sent_logprobs, len(self.output_ids)
+        while low < high:
+            mid = (low + high) // 2
+            text = tokenizer.decode(self.output_ids[:mid], skip_special_tokens=True)
+            if len(text.rstrip("\ufffd")) >= chars:
+                high = mid
+            else:
+                low = mid + 1
+        return low
