@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 from multiguess.cli import main
 
+from tests.engine.test_eagle3 import saved_head
+
 
 def test_bench_writes_results_table_and_plot(
     tmp_path: Path, tiny_llama: Path, tiny_llama_draft: Path
@@ -13,8 +15,9 @@ def test_bench_writes_results_table_and_plot(
     out = tmp_path / "docs"
     (out).mkdir()
     (out / "BENCHMARKS.md").write_text("# Benchmarks\n\nHand-written notes are replaced.\n")
+    head = saved_head(tiny_llama, tmp_path / "head", seed=3)
     argv = ["bench", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft), "--dtype", "float32"]
-    argv += ["--prompts", "2", "--repeats", "2", "--max-tokens", "6", "--out", str(out)]
+    argv += ["--prompts", "2", "--repeats", "2", "--max-tokens", "6", "--out", str(out), "--head", str(head)]
     assert main(argv) == 0
     report = json.loads((out / "bench" / "results-float32.json").read_text())
     rows = {r["method"]: r for r in report["methods"]}
@@ -25,12 +28,27 @@ def test_bench_writes_results_table_and_plot(
         "multiguess chain",
         "multiguess tree",
         "multiguess tree, sampled",
+        "multiguess eagle3 tree",
+        "multiguess eagle3 tree, sampled",
     }
-    for name in ("multiguess plain", "multiguess chain", "multiguess tree", "transformers assisted"):
+    assert report["eagle3_head"] == str(head)
+    for name in (
+        "multiguess plain",
+        "multiguess chain",
+        "multiguess tree",
+        "multiguess eagle3 tree",
+        "transformers assisted",
+    ):
         assert rows[name]["identical_to_generate"] == 1.0, name
         assert rows[name]["identical_to_plain"] == 1.0, name
         assert len(rows[name]["repeats"]) == 2
-    assert rows["multiguess tree"]["mean_accepted_length"] >= 1.0
+    for name in ("multiguess tree", "multiguess eagle3 tree"):
+        row = rows[name]
+        assert row["mean_accepted_length"] >= 1.0
+        # Depth 1 is verified at every drafted step; deeper levels only where a tree reached them.
+        assert 1 <= len(row["acceptance_by_depth"]) <= 4
+        assert all(0.0 <= a <= 1.0 for a in row["acceptance_by_depth"])
+        assert row["draft_ms_per_level"] > 0
     # The step and its bound come from the same rounds: the ratio is theirs (medians of pairs).
     bound = report["bandwidth_bound_step_ms"]
     assert report["step_over_bound"] > 0

@@ -3,8 +3,10 @@
 One run measures, in turn and interleaved over repeats so machine noise hits all alike:
 (1) transformers ``generate`` (plain greedy), (2) transformers assisted generation with the
 same draft, (3) multiguess plain (no draft), (4) multiguess chain (``num_candidates=1``) and
-(5) multiguess tree (the defaults). Ratios are taken within the run; tokens/s are medians over
-repeats. It also measures memory bandwidth and the target's verification cost by tree size,
+(5) multiguess tree (the defaults), each also sampled, and (6) the same tree drafted by an
+EAGLE-3 head when one is given. Ratios are taken within the run; tokens/s are medians over
+repeats; speculative methods also report acceptance by tree depth and the draft's time per
+level against a plain target step. It also measures memory bandwidth and the target's verification cost by tree size,
 which bound what speculation can gain on the machine.
 """
 
@@ -33,6 +35,8 @@ METHODS = (
     "multiguess chain",
     "multiguess tree",
     "multiguess tree, sampled",
+    "multiguess eagle3 tree",
+    "multiguess eagle3 tree, sampled",
 )
 
 
@@ -50,6 +54,18 @@ class MethodResult:
     verify_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    level_verified: list[int] = field(default_factory=list)  # per tree depth (index 0: depth 1)
+    level_accepted: list[int] = field(default_factory=list)
+    draft_ms_per_level: list[float] = field(default_factory=list)  # per prompt, the engine's running value
+
+    def record_levels(self, outcomes: list[tuple[int, int | None]]) -> None:
+        """One verification's levels in depth order: (children, accepted child's rank or None)."""
+        for depth, (_, rank) in enumerate(outcomes):
+            if depth == len(self.level_verified):
+                self.level_verified.append(0)
+                self.level_accepted.append(0)
+            self.level_verified[depth] += 1
+            self.level_accepted[depth] += rank is not None
 
     @property
     def median_tps(self) -> float:
@@ -78,6 +94,11 @@ class MethodResult:
         if self.draft_tokens:
             row["mean_accepted_length"] = round(1 + self.accepted_tokens / self.verify_steps, 3)
             row["acceptance_rate"] = round(self.accepted_tokens / max(1, self.draft_tokens), 3)
+            row["acceptance_by_depth"] = [
+                round(a / v, 3) for a, v in zip(self.level_accepted, self.level_verified, strict=True)
+            ]
+        if self.draft_ms_per_level:
+            row["draft_ms_per_level"] = round(statistics.median(self.draft_ms_per_level), 3)
         return row
 
 
@@ -104,6 +125,10 @@ def engine_generator(
         seq = engine.add_request("bench", prompt, params)
         while engine.has_unfinished():
             engine.step()
+            for outcomes in engine.last_outcomes:
+                result.record_levels(outcomes)
+        if engine.costs.draft_per_level is not None:
+            result.draft_ms_per_level.append(engine.costs.draft_per_level * 1000)
         result.verify_steps += seq.stats.verify_steps
         result.draft_tokens += seq.stats.draft_tokens
         result.accepted_tokens += seq.stats.accepted_tokens

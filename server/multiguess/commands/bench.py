@@ -20,6 +20,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--chain-depth", type=int, default=None, help="depth for the chain run")
     parser.add_argument("--skip-assisted", action="store_true", help="leave out HF assisted generation")
     parser.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled run")
+    parser.add_argument(
+        "--head",
+        type=Path,
+        default=None,
+        help="an EAGLE-3 head drafting the same tree in the same run (default: the embedded "
+        "target's shipped head, when one ships and --target is not given)",
+    )
     parser.add_argument("--out", type=Path, default=Path("docs"), help="where results go")
     parser.set_defaults(func=run)
 
@@ -29,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from multiguess import benchmark as bm
+    from multiguess.engine.eagle3 import eagle3_drafter
     from multiguess.engine.engine import Engine, EngineConfig
     from multiguess.llm import load_pair
     from multiguess.models.loading import load_model
@@ -84,8 +92,19 @@ def run(args: argparse.Namespace) -> int:
             tree_engine, n, results["multiguess tree, sampled"], args.temperature
         ),
     }
+    head = benchmark_head(args.head, args.target)
+    if head is not None:
+        eagle3_engine = Engine(target, None, tree_cfg)
+        eagle3_engine.drafter = eagle3_drafter(head, eagle3_engine.target)
+        generators["multiguess eagle3 tree"] = bm.engine_generator(
+            eagle3_engine, n, results["multiguess eagle3 tree"]
+        )
+        generators["multiguess eagle3 tree, sampled"] = bm.engine_generator(
+            eagle3_engine, n, results["multiguess eagle3 tree, sampled"], args.temperature
+        )
     if args.skip_assisted:
-        del generators["transformers assisted"], results["transformers assisted"]
+        del generators["transformers assisted"]
+    results = {name: results[name] for name in generators}
     methods = {name: (generators[name], results[name]) for name in generators}
     total = args.repeats * len(prompts) * len(methods)
     with tqdm(total=total, desc="bench", file=sys.stderr) as bar:
@@ -110,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         "dtype": str(target.dtype).removeprefix("torch."),
         "target": target.name,
         "draft": draft.name,
+        "eagle3_head": str(head) if head is not None else None,
         "draft_quantization": args.draft_quantization,
         "tree": {"num_candidates": args.num_candidates, "depth": args.depth, "max_nodes": args.max_nodes},
         "chain_depth": chain_cfg.depth,
@@ -128,6 +148,15 @@ def run(args: argparse.Namespace) -> int:
     write_report(report, args.out)
     print(bm.markdown_report(report))
     return 0
+
+
+def benchmark_head(head: Path | None, target: str | None) -> Path | None:
+    """The head to measure: the one asked for, else the embedded target's when one ships."""
+    from multiguess.models.eagle3_checkpoint import SHIPPED_HEAD, is_eagle3_folder
+
+    if head is not None:
+        return head
+    return SHIPPED_HEAD if target is None and is_eagle3_folder(SHIPPED_HEAD) else None
 
 
 def write_report(report: dict, out: Path) -> None:
