@@ -145,16 +145,22 @@ def engine_section(report: Report | None, dtype: str) -> list[str]:
             r.get("acceptance_rate"),
             r.get("identical_to_generate"),
             r.get("identical_to_plain"),
+            " / ".join(str(a) for a in r.get("acceptance_by_depth", [])) or None,
+            r.get("draft_ms_per_level"),
         ]
         for r in report["methods"]
     ]
     header = ["method", "tokens/s (median)", "× generate", "× assisted", "mean accepted length"]
     header += ["acceptance", "identical to generate", "identical to multiguess plain"]
+    header += ["acceptance by depth", "draft ms per level"]
     lines += table(header, rows)
     lines += [
         "",
         "*Identical* is the fraction of prompts whose greedy output equals that method's, token for "
-        "token. *Mean accepted length* is tokens emitted per target forward.",
+        "token. *Mean accepted length* is tokens emitted per target forward. *Acceptance by depth*: "
+        "of the verifications that reached depth 1, 2, ..., the fraction in which the target "
+        "accepted a drafted child there. *Draft ms per level*: the drafter's time per tree level "
+        "(compare with the plain decode step below).",
         "",
     ]
     if "plain_step_ms" in report:
