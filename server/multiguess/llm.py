@@ -90,6 +90,7 @@ class LLM:
     the device leaves after weights and activations, for at most ``max_batch`` sequences.
     ``draft_dtype`` None follows ``dtype``; ``auto`` resolves on each model's own device.
     ``cuda_graphs`` replays captured forwards on GPUs (opt-in; ``eager`` stays the escape hatch).
+    ``max_prefill_tokens`` caps the prompt tokens prefilled per step (chunked prefill).
     """
 
     def __init__(
@@ -112,6 +113,7 @@ class LLM:
         draft_dtype: str | None = None,
         cuda_graphs: bool = False,
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+        max_prefill_tokens: int | None = None,
     ) -> None:
         config = EngineConfig(
             num_candidates,
@@ -124,6 +126,7 @@ class LLM:
             cuda_graphs=cuda_graphs,
             draft_vocab=draft_vocab,
             gpu_memory_utilization=gpu_memory_utilization,
+            max_prefill_tokens=max_prefill_tokens,
         )
         self.engine = build_engine(
             config, target, draft, drafter, dtype, device, draft_device, draft_quantization, draft_dtype
@@ -160,6 +163,8 @@ class LLM:
         while self.engine.has_unfinished():
             self.engine.step()
         for result, index, seq in samples.values():
+            if index == 0 and params.prompt_logprobs is not None:
+                result.prompt_logprobs = [None, *seq.prompt_logprobs]
             result.outputs.append(
                 CompletionOutput(
                     index,

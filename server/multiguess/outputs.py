@@ -26,6 +26,8 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    # With ``SamplingParams.prompt_logprobs``: one per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def text(self) -> str:

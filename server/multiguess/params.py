@@ -22,6 +22,8 @@ class SamplingParams:
     per token id, and ``min_tokens`` bars end-of-sequence and stop tokens until that many were
     generated. ``logprobs`` (None: off) records each generated token's log-probability and
     that many alternatives.
+    ``prompt_logprobs`` (vLLM's; None: off) records the log-probability of every prompt token
+    after the first, under the target's raw distribution, and that many alternatives.
     """
 
     max_tokens: int = 16
@@ -41,6 +43,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -84,6 +87,10 @@ class SamplingParams:
             (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
             ),
         ]
         for ok, message in checks:

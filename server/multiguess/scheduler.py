@@ -71,6 +71,7 @@ class Event:
     finish_reason: str | None
     stats: dict[str, float]
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked: of tokens whose text is out
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens after the first, in the first event
 
 
 @dataclass
@@ -346,6 +347,7 @@ class Scheduler:
                 out.finish_reason,
                 stats,
                 out.logprobs,
+                out.prompt_logprobs,
             )
             self._post(tracked.job, event)
             if out.finished:

@@ -41,6 +41,12 @@ class FaultyDrafter:
     def release(self, slot: int) -> None:
         self.inner.release(slot)
 
+    def retain(self, slot: int, length: int) -> None:
+        self.inner.retain(slot, length)
+
+    def share(self, src: int, dst: int, length: int) -> int:
+        return self.inner.share(src, dst, length)
+
     def move(self, src: int, dst: int) -> None:
         self.inner.move(src, dst)
 

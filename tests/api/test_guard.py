@@ -41,6 +41,12 @@ class ChainDrafter:
     def release(self, slot: int) -> None:
         self.released.append(slot)
 
+    def retain(self, slot: int, length: int) -> None:
+        self.released.append(slot)
+
+    def share(self, src: int, dst: int, length: int) -> int:
+        return length
+
     def move(self, src: int, dst: int) -> None:
         self.released.append(src)
 

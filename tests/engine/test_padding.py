@@ -6,7 +6,7 @@ from pathlib import Path
 
 from multiguess import SamplingParams
 from multiguess.engine.engine import Engine, EngineConfig
-from multiguess.engine.padding import padded_groups
+from multiguess.engine.padding import padded_groups, prefill_chunks
 from multiguess.models.loading import load_model
 
 from tests.engine.test_device_hygiene import decode
@@ -21,6 +21,14 @@ def test_runs_keep_order_and_stay_within_the_padded_budget() -> None:
     for group in groups:
         if len(group) > 1:
             assert max(lengths[i] for i in group) * len(group) <= 64
+
+
+def test_prefill_chunks_serve_the_earliest_first_within_the_budget() -> None:
+    assert prefill_chunks([100, 30, 5], 64) == [64, 0, 0]
+    assert prefill_chunks([10, 30, 5], 32) == [10, 22, 0]
+    assert prefill_chunks([10, 3], 64) == [10, 3]
+    assert prefill_chunks([100, 30], None) == [100, 30]  # no budget: every prompt whole
+    assert prefill_chunks([], 8) == []
 
 
 def test_everything_fits_in_one_forward_when_the_budget_allows() -> None:

@@ -76,6 +76,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         utilization,
         help="share of each GPU's memory for weights, activations and KV caches, in (0, 1]",
     )
+    add_flag(
+        parser,
+        "--max-prefill-tokens",
+        0,
+        int,
+        help="prompt tokens prefilled per step at most (chunked prefill: a long prompt does not "
+        "stall running streams); 0: each prompt whole",
+    )
     add_flag(parser, "--threads", 0, int, help="CPU threads for torch (0: the cores this process may use)")
     add_switch(parser, "--no-adaptive", "always draft the full tree budget")
     add_switch(parser, "--eager", "plain PyTorch kernels, no prepacked CPU weights (escape hatch)")
@@ -136,4 +144,5 @@ def build_llm(args: argparse.Namespace) -> Any:
         draft_dtype=args.draft_dtype,
         draft_vocab=not args.full_draft_vocab,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        max_prefill_tokens=args.max_prefill_tokens or None,
     )

@@ -74,6 +74,7 @@ def build_engine(args: argparse.Namespace, registry: Any = None) -> Any:
             eager=args.eager,
             cuda_graphs=args.cuda_graphs,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            max_prefill_tokens=args.max_prefill_tokens or None,
         )
         engine = build_local(config, args.target, None, "none", args.dtype, args.device)
         engine.drafter = RemoteDrafter(

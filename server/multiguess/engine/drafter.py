@@ -1,9 +1,11 @@
 """Drafters propose token trees; the engine verifies them with the target.
 
 The interface is three calls: ``propose`` a tree per sequence, ``commit`` what the target
-accepted (so a stateful drafter can keep its cache in step), ``release`` a finished sequence;
+accepted (so a stateful drafter can keep its cache in step), ``release`` a sequence's state;
 ``move`` follows a sequence to another slot, and ``observe`` measures the drafter against tokens
-the target already chose, where it can do that without a tree.
+the target already chose, where it can do that without a tree. For prefix reuse
+(``engine/prefix_cache.py``) a finished sequence is ``retain``-ed instead of released, and a
+new sequence starts with ``share``: from what a slot holds of its first tokens.
 A drafter that raises never fails a request: the engine decodes that step with the target
 alone and calls ``release`` so the drafter starts that sequence afresh.
 
@@ -23,6 +25,7 @@ import torch
 
 from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.padding import padded_groups
+from multiguess.engine.prefix_cache import swap_keys
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.sampling import (
     Generators,
@@ -86,8 +89,22 @@ class Drafter(Protocol):
 
     def release(self, slot: int) -> None: ...
 
+    def retain(self, slot: int, length: int) -> None:
+        """The sequence in ``slot`` finished: keep what the drafter holds of its first ``length``
+        tokens for a later sequence that starts with them (``share``); 0 is ``release``."""
+        ...
+
+    def share(self, src: int, dst: int, length: int) -> int:
+        """A new sequence in ``dst`` starts with the first ``length`` tokens of the sequence held
+        in ``src`` (running or retained; ``dst`` itself: in place): take what the drafter holds
+        of them, drop the rest of ``dst``'s state, and return how many of those tokens the
+        target may skip computing (at most ``length``; fewer when the drafter needs the
+        target's forward over some of them, as EAGLE-3 needs their features)."""
+        ...
+
     def move(self, src: int, dst: int) -> None:
-        """The sequence in slot ``src`` now runs in the free slot ``dst``."""
+        """The sequence in slot ``src`` now runs in the free slot ``dst``, and what ``dst``
+        retained is retained in ``src`` now (the two slots swap)."""
         ...
 
     def observe(self, slot: int, token_ids: list[int], width: int, since: int) -> list[int | None] | None:
@@ -173,14 +190,27 @@ class ModelDrafter:
         self.cached.pop(slot, None)
         self._fed.pop(slot, None)
 
-    def move(self, src: int, dst: int) -> None:
-        """Carry the sequence's draft cache along (a catch-up from scratch would re-read it all)."""
+    def retain(self, slot: int, length: int) -> None:
+        """Keep the draft cache of the sequence's first ``length`` tokens (those it has seen)."""
+        self._fed.pop(slot, None)
+        self.cached[slot] = min(self.cached.get(slot, 0), length)
+
+    def share(self, src: int, dst: int, length: int) -> int:
+        """The draft cache of ``src``'s first ``length`` tokens (those it has seen) in ``dst``;
+        the catch-up feeds the rest, so the target may skip all ``length``."""
+        held = min(self.cached.get(src, 0), length)
         self.release(dst)
-        if src in self.cached:
-            self.cached[dst] = self.cached.pop(src)
-            self.runner.cache.move(src, dst, self.cached[dst])
-        if src in self._fed:
-            self._fed[dst] = self._fed.pop(src)
+        if src != dst:
+            self.runner.cache.move(src, dst, held)
+        self.cached[dst] = held
+        return length
+
+    def move(self, src: int, dst: int) -> None:
+        """Carry the sequence's draft cache along (a catch-up from scratch would re-read it all)
+        and what ``dst`` retained back to ``src``."""
+        self.runner.cache.exchange(src, dst, self.cached.get(src, 0), self.cached.get(dst, 0))
+        for state in (self.cached, self._fed):
+            swap_keys(state, src, dst)
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         logits, prefixes = self._catch_up(requests)

@@ -23,6 +23,8 @@ from torch import nn
 from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.drafter import DraftRequest, ModelDrafter, Proposal, _Candidate
 from multiguess.engine.eagle3_head import Eagle3Head
+from multiguess.engine.kv_cache import exchange_slots
+from multiguess.engine.prefix_cache import swap_keys
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.tree import TokenTree
 from multiguess.models.eagle3_checkpoint import load_head
@@ -40,6 +42,9 @@ class HeadCache:
 
     def move(self, src: int, dst: int, length: int) -> None:
         self.kv[dst, :, :length] = self.kv[src, :, :length]
+
+    def exchange(self, a: int, b: int, length_a: int, length_b: int) -> None:
+        exchange_slots(self.kv, a, b, length_a, length_b)
 
 
 class HeadRunner:
@@ -159,11 +164,43 @@ class Eagle3Drafter(ModelDrafter):
         for state in (self.base, self.pending, self._root):
             state.pop(slot, None)
 
+    def retain(self, slot: int, length: int) -> None:
+        """Keep the head's cache of the positions fed with the target's features whose tokens
+        are among the first ``length`` (position p reads token p + 1)."""
+        self._fed.pop(slot, None)
+        self._root.pop(slot, None)
+        kept = self._reusable(slot, length)
+        if not kept:
+            self.release(slot)
+            return
+        self.cached[slot] = kept
+        self.pending[slot] = self.pending[slot][:0]
+
+    def share(self, src: int, dst: int, length: int) -> int:
+        """The head's cache of ``src``'s positions before ``length - 1`` in ``dst``: the target
+        must compute the features from there on (the last prompt position's at least, which
+        gives the first level's logits), so that is how many tokens it may skip."""
+        kept = self._reusable(src, length)
+        empty = self.pending[src][:0] if kept else None
+        self.release(dst)
+        if not kept:
+            return 0
+        if src != dst:
+            self.runner.cache.move(src, dst, kept)
+        self.base[dst], self.cached[dst], self.pending[dst] = 0, kept, empty
+        return kept
+
+    def _reusable(self, slot: int, length: int) -> int:
+        """How many of ``slot``'s first positions a sequence sharing its first ``length`` tokens
+        can keep: fed from position 0 with the target's features, and reading a shared token."""
+        if slot not in self.pending or self.base.get(slot) != 0:
+            return 0
+        return max(0, min(self.cached[slot], length - 1))
+
     def move(self, src: int, dst: int) -> None:
         super().move(src, dst)
         for state in (self.base, self.pending, self._root):
-            if src in state:
-                state[dst] = state.pop(src)
+            swap_keys(state, src, dst)
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         """Trees for the sequences the drafter holds features for; the others (a one-token

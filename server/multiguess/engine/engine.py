@@ -33,6 +33,7 @@ from multiguess.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION, check_
 from multiguess.engine.memory_probe import fit_to_memory
 from multiguess.engine.padding import padded_groups
 from multiguess.engine.penalties import node_logits
+from multiguess.engine.prefix_cache import PrefixIndex, plan_reuse
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.sampling import Generators, Processing, processed_probs
 from multiguess.engine.sequence import Sequence, SpecStats
@@ -59,6 +60,8 @@ class EngineConfig:
     ``max_model_len`` None is the target config's own limit (see ``memory_plan``); on GPUs
     ``max_batch`` is cut to the sequences whose KV caches fit in ``gpu_memory_utilization`` of
     the device (``memory_probe.fit_to_memory``).
+    ``prefix_caching`` starts a new prompt from the KV of the longest prefix it shares with a
+    finished or running sequence, for target and draft (``engine/prefix_cache.py``).
     """
 
     num_candidates: int = 3
@@ -73,6 +76,7 @@ class EngineConfig:
     cuda_graphs: bool = False
     draft_vocab: bool = True
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         TreeBudget(self.num_candidates, self.depth, self.max_nodes)  # validates
@@ -165,6 +169,7 @@ class Engine:
         self.eos_ids = frozenset(eos_token_ids(target))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefixes = PrefixIndex()  # what the free slots keep of finished sequences
         self.totals = SpecStats()
         self.last_draft_error: str | None = None
         self.last_tree_sizes: list[int] = []  # drafted nodes per sequence in the last step
@@ -305,23 +310,54 @@ class Engine:
         while self.waiting and len(self.running) + len(admitted) < self.config.max_batch:
             seq = self.waiting.popleft()
             seq.slot = len(self.running) + len(admitted)  # the lowest free slot (see _retire)
+            self._reuse_prefix(seq, [*self.running, *admitted])
             admitted.append(seq)
-        prefill = [s for s in admitted if len(s.prompt_ids) > 1]
+        prefill = [s for s in admitted if s.cache_len < len(s.prompt_ids) - 1]
         capture = self._feature_layers() if prefill else ()
-        for group in padded_groups([len(s.prompt_ids) - 1 for s in prefill], self.config.max_model_len):
+        for group in padded_groups(
+            [len(s.prompt_ids) - 1 - s.cache_len for s in prefill], self.config.max_model_len
+        ):
             seqs = [prefill[i] for i in group]
             out = self.target.forward_trees(
                 [s.slot for s in seqs],
-                [0] * len(seqs),
-                [TokenTree.chain(s.prompt_ids[:-1]) for s in seqs],
+                [s.cache_len for s in seqs],
+                [TokenTree.chain(s.prompt_ids[s.cache_len : -1]) for s in seqs],
                 last_only=True,
                 capture=capture,
             )
             for b, seq in enumerate(seqs if capture else []):
-                self._hand_features(seq, 0, out.features[b, : len(seq.prompt_ids) - 1])
+                self._hand_features(
+                    seq, seq.cache_len, out.features[b, : len(seq.prompt_ids) - 1 - seq.cache_len]
+                )
         for seq in admitted:
             seq.cache_len = len(seq.prompt_ids) - 1
         self.running.extend(admitted)
+
+    def _reuse_prefix(self, seq: Sequence, others: list[Sequence]) -> None:
+        """Bring the longest prefix of ``seq``'s prompt that a kept or running sequence holds
+        into ``seq``'s new slot, target and draft (``prefix_cache.plan_reuse``); its cache
+        then starts after it."""
+        if not self.config.prefix_caching:
+            return
+        slot = seq.slot
+        running = {s.slot: s.token_ids[: s.cache_len] for s in others}
+        # A request for its prompt's log-probabilities computes the whole prompt (reused KV has
+        # no logits): it matches nothing, and the slot's kept entry is handled as on a miss.
+        prompt = seq.prompt_ids if seq.params.prompt_logprobs is None else seq.prompt_ids[:1]
+        plan = plan_reuse(prompt, slot, range(slot, self.config.max_batch), running, self.prefixes)
+        if plan.swap_with is not None:
+            incoming = plan.length if plan.copy_from is None else 0  # a victim's entry is not needed
+            self.target.cache.exchange(slot, plan.swap_with, len(self.prefixes.kept(slot)), incoming)
+            self.prefixes.swap(slot, plan.swap_with)
+            if self.drafter is not None:
+                self.drafter.move(plan.swap_with, slot)
+        self.prefixes.drop(slot)
+        reused = plan.length
+        if self.drafter is not None:
+            reused = self.drafter.share(plan.source, slot, plan.length)
+        if plan.copy_from is not None:
+            self.target.cache.move(plan.copy_from, slot, reused)
+        seq.cache_len = seq.cached_tokens = reused
 
     def _feature_layers(self) -> tuple[int, ...]:
         """The target layers whose hidden states the drafter reads (EAGLE-3); every target
@@ -437,13 +473,18 @@ class Engine:
 
         Running sequences thus always hold slots ``0..n-1`` in order, which the caches read as
         one view; scattered slots would be gathered (copied) in every layer of every step. A
-        move copies one sequence's committed entries once, in the draft's cache too."""
+        move copies one sequence's committed entries once, in the draft's cache too. With
+        prefix caching the freed slot keeps ``seq``'s tokens and KV, and a move swaps them into
+        the slot the moved sequence leaves."""
         self.running.remove(seq)
+        kept = seq.token_ids[: seq.cache_len] if self.config.prefix_caching else []
+        self.prefixes.keep(seq.slot, kept)
         if self.drafter is not None:
-            self.drafter.release(seq.slot)
+            self.drafter.retain(seq.slot, len(kept))
         last = max(self.running, key=lambda s: s.slot, default=None)
         if last is not None and last.slot > seq.slot:
-            self.target.cache.move(last.slot, seq.slot, last.cache_len)
+            self.target.cache.exchange(last.slot, seq.slot, last.cache_len, len(kept))
+            self.prefixes.swap(last.slot, seq.slot)
             if self.drafter is not None:
                 self.drafter.move(last.slot, seq.slot)
             last.slot = seq.slot

@@ -190,6 +190,24 @@ class GuardedDrafter:
         except Exception as exc:
             self._trip(f"release failed: {type(exc).__name__}: {exc}")
 
+    def retain(self, slot: int, length: int) -> None:
+        """A failing retain drops the slot's state."""
+        try:
+            self.inner.retain(slot, length)
+        except Exception as exc:
+            self._trip(f"retain failed: {type(exc).__name__}: {exc}")
+            self.release(slot)
+
+    def share(self, src: int, dst: int, length: int) -> int:
+        """A failing share drops ``dst``'s state: the sequence starts afresh in the drafter, and
+        the target may skip every shared token."""
+        try:
+            return self.inner.share(src, dst, length)
+        except Exception as exc:
+            self._trip(f"share failed: {type(exc).__name__}: {exc}")
+            self.release(dst)
+            return length
+
     def move(self, src: int, dst: int) -> None:
         """A failing move leaves the inner drafter unsure of both slots: drop them."""
         try:

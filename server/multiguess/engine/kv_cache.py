@@ -70,6 +70,11 @@ class StaticKVCache:
         """Copy slot ``src``'s first ``length`` entries (every layer) to slot ``dst``."""
         self.kv[:, dst, :, :length] = self.kv[:, src, :, :length]
 
+    def exchange(self, a: int, b: int, length_a: int, length_b: int) -> None:
+        """Slot ``a``'s first ``length_a`` entries go to slot ``b`` and ``b``'s first ``length_b``
+        to ``a`` (every layer); a length of 0 makes it a one-way move."""
+        exchange_slots(self.kv.transpose(0, 1), a, b, length_a, length_b)
+
     def compact(self, slot: int, start: int, nodes: list[int]) -> None:
         """Move the entries at ``start + nodes[i]`` to ``start + i`` in every layer."""
         if nodes == list(range(len(nodes))):
@@ -78,3 +83,13 @@ class StaticKVCache:
         src = torch.tensor(nodes, device=device) + start
         dst = torch.arange(start, start + len(nodes), device=device)
         self.kv[:, slot, :, dst] = self.kv[:, slot, :, src]
+
+
+def exchange_slots(kv: torch.Tensor, a: int, b: int, length_a: int, length_b: int) -> None:
+    """Swap the leading entries of slots ``a`` and ``b`` of ``kv`` ``[slots, ..., positions, dim]``
+    in place (a prefix kept in a free slot changes places with a sequence that moves)."""
+    if a == b:
+        return
+    saved = kv[b, ..., :length_b, :].clone()
+    kv[b, ..., :length_a, :] = kv[a, ..., :length_a, :]
+    kv[a, ..., :length_b, :] = saved

@@ -52,3 +52,10 @@ def step_logprobs(
     else:
         rows = torch.log_softmax(logits[index].double(), dim=-1)
     return emitted_logprobs(rows, tokens, top)
+
+
+def prompt_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """The records of prompt ``tokens`` from the raw logits of the positions before each (row
+    ``j`` predicts ``tokens[j]``): the model's own distribution, as vLLM reports prompt
+    log-probabilities; penalties and temperature shape what is generated, not what was given."""
+    return emitted_logprobs(torch.log_softmax(logits.double(), dim=-1), tokens, top)

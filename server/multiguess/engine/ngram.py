@@ -83,6 +83,14 @@ class NgramDrafter:
     def release(self, slot: int) -> None:
         """Nothing to free."""
 
+    def retain(self, slot: int, length: int) -> None:
+        """Nothing to keep."""
+
+    def share(self, src: int, dst: int, length: int) -> int:
+        """Nothing to share: the target may skip every shared token."""
+        return length
+
+
     def move(self, src: int, dst: int) -> None:
         """Nothing to move."""
 

@@ -21,3 +21,18 @@ def padded_groups(lengths: list[int], budget: int) -> list[list[int]]:
     if current:
         groups.append(current)
     return groups
+
+
+def prefill_chunks(remaining: list[int], budget: int | None) -> list[int]:
+    """Prompt tokens each pending prefill computes this step, given the tokens each has left
+    (in admission order) and the step's ``budget`` (None: no limit): the earliest take theirs
+    first, so the oldest request reaches its first token soonest, and one step never prefills
+    more than ``budget`` tokens however many prompts wait."""
+    out = []
+    left = budget
+    for n in remaining:
+        take = n if left is None else min(n, left)
+        out.append(take)
+        if left is not None:
+            left -= take
+    return out

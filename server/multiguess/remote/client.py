@@ -160,6 +160,15 @@ class RemoteDrafter:
         if self._sent.pop(slot, None) is not None:
             self._releases.add(slot)
 
+    def retain(self, slot: int, length: int) -> None:
+        """The draft server keeps nothing of finished sequences."""
+        self.release(slot)
+
+    def share(self, src: int, dst: int, length: int) -> int:
+        """The sequence starts afresh on the draft server; the target may skip every shared token."""
+        self.release(dst)
+        return length
+
     def move(self, src: int, dst: int) -> None:
         """The draft server keys sessions by slot: the sequence starts afresh under ``dst``."""
         self.release(src)

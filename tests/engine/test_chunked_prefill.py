@@ -1,0 +1,166 @@
+"""Chunked prefill (``max_prefill_tokens``): a prompt prefilled over several steps gives the
+same caches, target and draft, and the same tokens as one prefilled whole, with speculation
+on, on the CPU kernels (bf16, fp32) and the torch backend; running sequences keep decoding
+between its chunks; prompt log-probabilities are the model's own."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from multiguess import LLM, SamplingParams
+from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.models.loading import load_model
+from transformers import AutoModelForCausalLM
+
+from tests.engine.test_bf16_kernels import needs_kernel
+from tests.engine.test_eagle3 import plain_outputs, saved_head, small_vocab_target  # noqa: F401
+from tests.engine.test_lossless import random_prompts
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def staggered(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Half the prompts first, the rest two steps later: prefills meet running sequences."""
+    half = len(prompts) // 2
+    seqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts[:half])]
+    for _ in range(2):
+        engine.step()
+    seqs += [engine.add_request(f"r{i + half}", p, params) for i, p in enumerate(prompts[half:])]
+    while engine.has_unfinished():
+        engine.step()
+    return [s.output_ids for s in seqs]
+
+
+CASES = [
+    pytest.param("float32", "cpu", id="fp32-cpu"),
+    pytest.param("bfloat16", "cpu", id="bf16-kernels", marks=needs_kernel),
+    pytest.param("float32", "torch", id="fp32-torch"),
+]
+
+
+@pytest.mark.parametrize(("dtype", "backend"), CASES)
+def test_chunked_prefill_decodes_what_a_whole_prefill_does(
+    tiny_llama: Path, tiny_llama_draft: Path, dtype: str, backend: str
+) -> None:
+    target, draft = load_model(str(tiny_llama), dtype), load_model(str(tiny_llama_draft), dtype)
+    prompts = random_prompts(41, (90, 1, 33, 7, 64, 20))
+    common = dict(max_batch=4, max_model_len=160, adaptive=False, backend=backend)
+    plain = staggered(Engine(target, None, EngineConfig(**common)), prompts, GREEDY)  # type: ignore[arg-type]
+    whole = Engine(target, draft, EngineConfig(3, 3, **common))  # type: ignore[arg-type]
+    assert staggered(whole, prompts, GREEDY) == plain
+    for budget in (5, 16):
+        chunked = Engine(target, draft, EngineConfig(3, 3, max_prefill_tokens=budget, **common))  # type: ignore[arg-type]
+        assert staggered(chunked, prompts, GREEDY) == plain, budget
+        assert chunked.totals.accepted_tokens > 0
+        assert chunked.totals.fallback_steps == 0
+
+
+def test_chunks_fill_the_caches_a_whole_prefill_fills(tiny_llama: Path, tiny_llama_draft: Path) -> None:
+    """Target and draft KV of the prompt, entry for entry (fp32), so drafting after a chunked
+    prefill starts from the draft's full context."""
+    target, draft = load_model(str(tiny_llama), "float32"), load_model(str(tiny_llama_draft), "float32")
+    (prompt,) = random_prompts(43, (77,))
+    engines = []
+    for budget in (None, 10):
+        engine = Engine(
+            target, draft, EngineConfig(3, 3, max_model_len=128, adaptive=False, max_prefill_tokens=budget)
+        )
+        seq = engine.add_request("r", prompt, GREEDY)
+        steps = 0
+        while not seq.output_ids:
+            engine.step()
+            steps += 1
+        assert steps == (1 if budget is None else math.ceil((len(prompt) - 1) / budget))
+        engines.append(engine)
+    n = len(prompt) - 1
+    whole, chunked = engines
+    assert torch.allclose(whole.target.cache.kv[:, 0, :, :n], chunked.target.cache.kv[:, 0, :, :n], atol=1e-5)
+    assert chunked.drafter.cached[0] >= n  # type: ignore[union-attr]
+    draft_whole, draft_chunked = whole.drafter.runner.cache.kv, chunked.drafter.runner.cache.kv  # type: ignore[union-attr]
+    assert torch.allclose(draft_whole[:, 0, :, :n], draft_chunked[:, 0, :, :n], atol=1e-5)
+
+
+def test_running_streams_decode_while_a_long_prompt_is_prefilled(
+    tiny_llama: Path, tiny_llama_draft: Path
+) -> None:
+    target, draft = load_model(str(tiny_llama), "float32"), load_model(str(tiny_llama_draft), "float32")
+    short, long = random_prompts(47, (4, 150))
+    budget = 16
+    config = EngineConfig(3, 3, max_model_len=256, adaptive=False, max_prefill_tokens=budget)
+    engine = Engine(target, draft, config)
+    running = engine.add_request("running", short, SamplingParams(max_tokens=80, ignore_eos=True))
+    engine.step()
+    waiting = engine.add_request("long", long, GREEDY)
+    before, steps = len(running.output_ids), 0
+    while not waiting.output_ids:
+        engine.step()
+        steps += 1
+    assert steps == math.ceil((len(long) - 1) / budget)
+    assert len(running.output_ids) - before >= steps  # a token or more every step of the prefill
+
+
+def test_a_failing_draft_prefill_falls_back_and_output_stays(
+    tiny_llama: Path, tiny_llama_draft: Path
+) -> None:
+    target, draft = load_model(str(tiny_llama), "float32"), load_model(str(tiny_llama_draft), "float32")
+    prompts = random_prompts(53, (40, 25))
+    plain = staggered(Engine(target, None, EngineConfig(max_model_len=128, adaptive=False)), prompts, GREEDY)
+    engine = Engine(
+        target, draft, EngineConfig(3, 3, max_model_len=128, adaptive=False, max_prefill_tokens=8)
+    )
+    calls = []
+
+    def broken(slot: int, token_ids: list[int]) -> None:
+        calls.append(slot)
+        raise RuntimeError("draft prefill failed")
+
+    engine.drafter.prefill = broken  # type: ignore[union-attr]
+    assert staggered(engine, prompts, GREEDY) == plain
+    assert calls and engine.fallback_reasons["error"] >= len(calls)
+
+
+def test_eagle3_chunked_prefill_is_the_targets_output(small_vocab_target: Path, tmp_path: Path) -> None:  # noqa: F811
+    head = saved_head(small_vocab_target, tmp_path / "head", seed=12)
+    prompts = [
+        [5, 6, 7, 4, 5, 6, 4, 4, 5, 7, 6, 5, 4, 7, 7, 6, 5, 6, 7],
+        [7],
+        [4, 4, 5, 7, 6, 5, 4, 7, 7, 6, 5],
+    ]
+    outputs = []
+    for budget in (None, 4):
+        llm = LLM(str(small_vocab_target), str(head), 3, 3, dtype="float32", drafter="eagle3",
+                  adaptive=False, max_prefill_tokens=budget)  # fmt: skip
+        outs = llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+        outputs.append([o.outputs[0].token_ids for o in outs])
+        assert llm.engine.totals.accepted_tokens > 0 and llm.engine.totals.fallback_steps == 0
+    assert outputs[0] == outputs[1] == plain_outputs(small_vocab_target, prompts, "float32", 20)
+
+
+@pytest.mark.parametrize("budget", [None, 6])
+def test_prompt_logprobs_are_the_models_own(
+    tiny_llama: Path, tiny_llama_draft: Path, budget: int | None
+) -> None:
+    """Every prompt token after the first, against transformers' forward over the prompt, also
+    when the prompts were just served (their KV is there to reuse, but it has no logits)."""
+    prompts = random_prompts(59, (30, 2, 17))
+    llm = LLM(
+        str(tiny_llama), str(tiny_llama_draft), dtype="float32", max_model_len=128, max_prefill_tokens=budget
+    )
+    llm.generate(prompts, GREEDY)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=3))
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    for prompt, out in zip(prompts, outs, strict=True):
+        records = out.prompt_logprobs
+        assert records is not None and len(records) == len(prompt) and records[0] is None
+        with torch.no_grad():
+            want = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].double(), dim=-1)
+        got = [r.logprob for r in records[1:]]  # type: ignore[union-attr]
+        assert got == pytest.approx(
+            want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist(), abs=1e-4
+        )
+        for r, row in zip(records[1:], want, strict=True):
+            assert r is not None and [t for t, _ in r.top] == torch.topk(row, 3).indices.tolist()
+    assert llm.generate(prompts[0], GREEDY)[0].prompt_logprobs is None
