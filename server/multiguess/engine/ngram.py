@@ -90,7 +90,6 @@ class NgramDrafter:
         """Nothing to share: the target may skip every shared token."""
         return length
 
-
     def move(self, src: int, dst: int) -> None:
         """Nothing to move."""
 
