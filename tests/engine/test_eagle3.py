@@ -203,17 +203,6 @@ def test_a_head_for_another_target_is_refused(
         LLM(str(small_vocab_target), str(head), dtype="float32", drafter="model")
 
 
-def test_the_remote_drafter_refuses_eagle3() -> None:
-    """The head reads the target's hidden states in the target's process: no draft server."""
-    import argparse
-
-    from multiguess.commands.serve import build_engine
-
-    args = argparse.Namespace(draft_url="ws://127.0.0.1:1/draft", drafter="eagle3")
-    with pytest.raises(SystemExit, match="cannot be combined with --draft-url"):
-        build_engine(args)
-
-
 def test_eagle3_drafting_stays_on_the_device(small_vocab_target: Path, tmp_path: Path) -> None:
     """Captured features, the head's cache and its trees meet only tensors of their own device
     (``tests/fake_device.py``), greedy and sampled, with the same greedy tokens."""

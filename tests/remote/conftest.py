@@ -29,10 +29,14 @@ COOLDOWN = 0.2
 
 
 class DraftServer:
-    """``serve-draft``'s app under uvicorn; ``stop`` and ``start`` again keep the port."""
+    """``serve-draft``'s app under uvicorn; ``stop`` and ``start`` again keep the port. It
+    serves the draft model in ``draft``, or what ``load`` loads (an EAGLE-3 head)."""
 
-    def __init__(self, draft: Path, settings: DraftServerSettings) -> None:
+    def __init__(
+        self, draft: Path, settings: DraftServerSettings, load: Callable[[], object] | None = None
+    ) -> None:
         self.draft, self.settings = draft, settings
+        self.load = load or (lambda: load_model(str(self.draft), dtype="float32"))
         self.port = 0
         self.server: uvicorn.Server | None = None
         self.thread: threading.Thread | None = None
@@ -46,9 +50,13 @@ class DraftServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", self.port))
         self.port = sock.getsockname()[1]
-        self.app = create_draft_app(lambda: load_model(str(self.draft), dtype="float32"), self.settings)
+        self.app = create_draft_app(self.load, self.settings)  # type: ignore[arg-type]
         config = uvicorn.Config(
-            self.app, log_level="warning", ws="websockets-sansio", timeout_graceful_shutdown=1
+            self.app,
+            log_level="warning",
+            ws="websockets-sansio",
+            ws_max_size=self.settings.max_frame_bytes,
+            timeout_graceful_shutdown=1,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -102,14 +110,21 @@ def target(tiny_llama: Path) -> LoadedModel:
     return load_model(str(tiny_llama), dtype="float32")
 
 
-def remote_engine(target: LoadedModel, url: str, **client: object) -> tuple[Engine, RemoteDrafter]:
+def remote_engine(
+    target: LoadedModel, url: str, config: EngineConfig = CONFIG, **client: object
+) -> tuple[Engine, RemoteDrafter]:
     """An engine drafting through ``url`` the way ``serve --draft-url`` builds it."""
-    options: dict = {"step_timeout": 2.0, "backoff": (0.05, 0.2)} | client
+    options: dict = {
+        "step_timeout": 2.0,
+        "backoff": (0.05, 0.2),
+        "target_config": target.model.config,
+    } | client
     drafter = RemoteDrafter(url, target.tokenizer, **options)
+    drafter.connect()  # as serve does: a head's feature layers are known before the first prompt
     engine = Engine(
         target,
         None,
-        CONFIG,
+        config,
         drafter=GuardedDrafter(drafter, target.model.config.vocab_size, step_timeout=2.0, cooldown=COOLDOWN),
     )
     return engine, drafter

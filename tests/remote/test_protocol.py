@@ -17,6 +17,7 @@ from multiguess.remote.protocol import (
     Commit,
     Drafted,
     Failed,
+    Features,
     ProtocolError,
     Request,
     Resend,
@@ -50,6 +51,54 @@ def test_step_message_round_trips() -> None:
     assert decode_step(encode_step(message)) == message
 
 
+def test_moves_and_features_round_trip() -> None:
+    """Features travel as bfloat16: what arrives is the sender's values rounded to bfloat16."""
+    values = torch.randn(3, 6) * 100
+    features = Features.of(9, values)
+    message = StepMessage(
+        releases=(0,),
+        moves=((3, 0), (2, 1)),
+        requests=(
+            Request(0, 4, (5, 9), TreeBudget(), None, features),
+            Request(1, 0, (7,), TreeBudget(), Sampling(1.0, 1.0, 0, 3), Features.of(0, values[:1])),
+        ),
+    )
+    back = decode_step(encode_step(message))
+    assert back == message
+    (first, _) = back.requests
+    assert first.features is not None and (first.features.position, first.features.rows) == (9, 3)
+    assert torch.equal(first.features.tensor(), values.to(torch.bfloat16))
+    assert len(features.values) == 3 * 6 * 2  # two bytes a value
+
+
+@pytest.mark.parametrize(
+    ("message", "error"),
+    [
+        (StepMessage(moves=((1, 2), (1, 3))), "name a slot twice"),
+        (StepMessage(moves=((1, 2), (3, 2))), "name a slot twice"),
+        (StepMessage(requests=(Request(0, 0, (5,), TreeBudget(), None, Features(0, 4, b"")),)), "rows"),
+        (StepMessage(requests=(Request(0, 0, (5,), TreeBudget(), None, Features(0, 0, b"ab")),)), "width"),
+    ],
+    ids=["twice-from", "twice-to", "no-rows", "no-width"],
+)
+def test_bad_moves_and_feature_blocks_are_refused(message: StepMessage, error: str) -> None:
+    with pytest.raises(ProtocolError, match=error):
+        decode_step(encode_step(message))
+
+
+def test_feature_blocks_larger_than_their_frame_are_refused() -> None:
+    frame = bytearray(encode_step(StepMessage(requests=(Request(0, 0, (5, 6), TreeBudget(), None,
+                                                                Features.of(0, torch.ones(1, 4))),))))  # fmt: skip
+    rows_at = len(frame) - 8 - 8  # position, rows, width, then 8 bytes of values
+    frame[rows_at : rows_at + 4] = (2**31).to_bytes(4, "little")
+    with pytest.raises(ProtocolError, match="do not fit"):
+        decode_step(bytes(frame))
+    frame = bytearray(encode_step(StepMessage(requests=(Request(0, 0, (5,), TreeBudget()),))))
+    frame[10 + 16] = 0x80  # the request's flags byte: a flag this version does not know
+    with pytest.raises(ProtocolError, match="unknown request flags"):
+        decode_step(bytes(frame))
+
+
 def test_reply_round_trips_trees_and_rows_bit_exactly() -> None:
     dense = torch.softmax(torch.randn(VOCAB, dtype=torch.float64), -1).float()
     sparse = torch.zeros(VOCAB)
@@ -78,8 +127,8 @@ def test_sparse_rows_are_smaller_than_dense() -> None:
     [
         (encode_step(StepMessage(requests=(Request(1, 0, (5, 6), TreeBudget()),)))[:-3], "truncated"),
         (encode_step(StepMessage()) + b"\0", "trailing"),
-        (bytes([1, 99, 0, 0, 0, 0, 0, 0]), "version 99"),
-        (encode_reply(StepReply([])), "kind"),
+        (bytes([1, 99]) + bytes(8), "version 99"),
+        (encode_reply(StepReply([])) + bytes(2), "kind"),
         (
             encode_step(StepMessage(requests=(Request(1, 0, (5,), TreeBudget()),))).replace(
                 b"\x03\x04\x10\x00", b"\x00\x04\x10\x00"
@@ -136,15 +185,39 @@ def test_fingerprint_tells_vocabularies_apart() -> None:
 def test_hellos() -> None:
     info = ServerInfo("draft", "abc", 64, 256, 4)
     assert ServerInfo.from_json(info.to_json()) == info
-    with pytest.raises(ProtocolError, match="protocol 2"):
-        ServerInfo.from_json(ServerInfo("draft", "abc", 64, 256, 4, version=2).to_json())
+    head = ServerInfo("head", "abc", 64, 256, 4, feature_layers=(1, 2, 3), feature_width=192)
+    assert ServerInfo.from_json(head.to_json()) == head
+    with pytest.raises(ProtocolError, match="protocol 1,"):
+        ServerInfo.from_json(ServerInfo("draft", "abc", 64, 256, 4, version=1).to_json())
     nonce = handshake.new_nonce()
     assert handshake.parse_client_hello(handshake.client_hello("pod-1", nonce)) == ClientHello("pod-1", nonce)
-    for bad in ('{"version": 1}', '{"client": "a", "version": 1, "nonce": "zz"}', "[]", "nope"):
+    for bad in ('{"version": 2}', '{"client": "a", "version": 2, "nonce": "zz"}', "[]", "nope"):
         with pytest.raises(ProtocolError):
             handshake.parse_client_hello(bad)
     with pytest.raises(ProtocolError, match="1 to 128 characters"):
         handshake.parse_client_hello(handshake.client_hello("x" * 129, nonce))
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"feature_layers": "abc", "feature_width": 3}, "integers"),
+        ({"feature_layers": [1, 2.5], "feature_width": 3}, "integers"),
+        ({"feature_layers": [-1], "feature_width": 3}, ">= 0"),
+        ({"feature_width": 64}, "come together"),
+        ({"feature_layers": [1]}, "come together"),
+        ({"vocab_size": "64"}, "integers"),
+        ({"max_frame_bytes": 0}, ">= 1"),
+        ({"feature_layers": 7}, "bad server hello"),
+        ({"surprise": 1}, "bad server hello"),
+    ],
+)
+def test_hostile_server_hellos_are_refused(fields: dict, error: str) -> None:
+    import json
+
+    raw = json.loads(ServerInfo("draft", "abc", 64, 256, 4).to_json()) | fields
+    with pytest.raises(ProtocolError, match=error):
+        ServerInfo.from_json(json.dumps(raw))
 
 
 def test_the_handshake_proves_the_secret_without_sending_it() -> None:
@@ -195,9 +268,13 @@ def test_any_bytes_decode_or_fail_with_a_protocol_error(data: bytes) -> None:
 @settings(max_examples=100, deadline=None)
 @given(st.binary(max_size=40), st.integers(0, 200))
 def test_corrupted_valid_frames_fail_cleanly(noise: bytes, at: int) -> None:
+    features = Features.of(2, torch.ones(2, 3))
     frame = encode_step(
         StepMessage(
-            (1,), (Commit(2, (0, 1)),), (Request(2, 3, (5, 6), TreeBudget(), Sampling(1.0, 0.9, 5, 3)),)
+            (1,),
+            (Commit(2, (0, 1)),),
+            (Request(2, 3, (5, 6), TreeBudget(), Sampling(1.0, 0.9, 5, 3), features),),
+            ((4, 2),),
         )
     )
     corrupted = frame[: at % len(frame)] + noise + frame[at % len(frame) + len(noise) :]

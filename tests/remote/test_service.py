@@ -16,7 +16,7 @@ from multiguess.engine.drafter import DraftRequest, ModelDrafter, TreeBudget
 from multiguess.engine.runner import NativeRunner
 from multiguess.models.loading import LoadedModel, load_model
 from multiguess.remote.protocol import Commit, Drafted, Failed, Request, Resend, Sampling, StepMessage
-from multiguess.remote.service import DraftService
+from multiguess.remote.service import DraftService, WireExactDrafter
 
 BUDGET = TreeBudget(3, 3, 8)
 
@@ -27,7 +27,8 @@ def draft(tiny_llama_draft: Path) -> LoadedModel:
 
 
 def service(draft: LoadedModel, sessions: int = 4) -> DraftService:
-    return DraftService(NativeRunner(draft, sessions, 128), sessions, max_model_len=100, idle_seconds=60)
+    drafter = WireExactDrafter(NativeRunner(draft, sessions, 128))
+    return DraftService(drafter, sessions, max_model_len=100, idle_seconds=60)
 
 
 def deepest_path(tree_parents: tuple[int, ...]) -> list[int]:

@@ -49,16 +49,12 @@ def build_engine(args: argparse.Namespace, registry: Any = None) -> Any:
 
     With ``--draft-url`` no draft is loaded here: a remote drafter asks the draft server
     (``multiguess serve-draft``), bounding each step by ``--draft-step-timeout`` itself; its
-    metrics go to ``registry``, the server's own.
+    metrics go to ``registry``, the server's own. The draft server decides how it drafts: a
+    draft model, or an EAGLE-3 head whose features the target then captures and sends.
     """
     from multiguess.engine.guard import GuardedDrafter
 
     if args.draft_url:
-        if args.drafter == "eagle3":
-            raise SystemExit(
-                "--drafter eagle3 drafts in the target's process (it reads the target's hidden "
-                "states); it cannot be combined with --draft-url"
-            )
         from multiguess.engine.engine import EngineConfig
         from multiguess.llm import build_engine as build_local
         from multiguess.remote.client import RemoteDrafter
@@ -75,6 +71,7 @@ def build_engine(args: argparse.Namespace, registry: Any = None) -> Any:
             cuda_graphs=args.cuda_graphs,
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_prefill_tokens=args.max_prefill_tokens or None,
+            prefix_caching=args.enable_prefix_caching,
         )
         engine = build_local(config, args.target, None, "none", args.dtype, args.device)
         engine.drafter = RemoteDrafter(
@@ -83,7 +80,9 @@ def build_engine(args: argparse.Namespace, registry: Any = None) -> Any:
             step_timeout=args.draft_step_timeout,
             registry=registry,
             secret=load_secret(args.draft_secret, args.draft_secret_file),
+            target_config=engine.target.model.config,
         )
+        engine.drafter.connect()  # learns the head's feature layers before the first prompt
     else:
         engine = build_llm(args).engine
     if engine.drafter is not None:

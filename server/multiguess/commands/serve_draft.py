@@ -1,7 +1,9 @@
 """`multiguess serve-draft`: the draft server of ``placement: separate`` (port 8001 by default).
 
-Target servers started with ``--draft-url http://host:8001`` draft through it. Every flag can
-also come from ``MULTIGUESS_<FLAG>`` (the operator sets MULTIGUESS_DRAFT, _QUANTIZATION, _PORT).
+Target servers started with ``--draft-url http://host:8001`` draft through it. It serves a
+draft model or (``--drafter eagle3``) an EAGLE-3 head, which reads of its target (``--target``)
+only the config, the tokenizer and the token embeddings. Every flag can also come from
+``MULTIGUESS_<FLAG>`` (the operator sets MULTIGUESS_DRAFT, _DRAFTER, _TARGET, _QUANTIZATION, _PORT).
 """
 
 from __future__ import annotations
@@ -19,10 +21,14 @@ from multiguess.commands.serve import (
     positive_float,
     positive_int,
 )
+from multiguess.options import DRAFT_MAX_FRAME_BYTES, DRAFT_SERVER_DRAFTERS
 
 
 def load_draft(args: argparse.Namespace) -> Any:
-    """The draft model; without ``--draft``, the embedded pair's draft (as ``serve`` would use)."""
+    """The draft model or EAGLE-3 head; without ``--draft``, the embedded pair's (as ``serve``
+    would use it)."""
+    if args.drafter == "eagle3":
+        return load_eagle3(args)
     from multiguess.models.loading import load_model
 
     draft, quantization, dtype = args.draft, args.draft_quantization, args.dtype
@@ -34,6 +40,23 @@ def load_draft(args: argparse.Namespace) -> Any:
         quantization = quantization or embedded.draft_quantization
         dtype = embedded.dtype if dtype == "auto" else dtype
     return load_model(draft, dtype=dtype, device=args.device, quantization=quantization or "none")
+
+
+def load_eagle3(args: argparse.Namespace) -> Any:
+    """The head in ``--draft`` (default: the embedded target's) for ``--target`` (default: the
+    embedded target, whose default dtype it then takes)."""
+    from multiguess.models.draft_head import load_draft_head
+    from multiguess.models.eagle3_checkpoint import embedded_head
+
+    target, dtype = args.target, args.dtype
+    if target is None:
+        from multiguess.models.embedded import DEFAULT_DTYPE, prepare_target
+
+        target = str(prepare_target())
+        dtype = DEFAULT_DTYPE if dtype == "auto" else dtype
+    elif args.draft is None:
+        raise SystemExit("serve-draft --drafter eagle3 --target needs --draft (the head's folder)")
+    return load_draft_head(args.draft or str(embedded_head()), target, dtype, args.device)
 
 
 def make_server(args: argparse.Namespace) -> Any:
@@ -50,11 +73,18 @@ def make_server(args: argparse.Namespace) -> Any:
         args.eager,
         secret=load_secret(args.draft_secret, args.draft_secret_file),
         max_client_sessions=args.max_client_sessions,
+        max_frame_bytes=args.max_frame_bytes,
     )
     app = create_draft_app(lambda: load_draft(args), settings)
-    return uvicorn.Server(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, ws="websockets-sansio")
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        ws="websockets-sansio",
+        ws_max_size=args.max_frame_bytes,
     )
+    return uvicorn.Server(config)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,7 +103,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Draft trees for target servers over a WebSocket (/v1/draft); /health/*, /metrics. "
         "Without --draft: the embedded pair's draft.",
     )
-    add_flag(parser, "--draft", None, str, help="draft model folder or hub id")
+    add_flag(
+        parser,
+        "--drafter",
+        "model",
+        str,
+        choices=DRAFT_SERVER_DRAFTERS,
+        help="a draft model or an EAGLE-3 head",
+    )
+    add_flag(
+        parser, "--draft", None, str, help="draft model folder or hub id; with eagle3, the head's folder"
+    )
+    add_flag(
+        parser,
+        "--target",
+        None,
+        str,
+        help="eagle3: the target whose features the head reads (config, tokenizer, token embeddings only)",
+    )
     add_flag(parser, "--draft-quantization", None, str, help="draft quantization: none or int8")
     add_flag(parser, "--dtype", "auto", str, help="auto, bfloat16, float16 or float32")
     add_flag(parser, "--device", "auto", str, help="auto, cpu or cuda[:N]")
@@ -98,6 +145,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_draft_secret_flags(parser)
     add_flag(parser, "--max-model-len", 2048, positive_int, help="longest sequence a session may hold")
+    add_flag(
+        parser,
+        "--max-frame-bytes",
+        DRAFT_MAX_FRAME_BYTES,
+        positive_int,
+        help="largest step message accepted (an EAGLE-3 prompt's features travel in one)",
+    )
     add_flag(
         parser, "--max-tree-nodes", 64, positive_int, help="largest tree: max(max_nodes, candidates x depth)"
     )

@@ -1,9 +1,10 @@
 """The draft protocol's wire format: compact binary frames over one WebSocket per target server.
 
 Each engine step is one round trip. The target sends one ``StepMessage``: the slots it
-released, the paths accepted since the last step (so the server keeps only their draft KV),
-and one request per sequence with only the tokens the server has not been sent yet. The
-server answers one ``StepReply`` with a result per request: a proposal, a ``Resend`` (its
+released, the sequences it moved to other slots, the paths accepted since the last step (so
+the server keeps only their draft KV), and one request per sequence with only the tokens the
+server has not been sent yet and, for a feature-reading head (EAGLE-3), the target's features
+of the positions it has not been sent yet, as bfloat16. The server answers one ``StepReply`` with a result per request: a proposal, a ``Resend`` (its
 session was evicted or the server restarted: send the sequence again from ``held``), or a
 ``Failed`` reason. Draft distributions travel as float32 (dense, or sparse after top-k/top-p):
 the server rounds them to float32 *before* sampling, so what arrives is bit for bit what the
@@ -27,17 +28,23 @@ from transformers import PreTrainedTokenizerBase
 
 from multiguess.engine.drafter import TreeBudget
 from multiguess.engine.tree import TokenTree
+from multiguess.options import DRAFT_MAX_FRAME_BYTES
 
-VERSION = 1
+VERSION = 2
 PATH = "/v1/draft"
 STEP, REPLY = 1, 2
 OK, RESEND, FAILED = 0, 1, 2
 DENSE, SPARSE = 0, 1
+SAMPLED, WITH_FEATURES = 1, 2  # a request's flags
+PROTOCOL_ERROR = 1002  # WebSocket close codes: a message that breaks the protocol,
+MESSAGE_TOO_BIG = 1009  # a message larger than the server accepts (``max_frame_bytes``)
 # How tokens and parents travel: uint32 ids, int32 parents (the root's is -1).
-_HEAD = struct.Struct("<BBHHH")  # kind, version, releases, commits, requests
+_HEAD = struct.Struct("<BBHHHH")  # kind, version, releases, moves, commits, requests
+_MOVE = struct.Struct("<II")  # from slot, to slot
 _COMMIT = struct.Struct("<IH")  # slot, path length
-_REQUEST = struct.Struct("<IIIBBHB")  # slot, start, tokens, num_candidates, depth, max_nodes, sampled
+_REQUEST = struct.Struct("<IIIBBHB")  # slot, start, tokens, num_candidates, depth, max_nodes, flags
 _SAMPLING = struct.Struct("<ddIQ")  # temperature, top_p, top_k, seed
+_FEATURES = struct.Struct("<III")  # first position, rows, width (then rows x width bfloat16)
 _REPLY_HEAD = struct.Struct("<BBHf")  # kind, version, results, server seconds
 _RESULT = struct.Struct("<BI")  # status, nodes | held | message bytes
 _PROBS = struct.Struct("<IBI")  # node, encoding, entries
@@ -59,6 +66,32 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class Features:
+    """The target's features of positions ``position..position + rows - 1``: ``width`` values a
+    position (the head's layers side by side), as little-endian bfloat16 bytes."""
+
+    position: int
+    width: int
+    values: bytes
+
+    @property
+    def rows(self) -> int:
+        return len(self.values) // (2 * self.width) if self.width else 0
+
+    @classmethod
+    def of(cls, position: int, features: torch.Tensor) -> Features:
+        """``features`` ``[rows, width]`` of any dtype and device, rounded to bfloat16."""
+        rows = features.detach().to("cpu", torch.bfloat16).contiguous()
+        values = rows.view(torch.int16).numpy().astype("<i2").tobytes()
+        return cls(position, int(rows.shape[-1]), values)
+
+    def tensor(self) -> torch.Tensor:
+        """``[rows, width]`` bfloat16 on the host."""
+        raw = np.frombuffer(self.values, dtype="<i2").astype(np.int16)
+        return torch.from_numpy(raw).view(torch.bfloat16).reshape(self.rows, self.width)
+
+
+@dataclass(frozen=True)
 class Request:
     """Draft a tree for the sequence ``held[:start] + tokens`` (``held``: what the server has)."""
 
@@ -67,6 +100,7 @@ class Request:
     tokens: tuple[int, ...]
     budget: TreeBudget
     sampling: Sampling | None = None
+    features: Features | None = None
 
 
 @dataclass(frozen=True)
@@ -79,9 +113,13 @@ class Commit:
 
 @dataclass(frozen=True)
 class StepMessage:
+    """Applied in this order: ``releases`` (slots as the last message named them), ``moves``
+    (``(from, to)`` pairs, all at once), then ``commits`` and ``requests`` (slots as named now)."""
+
     releases: tuple[int, ...] = ()
     commits: tuple[Commit, ...] = ()
     requests: tuple[Request, ...] = ()
+    moves: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -152,8 +190,10 @@ def encode_step(message: StepMessage) -> bytes:
 
 
 def _encode_step(message: StepMessage) -> bytes:
-    parts = [_HEAD.pack(STEP, VERSION, len(message.releases), len(message.commits), len(message.requests))]
+    counts = (len(message.releases), len(message.moves), len(message.commits), len(message.requests))
+    parts = [_HEAD.pack(STEP, VERSION, *counts)]
     parts.append(np.asarray(message.releases, dtype="<u4").tobytes())
+    parts += [_MOVE.pack(src, dst) for src, dst in message.moves]
     for commit in message.commits:
         parts.append(_COMMIT.pack(commit.slot, len(commit.path)))
         parts.append(np.asarray(commit.path, dtype="<u2").tobytes())
@@ -167,29 +207,38 @@ def _encode_step(message: StepMessage) -> bytes:
                 b.num_candidates,
                 b.depth,
                 b.max_nodes,
-                req.sampling is not None,
+                (SAMPLED if req.sampling is not None else 0)
+                | (WITH_FEATURES if req.features is not None else 0),
             )
         )
         if req.sampling is not None:
             s = req.sampling
             parts.append(_SAMPLING.pack(s.temperature, s.top_p, s.top_k, s.seed))
         parts.append(np.asarray(req.tokens, dtype="<u4").tobytes())
+        if req.features is not None:
+            f = req.features
+            parts += [_FEATURES.pack(f.position, f.rows, f.width), f.values]
     return b"".join(parts)
 
 
 def decode_step(data: bytes) -> StepMessage:
     reader = _Reader(data)
-    kind, version, n_releases, n_commits, n_requests = reader.unpack(_HEAD)
+    kind, version, n_releases, n_moves, n_commits, n_requests = reader.unpack(_HEAD)
     _check_kind(kind, version, STEP)
     releases = tuple(reader.array("<u4", n_releases).tolist())
+    moves = tuple(reader.unpack(_MOVE) for _ in range(n_moves))
+    if len({src for src, _ in moves}) < n_moves or len({dst for _, dst in moves}) < n_moves:
+        raise ProtocolError(f"moves {moves} name a slot twice")
     commits = []
     for _ in range(n_commits):
         slot, length = reader.unpack(_COMMIT)
         commits.append(Commit(slot, tuple(reader.array("<u2", length).tolist())))
     requests = []
     for _ in range(n_requests):
-        slot, start, n_tokens, num_candidates, depth, max_nodes, sampled = reader.unpack(_REQUEST)
-        sampling = Sampling(*reader.unpack(_SAMPLING)) if sampled else None
+        slot, start, n_tokens, num_candidates, depth, max_nodes, flags = reader.unpack(_REQUEST)
+        if flags & ~(SAMPLED | WITH_FEATURES):
+            raise ProtocolError(f"unknown request flags {flags:#04x}")
+        sampling = Sampling(*reader.unpack(_SAMPLING)) if flags & SAMPLED else None
         if sampling is not None and not (sampling.temperature > 0 and 0 < sampling.top_p <= 1):
             raise ProtocolError(f"bad sampling settings {sampling}: need temperature > 0, 0 < top_p <= 1")
         tokens = tuple(reader.array("<u4", n_tokens).tolist())
@@ -197,9 +246,19 @@ def decode_step(data: bytes) -> StepMessage:
             budget = TreeBudget(num_candidates, depth, max_nodes)
         except ValueError as exc:
             raise ProtocolError(f"bad tree budget: {exc}") from None
-        requests.append(Request(slot, start, tokens, budget, sampling))
+        features = _decode_features(reader) if flags & WITH_FEATURES else None
+        requests.append(Request(slot, start, tokens, budget, sampling, features))
     reader.done()
-    return StepMessage(releases, tuple(commits), tuple(requests))
+    return StepMessage(releases, tuple(commits), tuple(requests), moves)
+
+
+def _decode_features(reader: _Reader) -> Features:
+    position, rows, width = reader.unpack(_FEATURES)
+    if rows < 1 or width < 1:
+        raise ProtocolError(f"a feature block of {rows} rows of width {width}: both must be >= 1")
+    if rows * width * 2 > len(reader.view) - reader.pos:
+        raise ProtocolError(f"frame truncated: {rows} feature rows of width {width} do not fit in it")
+    return Features(position, width, bytes(reader.take(rows * width * 2)))
 
 
 def encode_reply(reply: StepReply) -> bytes:
@@ -320,6 +379,11 @@ class ServerInfo:
     max_model_len: int
     max_sessions: int
     version: int = VERSION
+    # A head that reads the target's hidden states (EAGLE-3): the target layers it reads
+    # (transformers' ``output_hidden_states`` index) and the width of a position's features.
+    feature_layers: tuple[int, ...] = ()
+    feature_width: int = 0
+    max_frame_bytes: int = DRAFT_MAX_FRAME_BYTES
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -327,9 +391,33 @@ class ServerInfo:
     @classmethod
     def from_json(cls, text: str) -> ServerInfo:
         try:
-            info = cls(**json.loads(text))
-        except (TypeError, ValueError) as exc:
+            raw = json.loads(text)
+            raw["feature_layers"] = tuple(raw.get("feature_layers", ()))
+            info = cls(**raw)
+        except (TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"bad server hello: {exc}") from None
         if info.version != VERSION:
             raise ProtocolError(f"draft server speaks protocol {info.version}, this client {VERSION}")
+        problem = info.problem()
+        if problem:
+            raise ProtocolError(f"bad server hello: {problem}")
         return info
+
+    def problem(self) -> str | None:
+        """What makes these values unusable (they came from the network), or None."""
+        numbers = (
+            self.vocab_size,
+            self.max_model_len,
+            self.max_sessions,
+            self.feature_width,
+            self.max_frame_bytes,
+        )
+        if not all(type(n) is int for n in (*numbers, *self.feature_layers)):
+            return "sizes and feature layers must be integers"
+        if min(self.vocab_size, self.max_model_len, self.max_sessions, self.max_frame_bytes) < 1:
+            return "vocab_size, max_model_len, max_sessions and max_frame_bytes must be >= 1"
+        if min(self.feature_layers, default=0) < 0 or self.feature_width < 0:
+            return "feature layers and width must be >= 0"
+        if bool(self.feature_layers) != bool(self.feature_width):
+            return "feature layers and a feature width come together"
+        return None

@@ -1,7 +1,7 @@
 """The draft server: a WebSocket endpoint for the draft protocol, plus health and metrics.
 
-One worker thread owns the draft model (it is not thread-safe): it loads it, then serves
-batches. Step messages from all connections queue up while a batch runs and the next batch
+One worker thread owns the draft model or EAGLE-3 head (it is not thread-safe): it loads it,
+then serves batches. Step messages from all connections queue up while a batch runs and the next batch
 takes all of them, so several target servers share one batched draft forward. The event
 loop only decodes, queues, and encodes.
 
@@ -28,13 +28,17 @@ from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from multiguess.engine.eagle3 import HeadRunner
 from multiguess.engine.runner import NativeRunner
+from multiguess.models.draft_head import LoadedHead
 from multiguess.models.loading import LoadedModel
+from multiguess.options import DRAFT_MAX_FRAME_BYTES
 from multiguess.remote import handshake
 from multiguess.remote.handshake import AuthenticationFailed
 from multiguess.remote.metrics import ServerMetrics
 from multiguess.remote.protocol import (
     PATH,
+    PROTOCOL_ERROR,
     ProtocolError,
     ServerInfo,
     StepMessage,
@@ -44,12 +48,16 @@ from multiguess.remote.protocol import (
     model_display_name,
     tokenizer_fingerprint,
 )
-from multiguess.remote.service import DraftService
+from multiguess.remote.service import (
+    DraftService,
+    WireExactDrafter,
+    WireExactEagle3Drafter,
+    feature_width,
+)
 
 log = logging.getLogger(__name__)
 
 TRY_AGAIN_LATER = 1013  # WebSocket close code: not ready (loading or failed)
-PROTOCOL_ERROR = 1002
 POLICY_VIOLATION = 1008  # the handshake's proof of the secret failed
 INTERNAL_ERROR = 1011
 
@@ -64,12 +72,22 @@ class DraftServerSettings:
     secret: bytes | None = field(default=None, repr=False)  # clients must prove they hold it
     max_client_sessions: int = 8  # sessions one connection may hold (a target's --max-batch)
     handshake_timeout: float = 10.0
+    # The largest step message (an EAGLE-3 prompt's features make it large): announced to the
+    # clients, and the WebSocket's own limit (uvicorn's ws_max_size) where the server runs.
+    max_frame_bytes: int = DRAFT_MAX_FRAME_BYTES
 
     def __post_init__(self) -> None:
-        sizes = (self.max_sessions, self.max_model_len, self.max_tree_nodes, self.max_client_sessions)
+        sizes = (
+            self.max_sessions,
+            self.max_model_len,
+            self.max_tree_nodes,
+            self.max_client_sessions,
+            self.max_frame_bytes,
+        )
         if min(sizes) < 1 or self.idle_seconds <= 0 or self.handshake_timeout <= 0:
             raise ValueError(
-                "max_sessions, max_model_len, max_tree_nodes, max_client_sessions must be >= 1; "
+                "max_sessions, max_model_len, max_tree_nodes, max_client_sessions, max_frame_bytes "
+                "must be >= 1; "
                 "idle_seconds and handshake_timeout > 0"
             )
 
@@ -82,7 +100,10 @@ class DraftWorker:
     """The thread that loads the draft and serves queued step messages in batches."""
 
     def __init__(
-        self, load: Callable[[], LoadedModel], settings: DraftServerSettings, metrics: ServerMetrics
+        self,
+        load: Callable[[], LoadedModel | LoadedHead],
+        settings: DraftServerSettings,
+        metrics: ServerMetrics,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
@@ -146,16 +167,26 @@ class DraftWorker:
         loaded = self._load()
         s = self.settings
         capacity = s.max_model_len + s.max_tree_nodes + 2
-        runner = NativeRunner(loaded, s.max_sessions, capacity, s.eager, loaded.draft_vocab)
+        if isinstance(loaded, LoadedHead):
+            drafter = WireExactEagle3Drafter(HeadRunner(loaded.head, loaded.embed, s.max_sessions, capacity))
+            layers = tuple(loaded.head.config.aux_layers)
+        else:
+            drafter = WireExactDrafter(
+                NativeRunner(loaded, s.max_sessions, capacity, s.eager, loaded.draft_vocab)
+            )
+            layers = ()
         self.info = ServerInfo(
             model=model_display_name(loaded.name),
             fingerprint=tokenizer_fingerprint(loaded.tokenizer),
-            vocab_size=runner.vocab_size,
+            vocab_size=drafter.runner.vocab_size,
             max_model_len=s.max_model_len,
             max_sessions=s.max_sessions,
+            feature_layers=layers,
+            feature_width=feature_width(drafter),
+            max_frame_bytes=s.max_frame_bytes,
         )
         return DraftService(
-            runner, s.max_sessions, s.max_model_len, s.idle_seconds, per_client=s.max_client_sessions
+            drafter, s.max_sessions, s.max_model_len, s.idle_seconds, per_client=s.max_client_sessions
         )
 
     def _serve(self, service: DraftService, all_jobs: list[Job]) -> None:
@@ -193,8 +224,10 @@ class DraftWorker:
         m.sessions.set(len(service.sessions))
 
 
-def create_draft_app(load: Callable[[], LoadedModel], settings: DraftServerSettings | None = None) -> FastAPI:
-    """``load`` loads the draft model; it runs on the worker thread after startup."""
+def create_draft_app(
+    load: Callable[[], LoadedModel | LoadedHead], settings: DraftServerSettings | None = None
+) -> FastAPI:
+    """``load`` loads the draft model or EAGLE-3 head; it runs on the worker thread after startup."""
     settings = settings or DraftServerSettings()
     registry = CollectorRegistry()
     metrics = ServerMetrics(registry)

@@ -1,8 +1,14 @@
 """The draft server's logic without I/O: decoded step messages in, results out.
 
-It drives an ordinary ``ModelDrafter``: a session is one of its slots, and the drafter's own
-per-slot cache bookkeeping (``cached``) is kept equal to ``len(session.tokens)``. Messages of
-several target servers that arrive together are served by one batched ``propose``.
+It drives an ordinary ``ModelDrafter`` or ``Eagle3Drafter``: a session is one of its slots. A
+model drafter's per-slot cache bookkeeping (``cached``) is kept equal to ``len(session.tokens)``;
+an EAGLE-3 head's is one less (position p reads token p + 1), and the target's features a
+request carries are handed to it before it drafts, as the engine hands them to a local head.
+Messages of several target servers that arrive together are served by one batched ``propose``.
+
+A head that cannot continue a session's features (the session was evicted or rewound, or the
+target sent none) starts from the features it is given, or proposes the root alone until the
+next ones arrive: that costs acceptance, never correctness (the target verifies every tree).
 
 Nothing a client sends can fail another client's requests: a request is checked before it joins
 the batch, and should a batched ``propose`` still fail, each request is drafted again alone, so
@@ -21,13 +27,14 @@ import torch
 
 from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.drafter import DraftRequest, ModelDrafter, Proposal, SampleSpec
+from multiguess.engine.eagle3 import Eagle3Drafter
 from multiguess.engine.engine import EngineConfig
-from multiguess.engine.runner import NativeRunner
 from multiguess.engine.sampling import Generators, Processing
 from multiguess.remote.protocol import (
     Commit,
     Drafted,
     Failed,
+    Features,
     Request,
     Resend,
     Result,
@@ -39,16 +46,31 @@ from multiguess.remote.sessions import Key, Session, SessionsFull, SessionTable
 log = logging.getLogger(__name__)
 
 
-class WireExactDrafter(ModelDrafter):
-    """A ``ModelDrafter`` whose sampling distributions are rounded to float32 *before* children
-    are drawn from them, so the float32 rows sent to the target are exactly what was sampled."""
+class WireExact:
+    """Sampling distributions rounded to float32 *before* children are drawn from them, so the
+    float32 rows sent to the target are exactly what was sampled (mixed into a drafter)."""
 
-    @staticmethod
     def _proposal_distributions(
-        requests: list[DraftRequest], rows: list[torch.Tensor]
+        self, requests: list[DraftRequest], rows: list[torch.Tensor]
     ) -> list[torch.Tensor | None]:
-        dists = ModelDrafter._proposal_distributions(requests, rows)
+        dists = super()._proposal_distributions(requests, rows)  # type: ignore[misc]
         return [None if d is None else d.float().double() for d in dists]
+
+
+class WireExactDrafter(WireExact, ModelDrafter):
+    """The draft model's drafter on a draft server."""
+
+
+class WireExactEagle3Drafter(WireExact, Eagle3Drafter):
+    """The EAGLE-3 head's drafter on a draft server."""
+
+
+def feature_width(drafter: ModelDrafter) -> int:
+    """Values per position of the target's features the drafter reads (0: it reads none)."""
+    if not isinstance(drafter, Eagle3Drafter):
+        return 0
+    config = drafter.runner.head.config
+    return len(config.aux_layers) * config.target_hidden_size
 
 
 @dataclass
@@ -79,15 +101,17 @@ def path_is_valid(session: Session, path: tuple[int, ...]) -> bool:
 class DraftService:
     def __init__(
         self,
-        runner: NativeRunner,
+        drafter: ModelDrafter,
         max_sessions: int,
         max_model_len: int,
         idle_seconds: float,
         clock: Callable[[], float] = time.monotonic,
         per_client: int | None = None,
     ) -> None:
-        self.drafter = WireExactDrafter(runner)
-        self.vocab_size = runner.vocab_size
+        """``drafter`` (``WireExactDrafter`` or ``WireExactEagle3Drafter``) has ``max_sessions`` slots."""
+        self.drafter = drafter
+        self.vocab_size = drafter.runner.vocab_size
+        self.feature_width = feature_width(drafter)
         self.max_model_len = max_model_len
         self.sessions = SessionTable(max_sessions, idle_seconds, clock, per_client)
 
@@ -100,6 +124,8 @@ class DraftService:
         for client, message in batch:
             for slot in message.releases:
                 self._drop((client, slot))
+            for session in self.sessions.move(client, message.moves):
+                self.drafter.release(session.slot)
             for commit in message.commits:
                 self._commit(client, commit)
         pinned = {(client, r.slot) for client, m in batch for r in m.requests}
@@ -172,7 +198,8 @@ class DraftService:
             return Resend(len(session.tokens))
         held = session.tokens[: req.start] if session is not None else []
         sequence = held + list(req.tokens)
-        problem = self._check(sequence, req)
+        features = req.features.tensor() if req.features is not None else None
+        problem = self._check(sequence, req) or self._check_features(len(sequence), req.features, features)
         if problem:
             return Failed(problem)
         if session is None:
@@ -187,7 +214,12 @@ class DraftService:
         keep = min(common_prefix(session.tokens, sequence), len(sequence) - 1)
         if keep < len(session.tokens):
             session.tokens = session.tokens[:keep]
-            self.drafter.cached[session.slot] = keep
+            if self.feature_width:  # the head's positions read features of what is gone
+                self.drafter.release(session.slot)
+            else:
+                self.drafter.cached[session.slot] = keep
+        if self.feature_width:
+            self._hand_features(session.slot, len(sequence), req.features, features)
         sample = None
         if req.sampling is not None:
             s = req.sampling
@@ -207,6 +239,35 @@ class DraftService:
         if self.max_model_len + slack > self.drafter.runner.capacity:
             return f"tree budget {req.budget} is larger than the draft server allows (--max-tree-nodes)"
         return None
+
+    def _check_features(self, length: int, sent: Features | None, values: torch.Tensor | None) -> str | None:
+        """Features must be the head's width, end at the position before the root, and be finite."""
+        if sent is None or values is None:
+            return None
+        if not self.feature_width:
+            return "this draft server's model reads no target features"
+        if sent.width != self.feature_width:
+            return f"features of width {sent.width}; the head reads {self.feature_width} values a position"
+        if sent.position + sent.rows != length - 1:
+            return (
+                f"features for positions {sent.position}..{sent.position + sent.rows - 1}; a sequence of "
+                f"{length} tokens needs them to end at position {length - 2}"
+            )
+        if not bool(torch.isfinite(values).all()):
+            return "features contain NaN or infinity"
+        return None
+
+    def _hand_features(
+        self, slot: int, length: int, sent: Features | None, values: torch.Tensor | None
+    ) -> None:
+        """Give the head the request's features; should what it holds then not reach the root of
+        a ``length``-token sequence, it forgets the sequence and proposes the root alone."""
+        drafter: Eagle3Drafter = self.drafter  # type: ignore[assignment]
+        if sent is not None and values is not None:
+            drafter.add_features(slot, sent.position, values)
+        held = drafter.pending.get(slot)
+        if held is not None and drafter.cached.get(slot, 0) + len(held) != length - 1:
+            drafter.release(slot)
 
     def _propose(
         self,

@@ -98,6 +98,17 @@ class SessionTable:
             self._free.append(session.slot)
         return session
 
+    def move(self, client: str, moves: Iterable[tuple[int, int]]) -> list[Session]:
+        """The client's sequences moved to other slots (``(from, to)`` pairs, all at once, as
+        the target moved them); returns the sessions they displaced (the client had released
+        those slots, or never drafted there)."""
+        taken = [(dst, self._sessions.pop((client, src), None)) for src, dst in moves]
+        displaced = [s for s in (self.remove((client, dst)) for dst, _ in taken) if s is not None]
+        for dst, session in taken:
+            if session is not None:
+                self._sessions[(client, dst)] = session
+        return displaced
+
     def remove_client(self, client: str) -> list[Session]:
         """Drop every session of one connection (it closed)."""
         keys = [k for k in self._sessions if k[0] == client]
