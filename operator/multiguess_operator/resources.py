@@ -133,9 +133,13 @@ def draft_sessions(spec: DeploymentSpec, draft: DraftSpec) -> int:
 def draft_deployment(
     name: str, namespace: str, spec: DeploymentSpec, draft: DraftSpec, image: str
 ) -> Manifest:
-    """Draft pods of ``placement: separate``: the draft's own dtype, resources and scheduling."""
+    """Draft pods of ``placement: separate``: the draft's own dtype, resources and scheduling. An
+    EAGLE-3 head's pods also name the target: they read its config, tokenizer and embeddings."""
     s = spec.speculation
+    head = [{"name": "MULTIGUESS_TARGET", "value": spec.target.model}] if s.drafter == "eagle3" else []
     env = [
+        {"name": "MULTIGUESS_DRAFTER", "value": s.drafter},
+        *head,
         {"name": "MULTIGUESS_DRAFT", "value": draft.model},
         {"name": "MULTIGUESS_DRAFT_QUANTIZATION", "value": draft.quantization},
         {"name": "MULTIGUESS_DTYPE", "value": draft.dtype},

@@ -230,11 +230,6 @@ def check_rules(spec: DeploymentSpec) -> None:
         raise SpecError("InvalidSpec", "draft is only used with speculation.drafter: model or eagle3")
     if needs_draft and spec.draft is None:
         raise SpecError("InvalidSpec", "speculation.drafter: model and eagle3 need a draft model")
-    if spec.speculation.drafter == "eagle3" and spec.separate_draft is not None:
-        raise SpecError(
-            "InvalidSpec",
-            "speculation.drafter: eagle3 runs in the target's pods: not with placement: separate",
-        )
     if spec.draft is not None and spec.draft.placement != "separate":
         if spec.draft.gpu is not None:
             raise SpecError("InvalidSpec", "draft.gpu is only allowed with placement: separate")

@@ -196,6 +196,20 @@ def test_eagle3_is_a_drafter_like_the_others() -> None:
     assert got["MULTIGUESS_DRAFTER"] == "eagle3" and got["MULTIGUESS_DRAFT"] == "org/d"
 
 
+def test_an_eagle3_head_in_its_own_pods_reads_the_targets_embeddings() -> None:
+    """The head's pool runs ``serve-draft --drafter eagle3`` naming the target (its config,
+    tokenizer and embeddings); the target pods capture the features and send them there."""
+    made = children({**SEPARATE, "speculation": {"drafter": "eagle3"}})
+    draft = env(made["Deployment/demo-draft"])
+    assert draft["MULTIGUESS_DRAFTER"] == "eagle3" and draft["MULTIGUESS_TARGET"] == "org/t"
+    assert draft["MULTIGUESS_DRAFT"] == "org/d"
+    target = env(made["Deployment/demo-target"])
+    assert target["MULTIGUESS_DRAFTER"] == "eagle3"
+    assert target["MULTIGUESS_DRAFT_URL"] == "http://demo-draft:8001"
+    model_pool = env(children(SEPARATE)["Deployment/demo-draft"])
+    assert model_pool["MULTIGUESS_DRAFTER"] == "model" and "MULTIGUESS_TARGET" not in model_pool
+
+
 def test_separate_pools_share_the_draft_secret_by_reference() -> None:
     made = children(SEPARATE)
     ref = {"secretKeyRef": {"name": "demo-draft-secret", "key": "secret"}}
