@@ -13,6 +13,10 @@ A drafter that reads the target's hidden states (EAGLE-3, ``engine/eagle3.py``) 
 layers in ``feature_layers``; the engine then has its target forwards capture them and hands
 them over with ``add_features(slot, position, features)``: the prompt's after prefill, the
 accepted path's after every verification, so they flow into the next proposal.
+
+A drafter with ``prefill(slot, token_ids)`` catches up on a prompt while the target prefills
+it, chunk by chunk under ``EngineConfig.max_prefill_tokens``; one without catches up at its
+first proposal, on the whole prompt at once.
 """
 
 from __future__ import annotations
@@ -211,6 +215,16 @@ class ModelDrafter:
         self.runner.cache.exchange(src, dst, self.cached.get(src, 0), self.cached.get(dst, 0))
         for state in (self.cached, self._fed):
             swap_keys(state, src, dst)
+
+    def prefill(self, slot: int, token_ids: list[int]) -> None:
+        """Feed what the draft has not seen of ``token_ids[:-1]``, the part of a prompt the
+        target has just cached (its last token is the target's next one)."""
+        start, end = self.cached.get(slot, 0), len(token_ids) - 1
+        if start < end:
+            self.runner.forward_trees(
+                [slot], [start], [TokenTree.chain(token_ids[start:end])], last_only=True
+            )
+            self.cached[slot] = end
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         logits, prefixes = self._catch_up(requests)

@@ -202,6 +202,13 @@ class Eagle3Drafter(ModelDrafter):
         for state in (self.base, self.pending, self._root):
             swap_keys(state, src, dst)
 
+    def prefill(self, slot: int, token_ids: list[int]) -> None:
+        """Feed the target features handed over so far of a prompt being prefilled (position p
+        reads token p + 1, so ``token_ids`` runs one past the last feature's position)."""
+        held = self.pending.get(slot)
+        if held is not None and len(held) and self.cached[slot] + len(held) == len(token_ids) - 1:
+            self._feed_chain([slot], [token_ids])
+
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         """Trees for the sequences the drafter holds features for; the others (a one-token
         prompt before its first verification, a sequence forgotten after a failure) get their

@@ -28,10 +28,10 @@ from multiguess.engine.adaptive import (
 )
 from multiguess.engine.drafter import Drafter, DraftRequest, ModelDrafter, Proposal, SampleSpec, TreeBudget
 from multiguess.engine.guard import fallback_reason
-from multiguess.engine.logprobs import TokenLogprob, step_logprobs
+from multiguess.engine.logprobs import TokenLogprob, prompt_logprobs, step_logprobs
 from multiguess.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION, check_utilization
 from multiguess.engine.memory_probe import fit_to_memory
-from multiguess.engine.padding import padded_groups
+from multiguess.engine.padding import padded_groups, prefill_chunks
 from multiguess.engine.penalties import node_logits
 from multiguess.engine.prefix_cache import PrefixIndex, plan_reuse
 from multiguess.engine.runner import NativeRunner
@@ -60,6 +60,8 @@ class EngineConfig:
     ``max_model_len`` None is the target config's own limit (see ``memory_plan``); on GPUs
     ``max_batch`` is cut to the sequences whose KV caches fit in ``gpu_memory_utilization`` of
     the device (``memory_probe.fit_to_memory``).
+    ``max_prefill_tokens`` caps the prompt tokens prefilled per step (chunked prefill), so a
+    long prompt does not stall the running sequences' tokens; None prefills each prompt whole.
     ``prefix_caching`` starts a new prompt from the KV of the longest prefix it shares with a
     finished or running sequence, for target and draft (``engine/prefix_cache.py``).
     """
@@ -76,6 +78,7 @@ class EngineConfig:
     cuda_graphs: bool = False
     draft_vocab: bool = True
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    max_prefill_tokens: int | None = None
     prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -87,6 +90,8 @@ class EngineConfig:
         if self.max_batch < 1 or (self.max_model_len is not None and self.max_model_len < 2):
             raise ValueError("max_batch must be >= 1 and max_model_len >= 2")
         check_utilization(self.gpu_memory_utilization)
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}")
 
     @property
     def budget(self) -> TreeBudget:
@@ -142,6 +147,7 @@ class StepOutput:
     finish_reason: str | None
     sequence: Sequence
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens whose text is out
+    prompt_logprobs: list[TokenLogprob] | None = None  # with the first output, when asked
 
 
 class Engine:
@@ -231,9 +237,11 @@ class Engine:
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         self._admit()
-        if not self.running:
+        self._prefill()
+        self.last_tree_sizes, self.last_outcomes = [], []
+        batch = [s for s in self.running if not s.prefilling]
+        if not batch:
             return []
-        batch = list(self.running)
         self.steps += 1
         started = time.perf_counter()
         proposals = self._propose(batch)
@@ -296,6 +304,7 @@ class Engine:
                     seq.finish_reason,
                     seq,
                     seq.take_logprobs(self.tokenizer),
+                    seq.prompt_logprobs if before == 0 and seq.params.prompt_logprobs is not None else None,
                 )
             )
         for greedy, outcomes in observed.items():
@@ -306,32 +315,60 @@ class Engine:
         return outputs
 
     def _admit(self) -> None:
-        admitted = []
-        while self.waiting and len(self.running) + len(admitted) < self.config.max_batch:
+        """Waiting sequences take the free slots, the lowest first (see ``_retire``), each
+        starting from the longest prefix the caches hold of its prompt; ``_prefill`` computes
+        the rest of the prompt."""
+        while self.waiting and len(self.running) < self.config.max_batch:
             seq = self.waiting.popleft()
-            seq.slot = len(self.running) + len(admitted)  # the lowest free slot (see _retire)
-            self._reuse_prefix(seq, [*self.running, *admitted])
-            admitted.append(seq)
-        prefill = [s for s in admitted if s.cache_len < len(s.prompt_ids) - 1]
-        capture = self._feature_layers() if prefill else ()
-        for group in padded_groups(
-            [len(s.prompt_ids) - 1 - s.cache_len for s in prefill], self.config.max_model_len
-        ):
-            seqs = [prefill[i] for i in group]
+            seq.slot = len(self.running)
+            self._reuse_prefix(seq, self.running)
+            self.running.append(seq)
+
+    def _prefill(self) -> None:
+        """This step's share of the prompts still being prefilled: ``max_prefill_tokens`` in all
+        (None: every prompt whole), the earliest admitted first (``prefill_chunks``), each chunk
+        a chain after what its sequence has cached. A long prompt is thus prefilled over several
+        steps, and the running sequences decode a step between its chunks. The draft catches up
+        on each chunk too, so the first proposal does not feed the whole prompt in one step."""
+        pending = [s for s in self.running if s.prefilling]
+        sizes = prefill_chunks(
+            [len(s.prompt_ids) - 1 - s.cache_len for s in pending], self.config.max_prefill_tokens
+        )
+        work = [(s, n) for s, n in zip(pending, sizes, strict=True) if n]
+        capture = self._feature_layers() if work else ()
+        for group in padded_groups([n for _, n in work], self.config.max_model_len):
+            part = [work[i] for i in group]
+            scored = any(s.params.prompt_logprobs is not None for s, _ in part)
             out = self.target.forward_trees(
-                [s.slot for s in seqs],
-                [s.cache_len for s in seqs],
-                [TokenTree.chain(s.prompt_ids[s.cache_len : -1]) for s in seqs],
-                last_only=True,
+                [s.slot for s, _ in part],
+                [s.cache_len for s, _ in part],
+                [TokenTree.chain(s.prompt_ids[s.cache_len : s.cache_len + n]) for s, n in part],
+                last_only=not scored,  # only prompt log-probabilities need every position's logits
                 capture=capture,
             )
-            for b, seq in enumerate(seqs if capture else []):
-                self._hand_features(
-                    seq, seq.cache_len, out.features[b, : len(seq.prompt_ids) - 1 - seq.cache_len]
-                )
-        for seq in admitted:
-            seq.cache_len = len(seq.prompt_ids) - 1
-        self.running.extend(admitted)
+            logits = out.logits if capture else out
+            for b, (seq, n) in enumerate(part):
+                start = seq.cache_len
+                if capture:
+                    self._hand_features(seq, start, out.features[b, :n])
+                if seq.params.prompt_logprobs is not None:
+                    predicted = seq.prompt_ids[start + 1 : start + n + 1]
+                    seq.prompt_logprobs += prompt_logprobs(
+                        logits[b, :n], predicted, seq.params.prompt_logprobs
+                    )
+                seq.cache_len += n
+                self._prefill_draft(seq)
+
+    def _prefill_draft(self, seq: Sequence) -> None:
+        """The draft catches up on what the target has cached of ``seq``'s prompt (drafters
+        without ``prefill`` catch up at their first proposal)."""
+        prefill = getattr(self.drafter, "prefill", None)
+        if prefill is None:
+            return
+        try:
+            prefill(seq.slot, seq.prompt_ids[: seq.cache_len + 1])
+        except Exception as exc:  # a failing drafter must never fail a request
+            self._decode_without_drafter(exc, [seq])
 
     def _reuse_prefix(self, seq: Sequence, others: list[Sequence]) -> None:
         """Bring the longest prefix of ``seq``'s prompt that a kept or running sequence holds

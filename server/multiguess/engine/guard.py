@@ -228,6 +228,18 @@ class GuardedDrafter:
             self.release(slot)
             return None
 
+    def prefill(self, slot: int, token_ids: list[int]) -> None:
+        """Passed on to an inner drafter that catches up during prefill, unless paused (it
+        catches up at its next proposal then); a failure trips the guard and drops the slot."""
+        prefill = getattr(self.inner, "prefill", None)
+        if prefill is None or self.clock() < self._paused_until:
+            return
+        try:
+            prefill(slot, token_ids)
+        except Exception as exc:
+            self._trip(f"prefill failed: {type(exc).__name__}: {exc}")
+            self.release(slot)
+
     @property
     def feature_layers(self) -> tuple[int, ...]:
         """The target layers whose hidden states the inner drafter reads (none: it reads none)."""

@@ -54,10 +54,16 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked
     sent_logprobs: int = 0  # records handed out by ``take_logprobs``
     cut: bool = False  # a stop string ended the text
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether prompt tokens before the last (the first tree's root) still lack target KV."""
+        return self.cache_len < len(self.prompt_ids) - 1
 
     @property
     def finished(self) -> bool:
