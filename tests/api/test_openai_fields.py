@@ -160,6 +160,41 @@ def test_echo_prepends_the_prompt(oai: openai.OpenAI) -> None:
     assert "".join(c.choices[0].text for c in stream if c.choices) == echoed.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt_too(oai: openai.OpenAI, offline: LLM) -> None:
+    """The prompt's tokens lead: the first with null log-probability and alternatives, the rest
+    with the target's own (prompt_logprobs); then the completion's, as without echo; streamed
+    the same."""
+    plain = complete(oai, temperature=0, max_tokens=5, logprobs=2, ignore_eos=True).choices[0]
+    echoed = complete(oai, temperature=0, max_tokens=5, logprobs=2, ignore_eos=True, echo=True).choices[0]
+    ids = offline.tokenizer.encode(PROMPT)
+    want = offline.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=2))[0].prompt_logprobs
+    assert want is not None and len(want) == len(ids)
+    lp, count = echoed.logprobs, len(ids)
+    assert echoed.text == PROMPT + plain.text
+    assert lp.tokens == [offline.tokenizer.decode([t]) for t in ids] + plain.logprobs.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:count] == pytest.approx([r.logprob for r in want[1:]], abs=1e-5)  # type: ignore[union-attr]
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.token_logprobs[count:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-6)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    stream = oai.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0,
+        echo=True,
+        logprobs=2,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.text for c in chunks) == echoed.text
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == lp.tokens
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == lp.text_offset
+    streamed = [x for c in chunks if c.logprobs for x in c.logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-9)
+
+
 def test_best_of_returns_the_most_likely_of_its_samples(oai: openai.OpenAI) -> None:
     fields = dict(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
     every = complete(oai, n=4, logprobs=0, **fields)
@@ -216,7 +251,6 @@ REFUSED = [
     ("completion", dict(suffix="w9"), "suffix"),
     ("completion", dict(best_of=1, n=2), "best_of"),
     ("completion", dict(best_of=3, stream=True), "best_of"),
-    ("completion", dict(echo=True, logprobs=1), "echo"),
     ("completion", dict(logprobs=21), "logprobs"),
     ("completion", dict(logit_bias={"w1": 1}), "logit_bias"),
     ("completion", dict(logit_bias={"5": 101}), "logit_bias"),

@@ -27,6 +27,7 @@ from multiguess.api.schemas import (
     ChatCompletionResponse,
     ChatMessage,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     GenerateRequest,
@@ -46,6 +47,7 @@ from multiguess.api.translate import (
     refuse_unsupported,
     sampling_params,
 )
+from multiguess.engine.logprobs import TokenLogprob
 from multiguess.scheduler import EngineFailure, Event, Job, RequestTimeout, Sample, Scheduler
 
 router = APIRouter()
@@ -91,15 +93,16 @@ def build_samples(
     max_tokens: int | None,
     n: int,
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> list[Sample]:
-    """``max_tokens=None`` means whatever context the longest prompt leaves; ``logprobs``:
-    alternatives to record per token (None: none)."""
+    """``max_tokens=None`` means whatever context the longest prompt leaves; ``logprobs``,
+    ``prompt_logprobs``: alternatives to record per generated and prompt token (None: none)."""
     refuse_unsupported(body)
     config = scheduler.engine.config  # type: ignore[union-attr]
     check_sample_count(len(prompts), n, scheduler.max_samples)
     if max_tokens is None:
         max_tokens = max(1, config.max_model_len - max(len(p) for p in prompts))
-    return make_samples(prompts, sampling_params(body, max_tokens, n, config, logprobs))
+    return make_samples(prompts, sampling_params(body, max_tokens, n, config, logprobs, prompt_logprobs))
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -188,41 +191,47 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     scheduler = scheduler_of(request)
     prompts = await off_loop(completion_prompts, body, scheduler.engine.tokenizer)  # type: ignore[union-attr]
     tokenizer = scheduler.engine.tokenizer  # type: ignore[union-attr]
-    logprobs, best_of = completion_options(body)
-    samples = build_samples(scheduler, body, prompts, body.max_tokens, best_of, logprobs)
+    logprobs, prompt_logprobs, best_of = completion_options(body)
+    samples = build_samples(scheduler, body, prompts, body.max_tokens, best_of, logprobs, prompt_logprobs)
     echoed = [tokenizer.decode(s.prompt_ids) if body.echo else "" for s in samples]
     top = body.logprobs or 0
+
+    def logprobs_body(
+        index: int, records: list[TokenLogprob], prompt: list[TokenLogprob] | None, offset: int
+    ) -> CompletionLogprobs:
+        """With ``echo`` the prompt's records (``prompt``) lead the generated ones."""
+        if prompt is None:
+            return completion_logprobs_body(records, tokenizer, top, offset)
+        first = samples[index].prompt_ids[0]
+        return completion_logprobs_body([*prompt, *records], tokenizer, top, offset, first)
+
     head = header("cmpl", model)
     if body.stream:
         job = await scheduler.submit(samples)
         kind = "text_completion"
-        offsets = [len(text) for text in echoed]
-        opening = [
-            {
-                **head,
-                "object": kind,
-                "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}],
-            }
-            for i, text in enumerate(echoed)
-            if text
-        ]
+        offsets = [0] * len(samples)
+        unsent = set(range(len(samples))) if body.echo else set()  # echoes lead a first chunk
 
         def chunk(event: Event) -> dict[str, Any] | None:
-            if not event.text and not event.finished and not event.logprobs:
+            echo = event.index in unsent
+            unsent.discard(event.index)
+            text = (echoed[event.index] if echo else "") + event.text
+            if not text and not event.finished and not event.logprobs and not echo:
                 return None
             lp = None
             if body.logprobs is not None:
-                lp = completion_logprobs_body(event.logprobs, tokenizer, top, offsets[event.index])
+                prompt = (event.prompt_logprobs or []) if echo else None
+                lp = logprobs_body(event.index, event.logprobs, prompt, offsets[event.index])
                 offsets[event.index] += sum(len(t) for t in lp.tokens)
             choice = {
                 "index": event.index,
-                "text": event.text,
+                "text": text,
                 "logprobs": lp.model_dump() if lp else None,
                 "finish_reason": event.finish_reason,
             }
             return {**head, "object": kind, "choices": [choice]}
 
-        return stream(scheduler, job, best_of, opening, chunk, usage_chunk(head, kind, body))
+        return stream(scheduler, job, best_of, [], chunk, usage_chunk(head, kind, body))
     try:
         outcome = await run_collected(request, scheduler, samples, best_of)
     except ClientGone:
@@ -232,7 +241,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             index=i,
             text=echoed[s] + outcome.texts[s],
             logprobs=(
-                completion_logprobs_body(outcome.logprobs[s], tokenizer, top, len(echoed[s]))
+                logprobs_body(s, outcome.logprobs[s], outcome.prompt_logprobs[s] if body.echo else None, 0)
                 if body.logprobs is not None
                 else None
             ),

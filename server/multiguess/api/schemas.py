@@ -129,11 +129,12 @@ class SpecSummary(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """OpenAI's legacy shape: parallel lists, one entry per generated token."""
+    """OpenAI's legacy shape: parallel lists, one entry per token (with ``echo``, the prompt's
+    first, whose log-probability and alternatives are null)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 

@@ -32,10 +32,16 @@ GREEDY_BELOW = 1e-5
 
 
 def sampling_params(
-    body: SamplingFields, max_tokens: int, n: int, config: EngineConfig, logprobs: int | None = None
+    body: SamplingFields,
+    max_tokens: int,
+    n: int,
+    config: EngineConfig,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The engine's parameters for a body; tree overrides may only shrink the server's budget,
-    whose KV-cache room was sized for it. ``logprobs``: alternatives to record per token."""
+    whose KV-cache room was sized for it. ``logprobs``, ``prompt_logprobs``: alternatives to
+    record per generated and per prompt token (None: no records)."""
     for name, value, limit in (
         ("num_candidates", body.num_candidates, config.num_candidates),
         ("depth", body.depth, config.depth),
@@ -61,6 +67,7 @@ def sampling_params(
         logit_bias=token_bias(body.logit_bias),
         min_tokens=body.min_tokens,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -113,8 +120,9 @@ def chat_logprobs(body: ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-def completion_options(body: CompletionRequest) -> tuple[int | None, int]:
-    """A completions request's logprobs to record and samples per prompt (``best_of``)."""
+def completion_options(body: CompletionRequest) -> tuple[int | None, int | None, int]:
+    """A completions request's logprobs to record for generated and for prompt tokens (those
+    with ``echo``), and its samples per prompt (``best_of``)."""
     best_of = body.n if body.best_of is None else body.best_of
     if best_of < body.n:
         raise APIError(400, f"best_of ({best_of}) must be at least n ({body.n})", param="best_of")
@@ -122,12 +130,9 @@ def completion_options(body: CompletionRequest) -> tuple[int | None, int]:
         raise APIError(
             400, "best_of above n cannot be streamed: the best are known at the end", param="best_of"
         )
-    if body.echo and body.logprobs is not None:
-        raise APIError(
-            400, "echo with logprobs (the prompt's log-probabilities) is not supported", param="echo"
-        )
     ranked = 0 if best_of > body.n else None  # ranking needs each token's log-probability
-    return (body.logprobs if body.logprobs is not None else ranked), best_of
+    prompt = body.logprobs if body.echo else None
+    return (body.logprobs if body.logprobs is not None else ranked), prompt, best_of
 
 
 def completion_prompts(body: CompletionRequest, tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
@@ -191,17 +196,29 @@ def chat_logprobs_body(
 
 
 def completion_logprobs_body(
-    records: list[TokenLogprob], tokenizer: PreTrainedTokenizerBase, top: int, offset: int
+    records: list[TokenLogprob],
+    tokenizer: PreTrainedTokenizerBase,
+    top: int,
+    offset: int,
+    first: int | None = None,
 ) -> CompletionLogprobs:
-    """The completions form; ``text_offset`` counts from ``offset`` (the echoed prompt's length)."""
-    tokens = [token_text(tokenizer, r.token) for r in records]
+    """The completions form; ``text_offset`` counts the token strings' lengths from ``offset``
+    (where the previous chunk's tokens ended). ``first`` leads the records with no
+    log-probability: an echoed prompt's first token, which nothing before it predicts."""
+    lead = [] if first is None else [first]
+    tokens = [token_text(tokenizer, t) for t in [*lead, *(r.token for r in records)]]
     offsets = []
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
-    tops = [{token_text(tokenizer, t): lp for t, lp in r.top[:top]} for r in records] if top else None
+    tops: list[dict[str, float] | None] | None = None
+    if top:
+        tops = [None] * len(lead) + [{token_text(tokenizer, t): lp for t, lp in r.top[:top]} for r in records]
     return CompletionLogprobs(
-        tokens=tokens, token_logprobs=[r.logprob for r in records], top_logprobs=tops, text_offset=offsets
+        tokens=tokens,
+        token_logprobs=[None] * len(lead) + [r.logprob for r in records],
+        top_logprobs=tops,
+        text_offset=offsets,
     )
 
 
@@ -225,17 +242,21 @@ class Outcome:
     tokens: list[int] = field(default_factory=list)
     finish_reasons: list[str | None] = field(default_factory=list)
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    prompt_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
 
     def __post_init__(self) -> None:
         count = len(self.samples)
         self.texts, self.tokens, self.finish_reasons = [""] * count, [0] * count, [None] * count
         self.logprobs = [[] for _ in range(count)]
+        self.prompt_logprobs = [[] for _ in range(count)]
 
     def add(self, event: Event) -> None:
         self.texts[event.index] += event.text
         self.tokens[event.index] += len(event.token_ids)
         self.logprobs[event.index].extend(event.logprobs)
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs[event.index] = event.prompt_logprobs
         if event.finished:
             self.finish_reasons[event.index] = event.finish_reason
             for name in ("verify_steps", "draft_tokens", "accepted_tokens", "fallback_steps"):
