@@ -91,6 +91,8 @@ class LLM:
     ``draft_dtype`` None follows ``dtype``; ``auto`` resolves on each model's own device.
     ``cuda_graphs`` replays captured forwards on GPUs (opt-in; ``eager`` stays the escape hatch).
     ``max_prefill_tokens`` caps the prompt tokens prefilled per step (chunked prefill).
+    ``prefix_caching`` starts each prompt from the KV of the longest prefix it shares with a
+    recent or running sequence (``engine/prefix_cache.py``).
     """
 
     def __init__(
@@ -114,6 +116,7 @@ class LLM:
         cuda_graphs: bool = False,
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         max_prefill_tokens: int | None = None,
+        prefix_caching: bool = True,
     ) -> None:
         config = EngineConfig(
             num_candidates,
@@ -127,6 +130,7 @@ class LLM:
             draft_vocab=draft_vocab,
             gpu_memory_utilization=gpu_memory_utilization,
             max_prefill_tokens=max_prefill_tokens,
+            prefix_caching=prefix_caching,
         )
         self.engine = build_engine(
             config, target, draft, drafter, dtype, device, draft_device, draft_quantization, draft_dtype

@@ -62,6 +62,16 @@ class Metrics:
         )
         self.prompt_tokens = Counter("multiguess_prompt_tokens", "Prompt tokens admitted.", registry=reg)
         self.generation_tokens = Counter("multiguess_generation_tokens", "Tokens generated.", registry=reg)
+        self.prefix_queried = Counter(
+            "multiguess_prefix_cache_queried_tokens",
+            "Prompt tokens of samples that started with prefix caching on.",
+            registry=reg,
+        )
+        self.prefix_hits = Counter(
+            "multiguess_prefix_cache_hit_tokens",
+            "Prompt tokens whose KV came from the prefix cache instead of a prefill.",
+            registry=reg,
+        )
         self.spec = {
             name: Counter(f"multiguess_spec_{name}", help_text, registry=reg)
             for name, help_text in (

@@ -332,6 +332,9 @@ class Scheduler:
             if not tracked.admitted and all(seq.slot >= 0 for seq in tracked.sequences):
                 tracked.admitted = True
                 self.metrics.queue.observe(started - tracked.job.submitted)
+                if engine.config.prefix_caching:
+                    self.metrics.prefix_queried.inc(sum(len(s.prompt_ids) for s in tracked.sequences))
+                    self.metrics.prefix_hits.inc(sum(s.cached_tokens for s in tracked.sequences))
         for out in outputs:
             owner = self._owner.get(out.request_id)
             if owner is None:

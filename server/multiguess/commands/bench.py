@@ -73,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
         "eager": args.eager,
         "cuda_graphs": args.cuda_graphs,
         "draft_vocab": not args.full_draft_vocab,
+        # Each repeat serves the same prompts again: a prefix cache would skip the prefill of
+        # multiguess's methods only, and the ratios to transformers would no longer be like for like.
+        "prefix_caching": False,
     }
     tree_cfg = EngineConfig(args.num_candidates, args.depth, args.max_nodes, 1, args.max_model_len, **common)
     chain_cfg = EngineConfig(

@@ -89,6 +89,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_switch(parser, "--eager", "plain PyTorch kernels, no prepacked CPU weights (escape hatch)")
     add_switch(parser, "--cuda-graphs", "replay captured decode/verify forwards on GPUs (opt-in)")
     add_switch(parser, "--full-draft-vocab", "the draft scores every token, not only its draft_vocab.json")
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get(env_name("--enable-prefix-caching"), "1").lower() not in ("0", "false", "no"),
+        help="start prompts from the KV of a prefix shared with a recent or running request (default "
+        "on; the environment turns it off with 0, false or no) [env MULTIGUESS_ENABLE_PREFIX_CACHING]",
+    )
 
 
 def utilization(text: str) -> float:
@@ -145,4 +152,5 @@ def build_llm(args: argparse.Namespace) -> Any:
         draft_vocab=not args.full_draft_vocab,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_prefill_tokens=args.max_prefill_tokens or None,
+        prefix_caching=args.enable_prefix_caching,
     )
