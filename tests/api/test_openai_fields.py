@@ -150,6 +150,37 @@ def test_min_tokens_defers_the_end(oai: openai.OpenAI) -> None:
     assert held.usage.completion_tokens == 5 and held.choices[0].finish_reason == "stop"
 
 
+def test_truncation_and_stop_tokens_have_their_effect(oai: openai.OpenAI, offline: LLM) -> None:
+    greedy = complete(oai, temperature=0, max_tokens=10, ignore_eos=True).choices[0].text
+    # A sample from the best token alone, or from a nucleus that small, is the greedy output.
+    for truncation in (dict(top_k=1), dict(top_p=1e-6)):
+        got = complete(oai, temperature=1.5, max_tokens=10, ignore_eos=True, **truncation)
+        assert got.choices[0].text == greedy, truncation
+    sampled = [complete(oai, temperature=1.5, max_tokens=10, ignore_eos=True) for _ in range(3)]
+    assert {s.choices[0].text for s in sampled} != {greedy}
+    third = offline.tokenizer.convert_tokens_to_ids(greedy.split()[2])
+    stopped = complete(oai, temperature=0, max_tokens=10, ignore_eos=True, stop_token_ids=[third])
+    params = SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[third])
+    assert stopped.choices[0].text == offline.generate(PROMPT, params)[0].text
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens <= 3
+
+
+def test_max_completion_tokens_wins_and_the_tree_may_shrink(oai: openai.OpenAI) -> None:
+    resp = chat(oai, temperature=0, max_tokens=8, max_completion_tokens=3, ignore_eos=True)
+    assert resp.usage.completion_tokens == 3
+    base = complete(oai, temperature=0, max_tokens=12, ignore_eos=True)
+    chain = complete(oai, temperature=0, max_tokens=12, ignore_eos=True, num_candidates=1, depth=2)
+    stats = chain.model_extra["multiguess"]
+    assert chain.choices[0].text == base.choices[0].text
+    assert 0 < stats["draft_tokens"] <= 2 * stats["verify_steps"]  # one chain of two at most
+
+
+def test_another_models_name_is_a_404(oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        oai.completions.create(model="other", prompt=PROMPT, max_tokens=2)
+    assert "model" in caught.value.message
+
+
 def test_echo_prepends_the_prompt(oai: openai.OpenAI) -> None:
     plain = complete(oai, temperature=0, max_tokens=4)
     echoed = complete(oai, temperature=0, max_tokens=4, echo=True)
@@ -260,6 +291,16 @@ REFUSED = [
     ("completion", dict(repetition_penalty=0), "repetition_penalty"),
     ("completion", dict(min_tokens=9), "min_tokens"),
     ("completion", dict(unknown_field=1), "unknown_field"),
+    ("completion", dict(num_candidates=4), "num_candidates"),
+    ("completion", dict(depth=5), "depth"),
+    ("completion", dict(temperature=-1), "temperature"),
+    ("completion", dict(top_p=0), "top_p"),
+    ("completion", dict(top_k=-2), "top_k"),
+    ("completion", dict(seed=-1), "seed"),
+    ("completion", dict(n=0), "n"),
+    ("completion", dict(max_tokens=0), "max_tokens"),
+    ("completion", dict(stop=[""]), "stop"),
+    ("completion", dict(stop_token_ids=[100000]), "stop_token_ids"),
 ]
 
 

@@ -219,6 +219,8 @@ class Engine:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         if any(not 0 <= token < vocab for token, _ in params.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})")
+        if any(not 0 <= token < vocab for token in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})")
         generators = None
         if not params.greedy:
             generators = Generators(params.seed if params.seed is not None else random.getrandbits(63))
