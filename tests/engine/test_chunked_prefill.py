@@ -164,3 +164,32 @@ def test_prompt_logprobs_are_the_models_own(
         for r, row in zip(records[1:], want, strict=True):
             assert r is not None and [t for t, _ in r.top] == torch.topk(row, 3).indices.tolist()
     assert llm.generate(prompts[0], GREEDY)[0].prompt_logprobs is None
+
+
+def test_a_prompt_that_hits_the_prefix_cache_prefills_only_its_rest_in_chunks(
+    tiny_llama: Path, tiny_llama_draft: Path
+) -> None:
+    target, draft = load_model(str(tiny_llama), "float32"), load_model(str(tiny_llama_draft), "float32")
+    shared, first, second, third = random_prompts(61, (60, 9, 21, 30))
+    prompts = [shared + first, shared + second, shared + third]
+    plain_config = EngineConfig(max_model_len=160, adaptive=False, prefix_caching=False)
+    plain = [staggered(Engine(target, None, plain_config), [p], GREEDY)[0] for p in prompts]
+    budget = 8
+    config = EngineConfig(3, 3, max_model_len=160, adaptive=False, max_prefill_tokens=budget)
+    engine = Engine(target, draft, config)
+    outputs = [staggered(engine, prompts[:1], GREEDY)[0]]  # finished: its slot keeps its prefix
+    running = engine.add_request("running", prompts[1], GREEDY)  # reuses the finished one's prefix
+    while not running.output_ids:
+        engine.step()
+    late = engine.add_request("late", prompts[2], GREEDY)  # shares the running one's prefix
+    before, steps = len(running.output_ids), 0
+    while not late.output_ids:
+        engine.step()
+        steps += 1
+    assert running.cached_tokens >= len(shared) and late.cached_tokens >= len(shared)
+    assert steps == math.ceil((len(prompts[2]) - 1 - late.cached_tokens) / budget) > 1
+    assert len(running.output_ids) - before >= steps
+    while engine.has_unfinished():
+        engine.step()
+    outputs += [running.output_ids, late.output_ids]
+    assert outputs == plain
