@@ -31,7 +31,7 @@ def total_variation(samples: list[tuple[int, ...]], dist: dict[tuple[int, ...], 
 
 
 def build_pair(folder: Path) -> tuple[Path, Path]:
-    tokenizer = case.build_tokenizer([f"w{i}" for i in range(4)])
+    tokenizer = case.build_text_tokenizer(list("abcd"), pieces=[])
     target = case.save_model(folder / "target", case.model_config("llama", len(tokenizer)), 5, tokenizer)
     import torch
     from transformers import AutoModelForCausalLM

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny_models import build_tokenizer, model_config, save_model, save_noisy_copy
+from tests.tiny_models import build_text_tokenizer, build_tokenizer, model_config, save_model, save_noisy_copy
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +29,18 @@ def tiny_qwen2(tiny_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_draft(tiny_dir: Path, tiny_llama: Path) -> Path:
     return save_noisy_copy(tiny_llama, tiny_dir / "llama-draft", noise=0.5, seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_text_llama(tiny_dir: Path) -> Path:
+    """A tiny target with a byte-level BPE tokenizer: grammars can constrain what it writes."""
+    tokenizer = build_text_tokenizer()
+    return save_model(tiny_dir / "text-llama", model_config("llama", len(tokenizer)), 11, tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_text_llama_draft(tiny_dir: Path, tiny_text_llama: Path) -> Path:
+    return save_noisy_copy(tiny_text_llama, tiny_dir / "text-llama-draft", noise=0.5, seed=12)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -22,12 +22,39 @@ from transformers import (
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 WORDS = [f"w{i}" for i in range(60)]
+# Multi-byte tokens of the text tokenizer, byte-level spelled (Ġ is a space, Ċ a newline).
+JSON_PIECES = ['{"', '":Ġ', ',Ġ"', '"}', '"]', '["', "ĠĠ", "Ċ}", "true", "false", "null", "name", "age"]
 
 
 def build_tokenizer(words: list[str] = WORDS) -> PreTrainedTokenizerFast:
     vocab = {tok: i for i, tok in enumerate(SPECIALS + words)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return _fast(backend)
+
+
+def build_text_tokenizer(
+    symbols: list[str] | None = None, pieces: list[str] = JSON_PIECES
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer, as GPT-2-style models have: single-byte ``symbols`` (every
+    byte by default) and multi-byte ``pieces`` built by merges, so it writes and reads any text
+    and a grammar engine can tell each token's bytes."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet()) if symbols is None else symbols
+    words = list(alphabet)
+    merges = []
+    for piece in pieces:
+        for end in range(2, len(piece) + 1):
+            if piece[:end] not in words:
+                words.append(piece[:end])
+                merges.append((piece[: end - 1], piece[end - 1]))
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + words)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return _fast(backend)
+
+
+def _fast(backend: Tokenizer) -> PreTrainedTokenizerFast:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )

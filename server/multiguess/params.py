@@ -2,12 +2,43 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from multiguess.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A grammar the output must follow (vLLM's ``StructuredOutputsParams``); exactly one of:
+    ``json``, a JSON schema (a dict, kept as its JSON text so the params stay hashable);
+    ``regex``, which the whole output matches; ``choice``, strings the output is one of;
+    ``grammar``, a Lark grammar (llguidance's dialect); ``json_object``, any JSON object.
+    The engine compiles and applies it (``engine/grammar.py``)."""
+
+    json: str | Mapping[str, Any] | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if self.json is not None and not isinstance(self.json, str):
+            object.__setattr__(self, "json", json.dumps(self.json))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise InvalidRequestError("choice must be a non-empty list of strings")
+        given = [self.json is not None, self.regex is not None, self.choice is not None]
+        given += [self.grammar is not None, self.json_object]
+        if sum(given) != 1:
+            raise InvalidRequestError(
+                "structured outputs take exactly one of json, regex, choice, grammar, json_object"
+            )
 
 
 @dataclass(frozen=True)
@@ -21,7 +52,7 @@ class SamplingParams:
     ``repetition_penalty`` over prompt and generated tokens (vLLM's, 1 is off), ``logit_bias``
     per token id, and ``min_tokens`` bars end-of-sequence and stop tokens until that many were
     generated. ``logprobs`` (None: off) records each generated token's log-probability and
-    that many alternatives.
+    that many alternatives. ``structured_outputs`` constrains the output to a grammar.
     ``prompt_logprobs`` (vLLM's; None: off) records the log-probability of every prompt token
     after the first, under the target's raw distribution, and that many alternatives.
     """
@@ -44,6 +75,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -10,6 +10,7 @@ it has the power to catch a wrong sampler.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,11 +19,12 @@ from multiguess import LLM, SamplingParams
 from multiguess.engine.penalties import adjusted_logits
 from multiguess.engine.sampling import Processing, processed_probs
 from multiguess.engine.tree import TokenTree
+from multiguess.params import StructuredOutputsParams
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
 from tests.engine.test_draft_vocab import with_draft_vocab
-from tests.tiny_models import build_tokenizer, model_config, save_model, save_noisy_copy
+from tests.tiny_models import build_text_tokenizer, model_config, save_model, save_noisy_copy
 
 LENGTH = 3
 SAMPLES = 3000
@@ -33,7 +35,7 @@ ALPHA = 1e-3  # a correct sampler fails this test once in a thousand runs per ca
 @pytest.fixture(scope="module")
 def small_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     folder = tmp_path_factory.mktemp("small-vocab")
-    tokenizer = build_tokenizer([f"w{i}" for i in range(4)])
+    tokenizer = build_text_tokenizer(list("abcd"), pieces=[])  # text tokens, so grammars apply
     config = model_config("llama", len(tokenizer))
     target = save_model(folder / "target", config, seed=5, tokenizer=tokenizer)
     with torch.no_grad():  # a flatter target than the default: many outcomes carry mass
@@ -43,9 +45,14 @@ def small_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pa
     return target, save_noisy_copy(target, folder / "draft", noise=1.0, seed=6)
 
 
-def exact_distribution(model_dir: Path, params: SamplingParams) -> dict[tuple[int, ...], float]:
+def exact_distribution(
+    model_dir: Path,
+    params: SamplingParams,
+    allowed: Callable[[tuple[int, ...]], set[int]] | None = None,
+) -> dict[tuple[int, ...], float]:
     """P(x1..xL | prompt) by enumeration, with the request's penalties and processing at every
-    step (each prefix as plain decoding sees it)."""
+    step (each prefix as plain decoding sees it); ``allowed`` maps a prefix to the tokens a
+    grammar lets follow it (the others go to -inf before processing)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
     vocab = model.config.vocab_size
     dist: dict[tuple[int, ...], float] = {(): 1.0}
@@ -59,6 +66,10 @@ def exact_distribution(model_dir: Path, params: SamplingParams) -> dict[tuple[in
                 for row, p in zip(logits, prefixes, strict=True)
             ]
         )
+        if allowed is not None:
+            for i, p in enumerate(prefixes):
+                barred = [x for x in range(vocab) if x not in allowed(p)]
+                logits[i, barred] = float("-inf")
         probs = processed_probs(
             logits, [Processing(params.temperature, params.top_p, params.top_k)] * len(logits)
         )
@@ -128,14 +139,24 @@ def test_speculative_sampling_matches_the_target_exactly(
     small_vocab_pair: tuple[Path, Path], shape: str, setting: str, seeded: bool
 ) -> None:
     target, draft = small_vocab_pair
-    num_candidates, depth = SHAPES[shape]
     seed = 17 if seeded else None
     params = SamplingParams(max_tokens=LENGTH, ignore_eos=True, n=SAMPLES, seed=seed, **SETTINGS[setting])
+    llm = speculative(target, draft, shape)
+    samples = draw(llm, params)
+    pvalue = chi_square_pvalue(samples, exact_distribution(target, params))
+    assert llm.engine.totals.draft_tokens > 0  # speculation was verified, not skipped
+    assert len(samples) == SAMPLES
+    assert pvalue > ALPHA, f"{shape}/{setting}: p = {pvalue:.2e}"
+
+
+def speculative(target: Path, draft: Path, shape: str) -> LLM:
+    """The engine drafting the named shape. Fixed trees: each case verifies the shape it names,
+    not what the adaptive policy would pick."""
+    num_candidates, depth = SHAPES[shape]
     drafter, draft_dir = ("ngram", None) if shape == "ngram" else ("model", str(draft))
     if shape == "subset":
         draft_dir = str(with_draft_vocab(draft, [1, 4, 6, 7]))
-    # Fixed trees: each case verifies the shape it names, not what the adaptive policy would pick.
-    llm = LLM(
+    return LLM(
         str(target),
         draft_dir,
         num_candidates,
@@ -145,9 +166,43 @@ def test_speculative_sampling_matches_the_target_exactly(
         drafter=drafter,
         adaptive=False,
     )
+
+
+# Tokens 4..7 are a, b, c, d. The regex's second token depends on its first, so each tree
+# node must be masked by the grammar advanced along its own path; it is complete after three.
+GRAMMAR = StructuredOutputsParams(regex="(a[bc]|b[ad]|cd|dc)[a-d]")
+SECOND = {4: {5, 6}, 5: {4, 7}, 6: {7}, 7: {6}}
+
+
+def grammar_allows(prefix: tuple[int, ...]) -> set[int]:
+    return SECOND[prefix[0]] if len(prefix) == 1 else {4, 5, 6, 7}
+
+
+@pytest.mark.parametrize(
+    ("shape", "setting", "seeded"),
+    [
+        ("chain", "t1", False),
+        ("bushy", "t1-penalized", False),
+        ("subset", "t1", False),
+        ("ngram", "t1", False),
+        ("tree", "t1.3-topp0.8", True),
+    ],
+)
+def test_constrained_speculative_sampling_matches_the_masked_target_exactly(
+    small_vocab_pair: tuple[Path, Path], shape: str, setting: str, seeded: bool
+) -> None:
+    """Structured output: the target's distribution masked by the grammar at every node, and
+    the draft's proposals masked the same way, keep sampling exact."""
+    target, draft = small_vocab_pair
+    seed = 23 if seeded else None
+    params = SamplingParams(
+        max_tokens=LENGTH, n=SAMPLES, seed=seed, structured_outputs=GRAMMAR, **SETTINGS[setting]
+    )
+    llm = speculative(target, draft, shape)
     samples = draw(llm, params)
-    pvalue = chi_square_pvalue(samples, exact_distribution(target, params))
-    assert llm.engine.totals.draft_tokens > 0  # speculation was verified, not skipped
+    exact = exact_distribution(target, params, grammar_allows)
+    pvalue = chi_square_pvalue(samples, exact)
+    assert llm.engine.totals.draft_tokens > 0
     assert len(samples) == SAMPLES
     assert pvalue > ALPHA, f"{shape}/{setting}: p = {pvalue:.2e}"
 

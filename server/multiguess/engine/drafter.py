@@ -28,6 +28,7 @@ from typing import Protocol
 import torch
 
 from multiguess.engine.acceptance import Acceptance
+from multiguess.engine.grammar import GrammarState
 from multiguess.engine.padding import padded_groups
 from multiguess.engine.prefix_cache import swap_keys
 from multiguess.engine.runner import NativeRunner
@@ -68,6 +69,8 @@ class DraftRequest:
     # Processes draft logits into the distribution children are *sampled* from; None means the
     # deterministic top-k children (greedy requests).
     sample: SampleSpec | None = None
+    # Structured output: drafted children are only tokens the grammar allows at their parent.
+    grammar: GrammarState | None = None
 
 
 @dataclass
@@ -116,6 +119,15 @@ class Drafter(Protocol):
         yet (it had not seen ``token_ids[i - 1]``) among its ``width`` best guesses there (None:
         not among them), in order; None when the drafter cannot tell without drafting a tree."""
         ...
+
+
+def _path(cands: list[_Candidate], index: int) -> tuple[int, ...]:
+    """The drafted tokens from the root down to candidate ``index`` (-1, the root: none)."""
+    tokens = []
+    while index != -1:
+        tokens.append(cands[index].token)
+        index = cands[index].parent
+    return tuple(reversed(tokens))
 
 
 @dataclass
@@ -259,6 +271,7 @@ class ModelDrafter:
         beams: list[list[int]] = [[-1] for _ in requests]  # -1 stands for the root
         rows = [logits[b : b + 1] for b in range(len(requests))]
         for level in range(max(r.budget.depth for r in requests)):
+            self._constrain(requests, beams, rows, cands)
             dists = self._proposal_distributions(requests, rows)
             top = self._top_children(requests, rows, level)
             for b, req in enumerate(requests):
@@ -284,6 +297,25 @@ class ModelDrafter:
             self._fed[req.slot] = (prefixes[b], {remap[c]: off for c, off in fed[b].items() if c in remap})
             proposals.append(Proposal(tree, node_probs))
         return proposals
+
+    def _constrain(
+        self,
+        requests: list[DraftRequest],
+        beams: list[list[int]],
+        rows: list[torch.Tensor],
+        cands: list[list[_Candidate]],
+    ) -> None:
+        """Prune a level to what each request's grammar allows after each beam node: disallowed
+        tokens go to -inf in its row, and a node after which nothing is allowed leaves the beam."""
+        for b, req in enumerate(requests):
+            if req.grammar is None or not beams[b]:
+                continue
+            allowed = req.grammar.allowed([_path(cands[b], c) for c in beams[b]]).to(rows[b].device)
+            if self.vocab is not None:
+                allowed = allowed[:, self.vocab]
+            keep = allowed.any(dim=-1).nonzero()[:, 0]
+            beams[b] = [beams[b][i] for i in keep.tolist()]
+            rows[b] = rows[b][keep].masked_fill(~allowed[keep], float("-inf"))
 
     @staticmethod
     def _proposal_distributions(
@@ -361,6 +393,8 @@ class ModelDrafter:
             on_spine = parent == -1 or cands[parent].spine
             depth = 1 if parent == -1 else cands[parent].depth + 1
             for rank, (tok, lp) in enumerate(zip(picks, scores, strict=True)):
+                if lp == float("-inf"):  # past the tokens a grammar allows (scores descend)
+                    break
                 cands.append(_Candidate(tok, parent, base + lp, rank, on_spine and rank == 0, depth))
                 new.append(len(cands) - 1)
         return new

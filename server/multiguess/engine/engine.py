@@ -27,6 +27,7 @@ from multiguess.engine.adaptive import (
     level_outcomes,
 )
 from multiguess.engine.drafter import Drafter, DraftRequest, ModelDrafter, Proposal, SampleSpec, TreeBudget
+from multiguess.engine.grammar import Grammars
 from multiguess.engine.guard import fallback_reason
 from multiguess.engine.logprobs import TokenLogprob, prompt_logprobs, step_logprobs
 from multiguess.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION, check_utilization
@@ -173,6 +174,7 @@ class Engine:
             )
         self.drafter = drafter
         self.eos_ids = frozenset(eos_token_ids(target))
+        self.grammars = Grammars(self.tokenizer, self.target.vocab_size, self.eos_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prefixes = PrefixIndex()  # what the free slots keep of finished sequences
@@ -225,6 +227,8 @@ class Engine:
         if not params.greedy:
             generators = Generators(params.seed if params.seed is not None else random.getrandbits(63))
         seq = Sequence(request_id, list(prompt_ids), params, generators)
+        if params.structured_outputs is not None:
+            seq.grammar = self.grammars.start(params.structured_outputs, seq.stop_ids(self.eos_ids))
         self.waiting.append(seq)
         return seq
 
@@ -478,7 +482,9 @@ class Engine:
         for i, seq in enumerate(batch):
             budget = self._budget(seq, planned[i])
             if budget.depth > 0:
-                requests.append((i, DraftRequest(seq.slot, seq.token_ids, budget, sample_spec(seq))))
+                requests.append(
+                    (i, DraftRequest(seq.slot, seq.token_ids, budget, sample_spec(seq), seq.grammar))
+                )
         if not requests:
             return proposals
         try:

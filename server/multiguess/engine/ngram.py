@@ -74,6 +74,8 @@ class NgramDrafter:
             chains = find_continuations(
                 req.token_ids, budget.depth, budget.num_candidates, self.max_ngram, self.min_ngram
             )
+            if req.grammar is not None:  # structured output: each chain up to what the grammar allows
+                chains = [c[: req.grammar.valid_prefix(c)] for c in chains]
             proposals.append(Proposal(trie(req.token_ids[-1], chains, budget.max_nodes)))
         return proposals
 

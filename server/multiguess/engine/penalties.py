@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from multiguess.engine.grammar import constrain
 from multiguess.engine.sequence import Sequence
 from multiguess.engine.tree import TokenTree
 from multiguess.params import SamplingParams
@@ -87,7 +88,10 @@ def node_logits(
     seq: Sequence, tree: TokenTree, logits: torch.Tensor, eos_ids: frozenset[int]
 ) -> torch.Tensor:
     """The target's logits after each node of ``seq``'s tree (``logits`` holds the sequence's
-    rows, padding included), adjusted by its request."""
-    return adjusted_logits(
+    rows, padding included), adjusted by its request and masked by its grammar at each node."""
+    rows = adjusted_logits(
         logits[: len(tree)], tree, seq.params, seq.prompt_ids, seq.output_ids, seq.stop_ids(eos_ids)
     )
+    if seq.grammar is None:
+        return rows
+    return constrain(rows, seq.grammar.allowed(tree.paths()).to(rows.device))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from multiguess.engine.detokenizer import IncrementalText
+from multiguess.engine.grammar import GrammarState
 from multiguess.engine.logprobs import TokenLogprob
 from multiguess.engine.sampling import Generators
 from multiguess.params import SamplingParams
@@ -52,6 +53,7 @@ class Sequence:
     stats: SpecStats = field(default_factory=SpecStats)
     decoded: IncrementalText = field(default_factory=IncrementalText)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked
+    grammar: GrammarState | None = None  # structured output: the grammar after the output
     sent_logprobs: int = 0  # records handed out by ``take_logprobs``
     cut: bool = False  # a stop string ended the text
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked
@@ -90,7 +92,8 @@ class Sequence:
         logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         """Add accepted tokens (with their log-probabilities, when recorded), stopping at
-        max_tokens, an end-of-sequence token or a stop string."""
+        max_tokens, an end-of-sequence token, a stop string, or the token that completes the
+        sequence's grammar (what follows it in ``tokens`` was drawn past the end)."""
         stops = self.stop_ids(eos_ids)
         for i, token in enumerate(tokens[: self.remaining]):
             self.output_ids.append(token)
@@ -99,6 +102,11 @@ class Sequence:
             if token in stops:
                 self.finish_reason = "stop"
                 break
+            if self.grammar is not None:
+                self.grammar.advance(token)
+                if self.grammar.finished:
+                    self.finish_reason = "stop"
+                    break
         if not self.finished and self.remaining <= 0:
             self.finish_reason = "length"
         self.text = self.decoded.update(tokenizer, self.output_ids, self.finished)

@@ -44,6 +44,14 @@ class TokenTree:
     def max_depth(self) -> int:
         return max(self.depths)
 
+    def paths(self) -> list[tuple[int, ...]]:
+        """The drafted tokens from the root down to each node, that node's included (the
+        root's path is empty): the text a node's logits condition on beyond the sequence."""
+        paths: list[tuple[int, ...]] = [()]
+        for i, p in enumerate(self.parents[1:], start=1):
+            paths.append((*paths[p], self.tokens[i]))
+        return paths
+
     def children(self) -> list[list[int]]:
         kids: list[list[int]] = [[] for _ in self.tokens]
         for i, p in enumerate(self.parents[1:], start=1):
