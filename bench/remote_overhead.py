@@ -9,9 +9,13 @@ Two measurements, both medians over repeats:
 * ``engine``: the embedded pair, greedy, the same prompts decoded with the local
   ``ModelDrafter`` and with ``RemoteDrafter`` against ``multiguess serve-draft`` running as its own
   process on 127.0.0.1: ms per draft step, its wire share (round trip minus the server's own
-  compute), ms per engine step and tokens/s.
+  compute), bytes sent per step, ms per engine step and tokens/s. With ``--drafter eagle3`` the
+  drafter is an EAGLE-3 head (``--head``; default: one of random weights for the embedded
+  target, since acceptance does not matter for the overhead), local and on the draft server, so
+  the features travel; its JSON goes to ``remote-overhead-eagle3.json``.
 
     .venv/bin/python bench/remote_overhead.py     # JSON into docs/bench/, BENCHMARKS.md rendered again
+    .venv/bin/python bench/remote_overhead.py --drafter eagle3 --skip-transport
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +40,7 @@ import uvicorn
 from local_server import free_port, start_ready
 from multiguess import bench_docs
 from multiguess.engine.drafter import TreeBudget
+from multiguess.engine.eagle3 import eagle3_drafter
 from multiguess.engine.engine import Engine, EngineConfig
 from multiguess.engine.tree import TokenTree
 from multiguess.llm import load_pair
@@ -49,6 +55,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from websockets.sync.client import connect
 
 PROMPTS = Path(__file__).resolve().parents[1] / "server" / "multiguess" / "data" / "bench_prompts.json"
+EAGLE3_FILE = "remote-overhead-eagle3.json"
 
 
 def sample_frames() -> tuple[bytes, bytes]:
@@ -137,19 +144,32 @@ def decode(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict[st
     return {"step_ms": statistics.median(steps) * 1e3, "tokens_per_s": tokens / elapsed}
 
 
-def start_draft_server(port: int, threads: int) -> subprocess.Popen:
+def start_draft_server(port: int, threads: int, head: Path | None) -> subprocess.Popen:
     env = os.environ | {
         "MULTIGUESS_PORT": str(port),
         "MULTIGUESS_HOST": "127.0.0.1",
         "MULTIGUESS_LOG_LEVEL": "warning",
         "OMP_NUM_THREADS": str(threads),
     }
+    if head is not None:  # the embedded target's head: serve-draft reads the target's embeddings
+        env |= {"MULTIGUESS_DRAFTER": "eagle3", "MULTIGUESS_DRAFT": str(head)}
     return start_ready([sys.executable, "-m", "multiguess.cli", "serve-draft"], env, port, 300, quiet=False)
+
+
+def random_head(target: Any, folder: Path) -> Path:
+    """An EAGLE-3 head of random weights for ``target``, in the checkpoint layout."""
+    from multiguess.distill.eagle3_train import build_head
+    from multiguess.models.eagle3_checkpoint import save_head
+
+    vocab = target.model.config.vocab_size
+    save_head(build_head(target.model, torch.arange(vocab), seed=0), folder, target.dtype)
+    return folder
 
 
 def engine_comparison(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
-    target, draft = load_pair(None, None, "auto", "cpu", None, None)
+    eagle3 = args.drafter == "eagle3"
+    target, draft = load_pair(None, None, "auto", "cpu", None, None, speculate=not eagle3)
     texts = [p["text"] for p in json.loads(PROMPTS.read_text())["prompts"]][: args.batch]
     chat = [[{"role": "user", "content": t}] for t in texts]
     tok = target.tokenizer
@@ -161,12 +181,19 @@ def engine_comparison(args: argparse.Namespace) -> dict[str, Any]:
         args.num_candidates, args.depth, args.max_nodes, max_batch=args.batch, adaptive=False
     )
     local = Engine(target, draft, config)
+    scratch = tempfile.TemporaryDirectory()
+    head = (args.head or random_head(target, Path(scratch.name) / "head")) if eagle3 else None
+    if head is not None:
+        local.drafter = eagle3_drafter(head, local.target)
     local_timer = Timed(local.drafter)
     local.drafter = local_timer
     port = free_port()
-    server = start_draft_server(port, args.threads)
+    server = start_draft_server(port, args.threads, head)
     try:
-        client = RemoteDrafter(f"http://127.0.0.1:{port}", tok, step_timeout=60)
+        client = RemoteDrafter(
+            f"http://127.0.0.1:{port}", tok, step_timeout=60, target_config=target.model.config
+        )
+        client.connect()
         remote_timer = Timed(client)
         remote = Engine(target, None, config, drafter=remote_timer)
         runs: dict[str, list[dict[str, float]]] = {"local": [], "remote": []}
@@ -175,13 +202,19 @@ def engine_comparison(args: argparse.Namespace) -> dict[str, Any]:
         for timer in (local_timer, remote_timer):
             timer.times.clear()
             timer.wire.clear()
+        sent_before = client.metrics.registry.get_sample_value("multiguess_remote_draft_sent_bytes_total")
         for _ in range(args.repeats):
             runs["local"].append(decode(local, prompts, args.max_tokens))
             runs["remote"].append(decode(remote, prompts, args.max_tokens))
+        sent = (
+            client.metrics.registry.get_sample_value("multiguess_remote_draft_sent_bytes_total") - sent_before
+        )
     finally:
         server.terminate()
         server.wait(30)
+        scratch.cleanup()
     result: dict[str, Any] = {
+        "drafter": args.drafter,
         "batch": args.batch,
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
@@ -198,6 +231,7 @@ def engine_comparison(args: argparse.Namespace) -> dict[str, Any]:
     result["remote"]["wire_ms_median"] = statistics.median(wire) * 1e3
     result["remote"]["wire_ms_p90"] = wire[int(0.9 * (len(wire) - 1))] * 1e3
     result["remote"]["steps"] = len(wire)
+    result["remote"]["sent_bytes_per_step"] = sent / len(wire)
     return result
 
 
@@ -214,21 +248,23 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--max-nodes", type=int, default=16)
     parser.add_argument("--skip-engine", action="store_true", help="transport only (no models)")
+    parser.add_argument("--skip-transport", action="store_true", help="engine only")
+    parser.add_argument("--drafter", choices=("model", "eagle3"), default="model")
+    parser.add_argument("--head", type=Path, help="eagle3: the head's folder (default: random weights)")
     parser.add_argument(
         "--out", type=Path, default=Path("docs"), help="docs folder: bench/ JSON and BENCHMARKS.md"
     )
     args = parser.parse_args()
-    results: dict[str, Any] = {
-        **bench_docs.provenance(),
-        "load_average": os.getloadavg()[0],
-        "transport": transport(args.transport_repeats),
-    }
+    results: dict[str, Any] = {**bench_docs.provenance(), "load_average": os.getloadavg()[0]}
+    if not args.skip_transport:
+        results["transport"] = transport(args.transport_repeats)
     if not args.skip_engine:
         results["engine"] = engine_comparison(args)
     text = json.dumps(results, indent=2)
     print(text)
     (args.out / "bench").mkdir(parents=True, exist_ok=True)
-    (args.out / "bench" / bench_docs.REMOTE_FILE).write_text(text + "\n")
+    name = EAGLE3_FILE if args.drafter == "eagle3" else bench_docs.REMOTE_FILE
+    (args.out / "bench" / name).write_text(text + "\n")
     bench_docs.write(args.out)
 
 

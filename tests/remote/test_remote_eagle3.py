@@ -128,6 +128,8 @@ def test_remote_head_greedy_output_is_the_targets_own(
     assert drafter.feature_layers == tuple(drafter.info.feature_layers) != ()  # type: ignore[union-attr]
     assert client_metric(drafter, "multiguess_remote_draft_resends_total") == 0
     assert client_metric(drafter, "multiguess_remote_draft_connects_total") == 1
+    prompt_features = sum(len(p) - 1 for p in PROMPTS) * drafter.info.feature_width * 2  # type: ignore[union-attr]
+    assert client_metric(drafter, "multiguess_remote_draft_sent_bytes_total") > prompt_features
 
 
 def test_remote_head_drafts_the_local_heads_trees(

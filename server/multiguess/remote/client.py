@@ -390,7 +390,9 @@ class RemoteDrafter:
         return Proposal(result.tree, probs)
 
     def _exchange(self, conn: ClientConnection, message: StepMessage, deadline: float) -> list:
-        conn.send(encode_step(message))
+        frame = encode_step(message)
+        conn.send(frame)
+        self.metrics.sent_bytes.inc(len(frame))
         remaining = deadline - self.clock()
         if remaining <= 0:
             raise TimeoutError

@@ -1,7 +1,7 @@
 """Prometheus metrics of remote drafting, on both sides (prefix ``multiguess_``).
 
 Target side (``ClientMetrics``, in the serving image's registry): the per-step round trip,
-sessions re-sent after an eviction, failures by kind and reconnects. Draft side
+sessions re-sent after an eviction, failures by kind, reconnects and the bytes sent. Draft side
 (``ServerMetrics``): draft compute per batch, sessions held, evictions, connections.
 """
 
@@ -47,6 +47,11 @@ class ClientMetrics:
         )
         self.reconnects = Counter(
             "multiguess_remote_draft_connects", "Connections opened to the draft server.", registry=registry
+        )
+        self.sent_bytes = Counter(
+            "multiguess_remote_draft_sent_bytes",
+            "Bytes of step messages sent to the draft server (tokens, paths and features).",
+            registry=registry,
         )
         for kind in FAILURE_KINDS:
             self.failures.labels(kind=kind)
