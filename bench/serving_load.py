@@ -1,19 +1,32 @@
-"""Load benchmark over HTTP: throughput and latency against concurrency, three server setups.
+"""Load benchmark over HTTP: throughput and latency against concurrency, several server setups.
 
 Starts real ``multiguess serve`` processes on 127.0.0.1 with the embedded pair, all setups at
 once (an idle server uses no CPU), and drives them with an async streaming client (the ``openai``
-package) at several concurrency levels:
+package) at several concurrency levels. Two workloads:
+
+``--workload mixed`` (the default): one user message per request, three setups,
 
     (a) batched + adaptive speculation  (--max-batch 16)
     (b) batched, no speculation         (--max-batch 16 --drafter none)
     (c) unbatched speculation           (--max-batch 1)
+
+``--workload shared-prompt``: every request opens with the same system prompt of several
+hundred tokens and its own user message, and four setups, batched and speculating, measure
+prefix reuse and chunked prefill apart and together (time to first token and the gaps between
+streamed chunks, medians and p90):
+
+    (a) prefix caching + chunked prefill  (--max-prefill-tokens N)
+    (b) prefix caching, whole prefills
+    (c) no prefix caching, chunked prefill (--no-enable-prefix-caching --max-prefill-tokens N)
+    (d) no prefix caching, whole prefills
 
 Machines are noisy (±5% between runs here), so each level is run ``--repeats`` times, the setups
 taking turns in a rotating order, and throughput is the median over repeats; latencies pool
 every request of a level. Reports generated tokens/s, requests/s, p50/p95 end-to-end latency and
 time to first token, (a) relative to (b) and (c), and writes JSON and a plot under docs/, from
 which docs/BENCHMARKS.md is rendered again (``multiguess.bench_docs``).
-Run: ``.venv/bin/python bench/serving_load.py``.
+Run: ``.venv/bin/python bench/serving_load.py [--workload shared-prompt]``; ``--serve-args``
+passes flags to every server (another model pair, a dtype) and ``--out`` writes elsewhere.
 """
 
 from __future__ import annotations
@@ -36,6 +49,45 @@ SETUPS = {
     "b: batched, no speculation": ["--max-batch", "16", "--drafter", "none"],
     "c: unbatched speculation": ["--max-batch", "1"],
 }
+NO_PREFIX = ["--no-enable-prefix-caching"]
+
+
+def shared_setups(chunk: int) -> dict[str, list[str]]:
+    chunked = ["--max-prefill-tokens", str(chunk)]
+    return {
+        f"a: prefix caching + chunked prefill ({chunk})": ["--max-batch", "16", *chunked],
+        "b: prefix caching, whole prefills": ["--max-batch", "16"],
+        f"c: no prefix caching, chunked prefill ({chunk})": ["--max-batch", "16", *NO_PREFIX, *chunked],
+        "d: no prefix caching, whole prefills": ["--max-batch", "16", *NO_PREFIX],
+    }
+
+
+# The shared system prompt: a support assistant's standing instructions, several hundred tokens.
+SYSTEM_PROMPT = " ".join(
+    [
+        "You are the support assistant of a company that runs a language-model serving platform.",
+        "Answer the user's question directly and briefly, in plain English, without greetings.",
+        "When the question is about configuration, name the exact setting and its default value;",
+        "when it is about an error, first say what the error means, then the most likely cause,",
+        "then one concrete fix the user can try. Never invent settings, commands or numbers that",
+        "you are not sure about: say that you do not know and suggest where to look instead.",
+        "Prefer short paragraphs to lists, and lists to tables. Quote commands in backticks.",
+        "The platform serves models over an OpenAI-compatible HTTP API with streaming, runs on",
+        "Kubernetes with an operator that scales replicas on queue latency, and supports",
+        "speculative decoding with a small draft model that proposes tokens the large model",
+        "verifies, which makes generation faster without changing its output. Users deploy on",
+        "GPUs and sometimes on CPUs; memory, context length and batch size are the settings they",
+        "ask about most, followed by authentication, timeouts, logging and metrics. Requests that",
+        "wait too long are rejected with status 429 and a Retry-After header; requests that are",
+        "malformed get a 400 that names the field. Health checks live under /health, metrics",
+        "under /metrics in the Prometheus format. If the user asks for code, give a minimal,",
+        "complete example in Python using the openai package, and explain each line that is not",
+        "obvious. If the user writes in another language, answer in that language. If a question",
+        "is outside the platform's scope, say so in one sentence and stop. Keep every answer",
+        "under one hundred and fifty words unless the user asks for more detail, and end with",
+        "nothing but the answer itself: no summary, no offer of further help, no sign-off.",
+    ]
+)
 
 
 def start_server(extra: list[str], port: int, threads: int) -> subprocess.Popen:
@@ -54,38 +106,59 @@ def start_server(extra: list[str], port: int, threads: int) -> subprocess.Popen:
     return start_ready(cmd, env, port, timeout=600)
 
 
-async def one_request(client: AsyncOpenAI, prompt: str, max_tokens: int) -> dict:
+def messages_for(prompt: str, system: str | None) -> list[dict[str, str]]:
+    head = [{"role": "system", "content": system}] if system else []
+    return [*head, {"role": "user", "content": prompt}]
+
+
+async def one_request(
+    client: AsyncOpenAI, model: str, messages: list[dict[str, str]], max_tokens: int
+) -> dict:
+    """One streamed chat request: time to the first text, end to end, tokens, prompt tokens, and
+    the gaps between the chunks that carried text after the first (what a reader sees stall)."""
     start = time.perf_counter()
-    first = None
-    tokens = 0
+    first = last = None
+    tokens = prompt_tokens = 0
+    gaps = []
     stream = await client.chat.completions.create(
-        model="multiguess-default",
-        messages=[{"role": "user", "content": prompt}],
+        model=model,
+        messages=messages,  # type: ignore[arg-type]
         max_tokens=max_tokens,
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
     )
     async for chunk in stream:
-        if first is None and chunk.choices and chunk.choices[0].delta.content:
-            first = time.perf_counter() - start
+        if chunk.choices and chunk.choices[0].delta.content:
+            now = time.perf_counter()
+            if first is None:
+                first = now - start
+            else:
+                gaps.append(now - last)
+            last = now
         if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
+            tokens, prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
     total = time.perf_counter() - start
-    return {"ttft": first if first is not None else total, "e2e": total, "tokens": tokens}
+    ttft = first if first is not None else total
+    return {"ttft": ttft, "e2e": total, "tokens": tokens, "prompt_tokens": prompt_tokens, "gaps": gaps}
+
+
+async def served_model(client: AsyncOpenAI) -> str:
+    return (await client.models.list()).data[0].id
 
 
 async def run_level(
-    base_url: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int
+    base_url: str, conversations: list[list[dict[str, str]]], concurrency: int, requests: int, max_tokens: int
 ) -> tuple[list[dict], float]:
     """Every request's timings and the wall time of ``requests`` requests from ``concurrency`` clients."""
     client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
-    queue = [prompts[i % len(prompts)] for i in range(requests)]
+    model = await served_model(client)
+    queue = [conversations[i % len(conversations)] for i in range(requests)]
     results: list[dict] = []
 
     async def worker() -> None:
         while queue:
-            results.append(await one_request(client, queue.pop(), max_tokens))
+            results.append(await one_request(client, model, queue.pop(), max_tokens))
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -94,13 +167,19 @@ async def run_level(
     return results, wall
 
 
+def percentile(values: list[float], q: float) -> float | None:
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4) if ordered else None
+
+
 def summarise(concurrency: int, runs: list[tuple[list[dict], float]]) -> dict:
-    """Median throughput over repeated runs; latency percentiles over all their requests."""
+    """Median throughput over repeated runs; latency percentiles over all their requests, and
+    over every gap between streamed chunks (inter-token latency as a reader sees it)."""
     results = [r for run, _ in runs for r in run]
+    gaps = [g for r in results for g in r["gaps"]]
 
     def pct(key: str, q: float) -> float:
-        values = sorted(r[key] for r in results)
-        return round(values[min(len(values) - 1, int(q * len(values)))], 3)
+        return percentile([r[key] for r in results], q)  # type: ignore[return-value]
 
     tokens = [sum(r["tokens"] for r in run) / wall for run, wall in runs]
     return {
@@ -113,7 +192,12 @@ def summarise(concurrency: int, runs: list[tuple[list[dict], float]]) -> dict:
         "e2e_p50": round(statistics.median(r["e2e"] for r in results), 3),
         "e2e_p95": pct("e2e", 0.95),
         "ttft_p50": round(statistics.median(r["ttft"] for r in results), 3),
+        "ttft_p90": pct("ttft", 0.90),
         "ttft_p95": pct("ttft", 0.95),
+        "itl_p50": round(statistics.median(gaps), 4) if gaps else None,
+        "itl_p90": percentile(gaps, 0.90),
+        "itl_max": round(max(gaps), 4) if gaps else None,
+        "prompt_tokens_p50": statistics.median(r["prompt_tokens"] for r in results),
     }
 
 
@@ -141,16 +225,12 @@ def ratios(report: dict) -> list[str]:
 
 
 def markdown(report: dict) -> str:
-    lines = [
-        "| setup | concurrency | tokens/s | requests/s | e2e p50 s | e2e p95 s | TTFT p50 s | TTFT p95 s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    keys = ["concurrency", "tokens_per_second", "requests_per_second", "e2e_p50", "e2e_p95"]
+    keys += ["ttft_p50", "ttft_p90", "itl_p50", "itl_p90"]
+    lines = ["| setup | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
     for setup, levels in report["setups"].items():
         for r in levels:
-            lines.append(
-                f"| {setup} | {r['concurrency']} | {r['tokens_per_second']} | {r['requests_per_second']} | "
-                f"{r['e2e_p50']} | {r['e2e_p95']} | {r['ttft_p50']} | {r['ttft_p95']} |"
-            )
+            lines.append(f"| {setup} | " + " | ".join(str(r.get(k)) for k in keys) + " |")
     return "\n".join(lines)
 
 
@@ -175,43 +255,32 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--concurrency", default="1,2,4,8,16")
-    parser.add_argument("--rounds", type=int, default=2, help="requests per client at each level")
-    parser.add_argument(
-        "--min-requests", type=int, default=8, help="requests per level at least (low concurrency is noisy)"
-    )
-    parser.add_argument("--repeats", type=int, default=3, help="runs per level and setup (median)")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--setups", default="a,b,c", help="which setups to run (letters)")
-    parser.add_argument("--out", type=Path, default=Path("docs"))
-    args = parser.parse_args()
-    from multiguess import bench_docs
-    from multiguess.benchmark import load_prompts
-
-    prompts = [p["text"] for p in load_prompts()[1]]
-    levels = [int(c) for c in args.concurrency.split(",")]
-    names = [name for name in SETUPS if name[0] in set(args.setups.split(","))]
-    report = {**bench_docs.provenance(), "max_tokens": args.max_tokens}
-    report |= {"rounds": args.rounds, "min_requests": args.min_requests, "repeats": args.repeats}
+def measure(
+    setups: dict[str, list[str]],
+    conversations: list[list[dict[str, str]]],
+    levels: list[int],
+    args: argparse.Namespace,
+) -> dict[str, list[dict]]:
+    """Start every setup's server, run each level ``repeats`` times with the setups taking turns
+    in a rotating order, stop the servers; each setup's summary per level."""
+    names = list(setups)
     servers: dict[str, tuple[subprocess.Popen, int]] = {}
+    runs: dict[str, list[list]] = {name: [[] for _ in levels] for name in names}
     try:
         for name in names:
             port = free_port()
             print(f"starting {name} ...", file=sys.stderr)
-            servers[name] = (start_server(SETUPS[name], port, args.threads), port)
-        runs: dict[str, list[list]] = {name: [[] for _ in levels] for name in names}
+            servers[name] = (
+                start_server([*setups[name], *args.serve_args.split()], port, args.threads),
+                port,
+            )
         for li, c in enumerate(levels):
             for repeat in range(args.repeats):
                 turn = names[repeat % len(names) :] + names[: repeat % len(names)]
                 for name in turn:
-                    port = servers[name][1]
+                    url = f"http://127.0.0.1:{servers[name][1]}/v1"
                     requests = max(c * args.rounds, args.min_requests)
-                    run = asyncio.run(
-                        run_level(f"http://127.0.0.1:{port}/v1", prompts, c, requests, args.max_tokens)
-                    )
+                    run = asyncio.run(run_level(url, conversations, c, requests, args.max_tokens))
                     runs[name][li].append(run)
                     tps = sum(r["tokens"] for r in run[0]) / run[1]
                     print(
@@ -222,13 +291,72 @@ def main() -> int:
         for process, _ in servers.values():
             process.terminate()
             process.wait(timeout=60)
-    report["setups"] = {name: [summarise(c, runs[name][li]) for li, c in enumerate(levels)] for name in names}
+    return {name: [summarise(c, runs[name][li]) for li, c in enumerate(levels)] for name in names}
+
+
+def shared_ratios(report: dict) -> list[str]:
+    """What prefix caching and chunked prefill change at each level (``bench_docs.SHARED_RATIOS``)."""
+    from multiguess import bench_docs
+
+    setups = {name[0]: levels for name, levels in report["setups"].items()}
+    clients = [r["concurrency"] for r in next(iter(setups.values()))]
+    return [
+        f"- {label}: "
+        + ", ".join(
+            f"c={c}: {v}"
+            for c, v in zip(clients, bench_docs.shared_ratio(setups[x], setups[y], key), strict=True)
+        )
+        for label, x, y, key in bench_docs.SHARED_RATIOS
+        if x in setups and y in setups
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=("mixed", "shared-prompt"), default="mixed")
+    parser.add_argument(
+        "--concurrency", default=None, help="levels (default: 1,2,4,8,16; shared-prompt 1,4,8)"
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="requests per client at each level")
+    parser.add_argument(
+        "--min-requests", type=int, default=8, help="requests per level at least (low concurrency is noisy)"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="runs per level and setup (median)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--setups", default=None, help="which setups to run (letters; default: all)")
+    parser.add_argument("--chunk", type=int, default=256, help="--max-prefill-tokens of the chunked setups")
+    parser.add_argument(
+        "--serve-args", default="", help="more flags for every server, e.g. '--dtype float32'"
+    )
+    parser.add_argument("--out", type=Path, default=Path("docs"))
+    args = parser.parse_args()
+    from multiguess import bench_docs
+    from multiguess.benchmark import load_prompts
+
+    shared = args.workload == "shared-prompt"
+    system = SYSTEM_PROMPT if shared else None
+    conversations = [messages_for(p["text"], system) for p in load_prompts()[1]]
+    levels = [int(c) for c in (args.concurrency or ("1,4,8" if shared else "1,2,4,8,16")).split(",")]
+    every = shared_setups(args.chunk) if shared else SETUPS
+    chosen = set(args.setups.split(",")) if args.setups else {name[0] for name in every}
+    setups = {name: flags for name, flags in every.items() if name[0] in chosen}
+    report = {**bench_docs.provenance(), "workload": args.workload, "max_tokens": args.max_tokens}
+    report |= {"rounds": args.rounds, "min_requests": args.min_requests, "repeats": args.repeats}
+    report |= {"serve_args": args.serve_args} if args.serve_args else {}
+    report |= {"chunk": args.chunk, "system_prompt_chars": len(SYSTEM_PROMPT)} if shared else {}
+    report["setups"] = measure(setups, conversations, levels, args)
     (args.out / "bench").mkdir(parents=True, exist_ok=True)
-    (args.out / "img").mkdir(parents=True, exist_ok=True)
-    (args.out / "bench" / "load.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, args.out / "img" / "load.png")
+    if shared:
+        (args.out / "bench" / bench_docs.SHARED_FILE).write_text(json.dumps(report, indent=2) + "\n")
+        summary = shared_ratios(report)
+    else:
+        (args.out / "img").mkdir(parents=True, exist_ok=True)
+        (args.out / "bench" / bench_docs.LOAD_FILE).write_text(json.dumps(report, indent=2) + "\n")
+        plot(report, args.out / "img" / "load.png")
+        summary = ratios(report)
     bench_docs.write(args.out)
-    print("\n".join([markdown(report), "", *ratios(report)]))
+    print("\n".join([markdown(report), "", *summary]))
     return 0
 
 

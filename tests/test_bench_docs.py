@@ -35,7 +35,7 @@ def test_every_recorded_result_names_its_commit_machine_and_command() -> None:
 def test_empty_results_render_as_not_yet_measured(tmp_path: Path) -> None:
     (tmp_path / "bench").mkdir()
     page = bench_docs.render(tmp_path)
-    assert page.count("No result recorded yet") == 5
+    assert page.count("No result recorded yet") == 6
     assert "Not yet run on a GPU" in page
     assert "No results recorded yet." in bench_docs.headline(tmp_path / "bench")
 
@@ -57,6 +57,27 @@ def test_write_replaces_the_page_and_only_the_readme_headline(tmp_path: Path) ->
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text
     assert "tree 9.88× `generate`" in text and "`abc1234`" in text
+
+
+def test_shared_prompt_results_render_with_their_ratios(tmp_path: Path) -> None:
+    """The shape ``bench/serving_load.py --workload shared-prompt`` writes."""
+
+    def level(ttft: float, itl: float) -> dict:
+        timings = {"ttft_p50": ttft, "ttft_p90": 2 * ttft, "itl_p50": itl / 2, "itl_p90": itl}
+        timings["itl_max"] = 3 * itl
+        return {"concurrency": 4, "tokens_per_second": 50.0, "prompt_tokens_p50": 420, **timings}
+
+    setups = {"a: both": [level(0.2, 0.05)], "b: prefix": [level(0.25, 0.1)]}
+    setups |= {"c: chunked": [level(0.8, 0.06)], "d: neither": [level(1.0, 0.2)]}
+    report = {"commit": "beef123", "date": "today", "machine": "m", "workload": "shared-prompt"}
+    report |= {"max_tokens": 64, "rounds": 2, "min_requests": 8, "repeats": 3, "chunk": 256, "setups": setups}
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / bench_docs.SHARED_FILE).write_text(json.dumps(report))
+    page = bench_docs.render(tmp_path)
+    assert "Commit `beef123`" in page and "(420 prompt tokens at the median)" in page
+    assert "| a: both | 4 | 200.00 | 400.00 | 25.00 | 50.00 | 150.00 | 50.00 |" in page
+    assert "| TTFT p50: prefix caching / none (b / d) | 0.250 |" in page
+    assert "| ITL p90: chunked / whole prefills (a / b) | 0.500 |" in page
 
 
 def gpu_check(device: str) -> dict:

@@ -23,6 +23,7 @@ from typing import Any
 
 ENGINE_FILE = "results-{dtype}.json"
 LOAD_FILE = "load.json"
+SHARED_FILE = "load-shared-prompt.json"
 REMOTE_FILE = "remote-overhead.json"
 SAMPLING_FILE = "sampling-exactness.json"
 GPU_FILE = "gpu_check.json"
@@ -243,6 +244,69 @@ def load_section(report: Report | None) -> list[str]:
         lines += table(["ratio", *map(str, levels)], ratio_rows)
         lines.append("")
     return [*lines, "![serving load](img/load.png)", ""]
+
+
+SHARED_RATIOS = [  # (label, numerator setup, denominator setup, key)
+    ("TTFT p50: prefix caching / none (b / d)", "b", "d", "ttft_p50"),
+    ("TTFT p50: prefix caching + chunked / none (a / c)", "a", "c", "ttft_p50"),
+    ("ITL p90: chunked / whole prefills (a / b)", "a", "b", "itl_p90"),
+    ("ITL p90: chunked / whole prefills, no prefix caching (c / d)", "c", "d", "itl_p90"),
+    ("TTFT p50: chunked / whole prefills (a / b)", "a", "b", "ttft_p50"),
+]
+
+
+def milliseconds(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
+def shared_ratio(levels: list[Report], others: list[Report], key: str) -> list[str]:
+    """``key`` of one setup over another's at each level ("" where either is missing)."""
+    return [
+        f"{a[key] / b[key]:.3f}" if a.get(key) and b.get(key) else ""
+        for a, b in zip(levels, others, strict=True)
+    ]
+
+
+def shared_prompt_section(report: Report | None) -> list[str]:
+    command = ".venv/bin/python bench/serving_load.py --workload shared-prompt"
+    lines = ["## Serving with a shared system prompt (`bench/serving_load.py --workload shared-prompt`)", ""]
+    if report is None:
+        return lines + missing(command, "prefix caching and chunked prefill under load")
+    setups = {name[0]: levels for name, levels in report["setups"].items()}
+    prompt_tokens = next(iter(setups.values()))[0].get("prompt_tokens_p50")
+    if "serve_args" in report:
+        command += f" --serve-args '{report['serve_args']}'"
+    lines += [
+        provenance_line(report, command),
+        "",
+        f"Real `multiguess serve` processes, batched with speculation; every greedy chat request "
+        f"opens with the same system prompt and its own user message ({prompt_tokens} prompt tokens "
+        f"at the median), {report['max_tokens']} tokens per request, {report['rounds']} requests per "
+        f"client (at least {report['min_requests']} per level), {report['repeats']} repeats per level "
+        f"with the setups taking turns. Chunked setups prefill at most {report['chunk']} prompt tokens "
+        "per step. TTFT is the time to the first streamed text; ITL is the gap between streamed "
+        "chunks that carry text (a chunk may hold several tokens), pooled over every request.",
+        "",
+    ]
+    timings = ["ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "itl_max"]
+    rows = [
+        [setup, r["concurrency"], *(milliseconds(r.get(k)) for k in timings), r["tokens_per_second"]]
+        for setup, levels in report["setups"].items()
+        for r in levels
+    ]
+    header = ["setup", "clients", "TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms", "ITL p90 ms", "ITL max ms"]
+    lines += table([*header, "tokens/s"], rows)
+    lines.append("")
+    ratio_rows = []
+    for label, x, y, key in SHARED_RATIOS:
+        if x in setups and y in setups:
+            ratio_rows.append([label, *shared_ratio(setups[x], setups[y], key)])
+    if ratio_rows:
+        clients = [str(r["concurrency"]) for r in next(iter(setups.values()))]
+        lines += ["Ratios by clients (below 1: the feature helps):", ""]
+        lines += table(["ratio", *clients], ratio_rows)
+        lines.append("")
+    return lines
 
 
 # ---------------------------------------------------------------- remote draft (bench/remote_overhead.py)
@@ -474,6 +538,7 @@ SECTIONS: list[Callable[[Path], list[str]]] = [
     lambda b: engine_section(load(b, ENGINE_FILE.format(dtype="bfloat16")), "bfloat16"),
     lambda b: engine_section(load(b, ENGINE_FILE.format(dtype="float32")), "float32"),
     lambda b: load_section(load(b, LOAD_FILE)),
+    lambda b: shared_prompt_section(load(b, SHARED_FILE)),
     lambda b: remote_section(load(b, REMOTE_FILE)),
     lambda b: sampling_section(load(b, SAMPLING_FILE)),
     lambda b: gpu_section(load(b, GPU_FILE)),
