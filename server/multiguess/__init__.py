@@ -11,14 +11,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from multiguess.llm import LLM
     from multiguess.outputs import CompletionOutput, RequestOutput
-    from multiguess.params import SamplingParams
+    from multiguess.params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 _HOMES = {
     "LLM": "multiguess.llm",
     "CompletionOutput": "multiguess.outputs",
     "RequestOutput": "multiguess.outputs",
     "SamplingParams": "multiguess.params",
+    "StructuredOutputsParams": "multiguess.params",
 }
 
 

@@ -263,11 +263,11 @@ def test_fields_without_a_generation_effect_are_accepted(oai: openai.OpenAI) -> 
 
 
 REFUSED = [
-    ("chat", dict(response_format={"type": "json_object"}), "response_format"),
+    ("chat", dict(response_format={"type": "json_schema"}), "response_format"),
     (
         "chat",
         dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-        "tools",
+        "tool_choice",
     ),
     ("chat", dict(tool_choice="required"), "tool_choice"),
     ("chat", dict(store=True), "store"),
@@ -278,7 +278,7 @@ REFUSED = [
     ("chat", dict(top_logprobs=2), "top_logprobs"),
     ("chat", dict(logprobs=True, top_logprobs=21), "top_logprobs"),
     ("chat", dict(unknown_field=1), "unknown_field"),
-    ("chat", dict(guided_json={"type": "object"}), "guided_json"),
+    ("chat", dict(guided_json={"type": "object"}), "guided_json"),  # a word-level tokenizer
     ("completion", dict(suffix="w9"), "suffix"),
     ("completion", dict(best_of=1, n=2), "best_of"),
     ("completion", dict(best_of=3, stream=True), "best_of"),

@@ -11,6 +11,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -21,7 +22,6 @@ from starlette.concurrency import run_in_threadpool
 from multiguess.api import sse
 from multiguess.api.errors import APIError, error_body, from_exception
 from multiguess.api.schemas import (
-    AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -34,6 +34,7 @@ from multiguess.api.schemas import (
     GenerateResponse,
     SamplingFields,
 )
+from multiguess.api.structured import Reply, check_structure, requested_structure
 from multiguess.api.translate import (
     Outcome,
     chat_logprobs,
@@ -98,11 +99,17 @@ def build_samples(
     """``max_tokens=None`` means whatever context the longest prompt leaves; ``logprobs``,
     ``prompt_logprobs``: alternatives to record per generated and prompt token (None: none)."""
     refuse_unsupported(body)
+    structure = requested_structure(body)
+    if structure is not None:
+        check_structure(scheduler.engine.grammars, structure)  # type: ignore[union-attr]
     config = scheduler.engine.config  # type: ignore[union-attr]
     check_sample_count(len(prompts), n, scheduler.max_samples)
     if max_tokens is None:
         max_tokens = max(1, config.max_model_len - max(len(p) for p in prompts))
-    return make_samples(prompts, sampling_params(body, max_tokens, n, config, logprobs, prompt_logprobs))
+    params = sampling_params(body, max_tokens, n, config, logprobs, prompt_logprobs)
+    if structure is not None:
+        params = replace(params, structured_outputs=structure.spec)
+    return make_samples(prompts, params)
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -256,10 +263,11 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     model = check_model(request, body.model)
     scheduler = scheduler_of(request)
-    prompt = await off_loop(chat_prompt, body.messages, scheduler.engine.tokenizer)  # type: ignore[union-attr]
+    prompt = await off_loop(chat_prompt, body.messages, scheduler.engine.tokenizer, body.tools)  # type: ignore[union-attr]
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     top = chat_logprobs(body)
     samples = build_samples(scheduler, body, [prompt], max_tokens, body.n, top)
+    reply = Reply.of(body, len(samples))
     tokenizer = scheduler.engine.tokenizer  # type: ignore[union-attr]
     head = header("chatcmpl", model)
     if body.stream:
@@ -272,7 +280,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 "choices": [
                     {
                         "index": i,
-                        "delta": {"role": "assistant", "content": ""},
+                        "delta": reply.opening_delta(i),
                         "logprobs": None,
                         "finish_reason": None,
                     }
@@ -284,13 +292,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         def chunk(event: Event) -> dict[str, Any] | None:
             if not event.text and not event.finished and not event.logprobs:
                 return None
-            delta = {"content": event.text} if event.text else {}
             lp = chat_logprobs_body(event.logprobs, tokenizer, top).model_dump() if top is not None else None
             choice = {
                 "index": event.index,
-                "delta": delta,
+                "delta": reply.delta(event.text),
                 "logprobs": lp,
-                "finish_reason": event.finish_reason,
+                "finish_reason": reply.finish_reason(event.finish_reason),
             }
             return {**head, "object": kind, "choices": [choice]}
 
@@ -302,9 +309,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     choices = [
         ChatChoice(
             index=i,
-            message=AssistantMessage(content=text),
+            message=reply.message(i, text),
             logprobs=chat_logprobs_body(outcome.logprobs[i], tokenizer, top) if top is not None else None,
-            finish_reason=reason,
+            finish_reason=reply.finish_reason(reason),
         )
         for i, (text, reason) in enumerate(zip(outcome.texts, outcome.finish_reasons, strict=True))
     ]

@@ -23,6 +23,49 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Body):
+    name: str = Field(..., max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = Field(None, description="the output always follows the schema, strict or not")
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs``: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(..., pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments")
+    strict: bool | None = Field(None, description="the arguments always follow the schema, strict or not")
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class SamplingFields(_Body):
     """Shared by every generation endpoint; ``num_candidates``/``depth`` tune speculation."""
 
@@ -41,6 +84,13 @@ class SamplingFields(_Body):
     user: str | None = Field(None, description="an end-user identifier; not used for generation")
     num_candidates: int | None = Field(None, description="tree width for this request (<= the server's)")
     depth: int | None = Field(None, description="tree depth for this request (<= the server's; 0: off)")
+    # Structured output (api/structured.py): OpenAI's response_format, or vLLM's fields.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's: a JSON schema")
+    guided_regex: str | None = Field(None, description="vLLM's: a regex the whole output matches")
+    guided_choice: list[str] | None = Field(None, description="vLLM's: the output is one of these")
+    guided_grammar: str | None = Field(None, description="vLLM's: a Lark grammar (llguidance's dialect)")
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -65,11 +115,10 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, description="passed to the chat template with the message")
-
-
-class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None, description="an assistant's calls, for the template"
+    )
+    tool_call_id: str | None = Field(None, description="the call a tool message answers, for the template")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -89,10 +138,9 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = Field(None, description="meaningful only with tools")
     prompt_cache_key: str | None = Field(None, description="a caching hint; not used")
     safety_identifier: str | None = Field(None, description="an end-user identifier; not used for generation")
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # OpenAI fields this server refuses with a 400 saying why (see translate.refuse_unsupported).
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
@@ -155,9 +203,21 @@ class CompletionResponse(BaseModel):
     multiguess: SpecSummary
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):

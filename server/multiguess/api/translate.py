@@ -18,6 +18,7 @@ from multiguess.api.schemas import (
     SamplingFields,
     SpecSummary,
     TokenLogprobEntry,
+    Tool,
     TopLogprob,
     Usage,
 )
@@ -91,13 +92,6 @@ UNSUPPORTED: list[tuple[str, Any, str]] = [
     ("store", lambda v: v is True, "this server does not store completions"),
     ("modalities", lambda v: v not in (None, ["text"]), "only text output is supported"),
     ("audio", lambda v: v is not None, "audio output is not supported"),
-    (
-        "response_format",
-        lambda v: v is not None and v.type != "text",
-        "structured output (json_object, json_schema) is not supported yet",
-    ),
-    ("tools", lambda v: bool(v), "tool calling is not supported yet"),
-    ("tool_choice", lambda v: v not in (None, "none"), "tool calling is not supported yet"),
     ("functions", lambda v: bool(v), "function calling is not supported"),
     ("function_call", lambda v: v not in (None, "none"), "function calling is not supported"),
     ("prediction", lambda v: v is not None, "predicted outputs are not supported"),
@@ -147,8 +141,11 @@ def completion_prompts(body: CompletionRequest, tokenizer: PreTrainedTokenizerBa
     return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
 
-def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """The target's own chat template over the messages, ready for the assistant's turn."""
+def chat_prompt(
+    messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase, tools: list[Tool] | None = None
+) -> list[int]:
+    """The target's own chat template over the messages (and the tools offered, for templates
+    that show them), ready for the assistant's turn."""
     if not messages:
         raise APIError(400, "messages must not be empty", param="messages")
     plain = [
@@ -156,10 +153,12 @@ def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase)
             "role": m.role,
             "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or []),
         }
+        | m.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)
         for m in messages
     ]
+    offered = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     try:
-        text = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(plain, tools=offered, add_generation_prompt=True, tokenize=False)
     except (TemplateError, ValueError) as exc:
         raise APIError(
             400, f"the model's chat template rejected the messages: {exc}", param="messages"
