@@ -335,6 +335,15 @@ def test_features_wait_for_the_server_and_fit_its_frames() -> None:
     assert sum(rows_within([1, 2, 50, 9], 13)) <= 13
 
 
+def test_prefix_reuse_computes_a_remote_heads_features() -> None:
+    """A sequence that starts with another's tokens: the draft server holds none of their
+    features, so the target may skip them only when the server reads none."""
+    drafter = RemoteDrafter("http://127.0.0.1:9", None)
+    assert drafter.share(0, 1, 12) == 12
+    drafter.info = ServerInfo("head", "abc", 64, 128, 8, feature_layers=(1, 2, 3), feature_width=192)
+    assert drafter.share(0, 1, 12) == 0
+
+
 def test_serve_accepts_a_remote_head(
     small_vocab_target: Path,  # noqa: F811
     head_server: Callable[..., DraftServer],
