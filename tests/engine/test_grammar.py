@@ -21,6 +21,7 @@ from multiguess.errors import InvalidRequestError
 from multiguess.params import StructuredOutputsParams
 from transformers import AutoTokenizer
 
+from tests.fake_device import FakeDevice
 from tests.tiny_models import build_text_tokenizer, build_tokenizer
 
 EOS = 2
@@ -236,3 +237,20 @@ def test_max_tokens_cuts_a_structured_output_short(tiny_text_llama: Path) -> Non
 def test_the_tiny_text_tokenizer_reads_back_as_text(tiny_text_llama: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_text_llama)
     assert tokenizer.decode(ids('{"', "name", '":Ġ', "1", "}")) == '{"name": 1}'
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_grammar_masks_meet_the_logits_on_their_device(
+    tiny_text_llama: Path, tiny_text_llama_draft: Path, temperature: float
+) -> None:
+    """The masks are made on the host and moved to the device of the rows they mask, target's
+    and draft's (``tests/fake_device.py`` catches a host tensor meeting a device one)."""
+    llm = LLM(str(tiny_text_llama), str(tiny_text_llama_draft), 3, 3, dtype="float32", adaptive=False)
+    params = SamplingParams(max_tokens=12, temperature=temperature, seed=1, structured_outputs=SPECS["regex"])
+    expected = [o.token_ids for o in llm.generate(PROMPTS[:2], params)]
+    mode = FakeDevice()
+    with mode:
+        mode.adopt(llm)
+        outs = llm.generate(PROMPTS[:2], params)
+    assert mode.caught == []
+    assert [o.token_ids for o in outs] == expected
