@@ -254,3 +254,9 @@ def test_grammar_masks_meet_the_logits_on_their_device(
         outs = llm.generate(PROMPTS[:2], params)
     assert mode.caught == []
     assert [o.token_ids for o in outs] == expected
+
+
+def test_a_failed_matcher_ends_its_sequence_not_the_engine(grammars: Grammars) -> None:
+    state = grammars.start(SPECS["regex"], frozenset({EOS}))
+    state.advance(ids("7")[0])  # not allowed: the regex starts with a letter
+    assert state.finished and not state.allowed([()]).any()

@@ -15,6 +15,7 @@ grammar that can take no further token ends its sequence (``finished``).
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from typing import Any
 
@@ -23,6 +24,8 @@ from transformers import PreTrainedTokenizerBase
 
 from multiguess.errors import InvalidRequestError
 from multiguess.params import StructuredOutputsParams
+
+log = logging.getLogger(__name__)
 
 # Whitespace JSON may hold between two tokens: up to a newline and an indentation, never a
 # runaway of blank space (a model that keeps choosing spaces would never finish its object).
@@ -114,13 +117,15 @@ class GrammarState:
 
     @property
     def finished(self) -> bool:
-        """The grammar can take no further token: the output is complete."""
+        """The grammar can take no further token: the output is complete (or the matcher failed)."""
         return bool(self._matcher.is_stopped())
 
     def advance(self, token: int) -> None:
-        """Commit an emitted token (one the masks allowed)."""
+        """Commit an emitted token (one the masks allowed). Should the matcher fail anyway (it
+        stops at resource limits on a pathological grammar), it stays failed, which ``finished``
+        reports: the sequence ends, not the engine."""
         if not self._matcher.consume_token(token):
-            raise RuntimeError(f"the grammar rejected emitted token {token}: {self._matcher.get_error()}")
+            log.warning("grammar matcher failed at token %d: %s", token, self._matcher.get_error())
         self._cache.clear()
 
     def valid_prefix(self, tokens: list[int]) -> int:
