@@ -75,6 +75,24 @@ def walk(tokens: list[int], mask: Callable[[], None], consume: Callable[[int], N
     return times
 
 
+def fork_and_rollback(
+    tokens: list[int],
+    consume: Callable[[int], Any],
+    fork: Callable[[], Any],
+    rollback_one: Callable[[], Any],
+) -> dict[str, dict[str, float]]:
+    """Times of forking a matcher halfway along ``tokens`` (what a tree's branches need) and of
+    consuming one token and rolling it back (what verifying a path needs)."""
+    for token in tokens[: len(tokens) // 2]:
+        consume(token)
+    forks = [timed(fork)[1] for _ in range(200)]
+    backs = []
+    for _ in range(200):
+        consume(tokens[len(tokens) // 2])
+        backs.append(timed(rollback_one)[1])
+    return {"fork": summary(forks), "rollback_one": summary(backs)}
+
+
 def llguidance_row(hf: Any, tokens: list[int]) -> dict[str, Any]:
     import llguidance
     import llguidance.hf
@@ -93,12 +111,7 @@ def llguidance_row(hf: Any, tokens: list[int]) -> dict[str, Any]:
         times += walk(tokens, lambda m=matcher: mask(m), matcher.consume_token)
         assert matcher.is_accepting() and not matcher.is_error(), matcher.get_error()
     half = llguidance.LLMatcher(tok, grammar)
-    half.consume_tokens(tokens[: len(tokens) // 2])
-    fork = [timed(half.deep_copy)[1] for _ in range(200)]
-    back = []
-    for _ in range(200):
-        half.consume_token(tokens[len(tokens) // 2])
-        back.append(timed(lambda: half.rollback(1))[1])
+    branching = fork_and_rollback(tokens, half.consume_token, half.deep_copy, lambda: half.rollback(1))
     json_object = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}))
     return {
         "version": version("llguidance"),
@@ -106,8 +119,7 @@ def llguidance_row(hf: Any, tokens: list[int]) -> dict[str, Any]:
         "compile_ms": round(compile_s * 1e3, 2),
         "mask": summary(times),
         "first_walk": summary(times[: len(tokens)]),
-        "fork": summary(fork),
-        "rollback_one": summary(back),
+        **branching,
         "json_object": not json_object.is_error(),
     }
 
@@ -125,13 +137,7 @@ def xgrammar_row(hf: Any, tokens: list[int]) -> dict[str, Any]:
         times += walk(tokens, lambda m=matcher: m.fill_next_token_bitmask(bitmask), matcher.accept_token)
         assert matcher.is_completed() or matcher.accept_token(info.stop_token_ids[0])
     half = xgrammar.GrammarMatcher(compiled, max_rollback_tokens=16)
-    for t in tokens[: len(tokens) // 2]:
-        half.accept_token(t)
-    fork = [timed(half.fork)[1] for _ in range(200)]
-    back = []
-    for _ in range(200):
-        half.accept_token(tokens[len(tokens) // 2])
-        back.append(timed(lambda: half.rollback(1))[1])
+    branching = fork_and_rollback(tokens, half.accept_token, half.fork, lambda: half.rollback(1))
     compiler.compile_builtin_json_grammar()
     return {
         "version": version("xgrammar"),
@@ -139,8 +145,7 @@ def xgrammar_row(hf: Any, tokens: list[int]) -> dict[str, Any]:
         "compile_ms": round(compile_s * 1e3, 2),
         "mask": summary(times),
         "first_walk": summary(times[: len(tokens)]),
-        "fork": summary(fork),
-        "rollback_one": summary(back),
+        **branching,
         "json_object": True,
     }
 
