@@ -89,13 +89,13 @@ def client_metric(drafter: RemoteDrafter, name: str, **labels: str) -> float:
     return metric_value(generate_latest(drafter.metrics.registry).decode(), name, **labels)
 
 
-@pytest.fixture
-def draft_server(tiny_llama_draft: Path) -> Iterator[Callable[..., DraftServer]]:
-    """Starts draft servers on demand; stops those still running at the end of the test."""
+def servers_on_demand(make: Callable[..., DraftServer]) -> Iterator[Callable[..., DraftServer]]:
+    """A fixture's body: ``make(**settings)`` servers started on demand, those still running
+    stopped at the end of the test."""
     started: list[DraftServer] = []
 
     def start(**settings: object) -> DraftServer:
-        server = DraftServer(tiny_llama_draft, DraftServerSettings(**settings)).start()  # type: ignore[arg-type]
+        server = make(**settings).start()
         started.append(server)
         return server
 
@@ -103,6 +103,14 @@ def draft_server(tiny_llama_draft: Path) -> Iterator[Callable[..., DraftServer]]
     for server in started:
         if server.thread is not None and server.thread.is_alive():
             server.stop()
+
+
+@pytest.fixture
+def draft_server(tiny_llama_draft: Path) -> Iterator[Callable[..., DraftServer]]:
+    """Starts draft servers on demand; stops those still running at the end of the test."""
+    yield from servers_on_demand(
+        lambda **settings: DraftServer(tiny_llama_draft, DraftServerSettings(**settings))  # type: ignore[arg-type]
+    )
 
 
 @pytest.fixture(scope="session")

@@ -46,7 +46,13 @@ from websockets.exceptions import ConnectionClosed
 from tests.api.hostile_draft import HostileDraftServer
 from tests.engine import test_sampling_exact as exact
 from tests.engine.test_eagle3 import plain_outputs, saved_head, small_vocab_target  # noqa: F401
-from tests.remote.conftest import DraftServer, client_metric, open_connection, remote_engine
+from tests.remote.conftest import (
+    DraftServer,
+    client_metric,
+    open_connection,
+    remote_engine,
+    servers_on_demand,
+)
 from tests.servers import wait_ready
 
 PROMPTS = [[5, 6, 7, 4, 5, 6], [7], [4, 4, 5, 7, 6, 5, 4, 7, 7, 6, 5]]
@@ -62,18 +68,12 @@ def head(small_vocab_target: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture
 def head_server(small_vocab_target: Path, head: Path) -> Iterator[Callable[..., DraftServer]]:  # noqa: F811
     """Starts draft servers hosting the head; stops those still running at the end."""
-    started: list[DraftServer] = []
 
-    def start(dtype: str = "float32", **settings: object) -> DraftServer:
+    def make(dtype: str = "float32", **settings: object) -> DraftServer:
         load = lambda: load_draft_head(str(head), str(small_vocab_target), dtype, "cpu")  # noqa: E731
-        server = DraftServer(head, DraftServerSettings(**(SETTINGS | settings)), load).start()  # type: ignore[arg-type]
-        started.append(server)
-        return server
+        return DraftServer(head, DraftServerSettings(**(SETTINGS | settings)), load)  # type: ignore[arg-type]
 
-    yield start
-    for server in started:
-        if server.thread is not None and server.thread.is_alive():
-            server.stop()
+    yield from servers_on_demand(make)
 
 
 def config(num_candidates: int, depth: int) -> EngineConfig:
