@@ -341,7 +341,11 @@ class Scheduler:
                 continue
             tracked, index = owner
             self._observe_tokens(tracked, index, len(out.new_token_ids), now)
-            stats = out.sequence.stats.as_dict() if out.finished else {}
+            stats = (
+                {**out.sequence.stats.as_dict(), "cached_tokens": out.sequence.cached_tokens}
+                if out.finished
+                else {}
+            )
             event = Event(
                 index,
                 list(out.new_token_ids),

@@ -26,6 +26,9 @@ def test_a_shared_prompt_is_served_from_the_cache_and_counted(server: LiveServer
     assert middle[0] - before[0] == tokens[0] and after[0] - middle[0] == tokens[1]
     # the second request's system prompt came from the first one's kept slot
     assert after[1] - middle[1] >= 60
+    # and its usage says so, as OpenAI's prompt_tokens_details does
+    cached = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (first, second)]
+    assert cached[1] == after[1] - middle[1] and cached[0] == middle[1] - before[1]
 
 
 def parse(*argv: str) -> object:

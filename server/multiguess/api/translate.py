@@ -15,6 +15,7 @@ from multiguess.api.schemas import (
     ChatMessage,
     CompletionLogprobs,
     CompletionRequest,
+    PromptTokensDetails,
     SamplingFields,
     SpecSummary,
     TokenLogprobEntry,
@@ -242,11 +243,13 @@ class Outcome:
     finish_reasons: list[str | None] = field(default_factory=list)
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     prompt_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
 
     def __post_init__(self) -> None:
         count = len(self.samples)
         self.texts, self.tokens, self.finish_reasons = [""] * count, [0] * count, [None] * count
+        self.cached_tokens = [0] * count
         self.logprobs = [[] for _ in range(count)]
         self.prompt_logprobs = [[] for _ in range(count)]
 
@@ -258,14 +261,22 @@ class Outcome:
             self.prompt_logprobs[event.index] = event.prompt_logprobs
         if event.finished:
             self.finish_reasons[event.index] = event.finish_reason
+            self.cached_tokens[event.index] = int(event.stats.get("cached_tokens", 0))
             for name in ("verify_steps", "draft_tokens", "accepted_tokens", "fallback_steps"):
                 setattr(self.stats, name, getattr(self.stats, name) + int(event.stats.get(name, 0)))
 
     def usage(self) -> Usage:
-        """Each distinct prompt counts once, however many samples it has (OpenAI's rule)."""
+        """Each distinct prompt counts once, however many samples it has (OpenAI's rule), and so
+        do its tokens served from the prefix cache (its first sample's)."""
         prompt = sum(len(s.prompt_ids) for s in self.samples[:: self.n])
         completion = sum(self.tokens)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        cached = PromptTokensDetails(cached_tokens=sum(self.cached_tokens[:: self.n]))
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=cached,
+        )
 
     def summary(self) -> SpecSummary:
         return SpecSummary(**self.stats.as_dict())
