@@ -251,6 +251,8 @@ SHARED_RATIOS = [  # (label, numerator setup, denominator setup, key)
     ("TTFT p50: prefix caching + chunked / none (a / c)", "a", "c", "ttft_p50"),
     ("ITL p90: chunked / whole prefills (a / b)", "a", "b", "itl_p90"),
     ("ITL p90: chunked / whole prefills, no prefix caching (c / d)", "c", "d", "itl_p90"),
+    ("ITL max (the longest stall): chunked / whole prefills (a / b)", "a", "b", "itl_max"),
+    ("ITL max: chunked / whole prefills, no prefix caching (c / d)", "c", "d", "itl_max"),
     ("TTFT p50: chunked / whole prefills (a / b)", "a", "b", "ttft_p50"),
 ]
 
