@@ -73,7 +73,7 @@ def test_a_body_over_the_limit_is_413_announced_or_streamed(limited: LiveServer)
 def test_a_10_mb_body_is_refused_at_once_and_liveness_never_waits(server: LiveServer) -> None:
     body = b'{"prompt": "' + b"w1 " * 3_500_000 + b'"}'
     latencies: list[float] = []
-    done = threading.Event()
+    done, probing = threading.Event(), threading.Event()
 
     def probe() -> None:
         with httpx.Client(base_url=server.url, timeout=10) as client:
@@ -81,11 +81,13 @@ def test_a_10_mb_body_is_refused_at_once_and_liveness_never_waits(server: LiveSe
                 started = time.monotonic()
                 assert client.get("/health/live").status_code == 200
                 latencies.append(time.monotonic() - started)
+                probing.set()
                 time.sleep(0.01)
 
     prober = threading.Thread(target=probe)
     prober.start()
     try:
+        assert probing.wait(10), "the liveness prober never got an answer"
         with server.client() as client:
             started = time.monotonic()
             resp = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
