@@ -29,6 +29,22 @@ def env_name(flag: str) -> str:
     return "MULTIGUESS_" + flag.lstrip("-").replace("-", "_").upper()
 
 
+def running(
+    cmd: list[str], env: dict[str, str], port: int, ready_within: float
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A fixture's body: ``cmd`` in its own process until ready on ``port``, killed at the end
+    if the test left it running."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, timeout=ready_within, process=proc)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
 SERVE_FLAGS = ["--target", "--draft", "--draft-quantization", "--dtype", "--device", "--num-candidates",
                "--depth", "--max-nodes", "--max-batch", "--max-model-len", "--host", "--port", "--max-queue",
                "--request-timeout", "--model-name", "--log-level", "--api-key", "--api-key-file",
@@ -94,15 +110,7 @@ def serve_process(tiny_llama: Path, tiny_llama_draft: Path) -> Iterator[tuple[su
         "--shutdown-grace",
         "30",
     ]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, timeout=120, process=proc)
-        yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
+    yield from running(cmd, env, port, ready_within=120)
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_zero(
@@ -134,15 +142,7 @@ def short_grace(tiny_llama: Path, tiny_llama_draft: Path) -> Iterator[tuple[subp
     cmd = [sys.executable, "-m", "multiguess.cli", "serve", "--target", str(tiny_llama), "--draft",
            str(tiny_llama_draft), "--dtype", "float32", "--max-model-len", "512", "--host", "127.0.0.1",
            "--port", str(port), "--model-name", "tiny", "--shutdown-grace", "1.5"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, timeout=240, process=proc)
-        yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
+    yield from running(cmd, env, port, ready_within=240)
 
 
 def test_when_the_grace_runs_out_clients_get_503s_and_error_events(
