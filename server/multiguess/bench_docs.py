@@ -187,8 +187,13 @@ def engine_section(report: Report | None, dtype: str) -> list[str]:
 # ---------------------------------------------------------------- serving load (bench/serving_load.py)
 
 
+def setups_by_letter(report: Report) -> dict[str, list[Report]]:
+    """A load report's setups by their letter ("a: prefix caching + ..." is "a")."""
+    return {name[0]: levels for name, levels in report["setups"].items()}
+
+
 def load_ratio(report: Report, other: str, paired: bool = False) -> dict[int, float]:
-    setups = {name[0]: levels for name, levels in report["setups"].items()}
+    setups = setups_by_letter(report)
     if "a" not in setups or other not in setups:
         return {}
     out = {}
@@ -274,7 +279,7 @@ def shared_prompt_section(report: Report | None) -> list[str]:
     lines = ["## Serving with a shared system prompt (`bench/serving_load.py --workload shared-prompt`)", ""]
     if report is None:
         return lines + missing(command, "prefix caching and chunked prefill under load")
-    setups = {name[0]: levels for name, levels in report["setups"].items()}
+    setups = setups_by_letter(report)
     prompt_tokens = next(iter(setups.values()))[0].get("prompt_tokens_p50")
     if "serve_args" in report:
         command += f" --serve-args '{report['serve_args']}'"
