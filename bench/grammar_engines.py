@@ -75,6 +75,18 @@ def walk(tokens: list[int], mask: Callable[[], None], consume: Callable[[int], N
     return times
 
 
+def measured(package: str, setup: float, compile_s: float, times: list[float], walk: int) -> dict[str, Any]:
+    """What every engine's row reports: version, setup and compile time, mask times (all, and
+    the first walk's ``walk`` tokens)."""
+    return {
+        "version": version(package),
+        "tokenizer_setup_s": round(setup, 3),
+        "compile_ms": round(compile_s * 1e3, 2),
+        "mask": summary(times),
+        "first_walk": summary(times[:walk]),
+    }
+
+
 def fork_and_rollback(
     tokens: list[int],
     consume: Callable[[int], Any],
@@ -114,11 +126,7 @@ def llguidance_row(hf: Any, tokens: list[int]) -> dict[str, Any]:
     branching = fork_and_rollback(tokens, half.consume_token, half.deep_copy, lambda: half.rollback(1))
     json_object = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}))
     return {
-        "version": version("llguidance"),
-        "tokenizer_setup_s": round(setup, 3),
-        "compile_ms": round(compile_s * 1e3, 2),
-        "mask": summary(times),
-        "first_walk": summary(times[: len(tokens)]),
+        **measured("llguidance", setup, compile_s, times, len(tokens)),
         **branching,
         "json_object": not json_object.is_error(),
     }
@@ -140,11 +148,7 @@ def xgrammar_row(hf: Any, tokens: list[int]) -> dict[str, Any]:
     branching = fork_and_rollback(tokens, half.accept_token, half.fork, lambda: half.rollback(1))
     compiler.compile_builtin_json_grammar()
     return {
-        "version": version("xgrammar"),
-        "tokenizer_setup_s": round(setup, 3),
-        "compile_ms": round(compile_s * 1e3, 2),
-        "mask": summary(times),
-        "first_walk": summary(times[: len(tokens)]),
+        **measured("xgrammar", setup, compile_s, times, len(tokens)),
         **branching,
         "json_object": True,
     }
@@ -176,11 +180,7 @@ def outlines_row(hf: Any, tokens: list[int]) -> dict[str, Any]:
         )
         assert guide.is_finished()
     return {
-        "version": version("outlines-core"),
-        "tokenizer_setup_s": round(setup, 3),
-        "compile_ms": round(compile_s * 1e3, 2),
-        "mask": summary(times),
-        "first_walk": summary(times[: len(tokens)]),
+        **measured("outlines-core", setup, compile_s, times, len(tokens)),
         "fork": "a state is one integer: forking copies it",
         "rollback_one": "rollback_state(n), bounded by max_rollback",
         "json_object": False,
