@@ -33,6 +33,8 @@ CASES = [
     ("/v1/completions", {"prompt": "w1", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"prompt": "w1", "num_candidates": 99}, 400, "num_candidates"),
     ("/v1/completions", {"prompt": "w1", "depth": -1}, 400, "depth"),
+    ("/v1/completions", {"prompt": [5, -334844429777], "echo": True}, 400, "token ids"),
+    ("/v1/completions", {"prompt": [[5, 10**6]], "echo": True, "logprobs": 2}, 400, "token ids"),
     ("/v1/completions", {"prompt": "w1", "stream": "sometimes"}, 400, "stream"),
     ("/v1/completions", {"prompt": "w1", "model": "gpt-4"}, 404, "does not exist"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),

@@ -48,6 +48,7 @@ from multiguess.api.translate import (
     refuse_unsupported,
     sampling_params,
 )
+from multiguess.engine.engine import check_prompt_ids
 from multiguess.engine.logprobs import TokenLogprob
 from multiguess.scheduler import EngineFailure, Event, Job, RequestTimeout, Sample, Scheduler
 
@@ -104,6 +105,8 @@ def build_samples(
         check_structure(scheduler.engine.grammars, structure)  # type: ignore[union-attr]
     config = scheduler.engine.config  # type: ignore[union-attr]
     check_sample_count(len(prompts), n, scheduler.max_samples)
+    for prompt in prompts:  # before anything decodes them (echo)
+        check_prompt_ids(prompt, scheduler.engine.target.vocab_size)  # type: ignore[union-attr]
     if max_tokens is None:
         max_tokens = max(1, config.max_model_len - max(len(p) for p in prompts))
     params = sampling_params(body, max_tokens, n, config, logprobs, prompt_logprobs)

@@ -151,6 +151,12 @@ class StepOutput:
     prompt_logprobs: list[TokenLogprob] | None = None  # with the first output, when asked
 
 
+def check_prompt_ids(prompt_ids: list[int], vocab: int) -> None:
+    """Refuse token ids the target has no embedding for (they would index past its tables)."""
+    if prompt_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab):
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+
+
 class Engine:
     def __init__(
         self,
@@ -217,8 +223,7 @@ class Engine:
                 f"num_candidates and depth may be at most the server's ({cfg.num_candidates}, {cfg.depth})"
             )
         vocab = self.target.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        check_prompt_ids(prompt_ids, vocab)
         if any(not 0 <= token < vocab for token, _ in params.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})")
         if any(not 0 <= token < vocab for token in params.stop_token_ids):
