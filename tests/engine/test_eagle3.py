@@ -14,6 +14,7 @@ import pytest
 import torch
 from multiguess import LLM, SamplingParams
 from multiguess.distill.eagle3_train import HeadBatch, build_head, frozen_embedding, ttt_hidden
+from multiguess.engine.backends.cpu.backend import CpuBackend
 from multiguess.engine.drafter import DraftRequest, TreeBudget, _Candidate
 from multiguess.engine.eagle3 import Eagle3Drafter, HeadRunner
 from multiguess.engine.eagle3_head import default_aux_layers
@@ -83,6 +84,39 @@ def test_chained_nodes_equal_the_training_time_test_forward(tiny_target: torch.n
                 drafter._hidden[0][len(cands) - 1], outs[depth][0, j], atol=1e-3, rtol=1e-4
             )
             torch.testing.assert_close(rows[0], head.logits(outs[depth][0, j]), atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_drafting_form_of_the_head_computes_its_training_form(
+    tiny_target: torch.nn.Module, dtype: torch.dtype
+) -> None:
+    """``for_drafting`` swaps the head's linears for the CPU backend's fused, repacked ones (in
+    bf16 multiguess's panels, norms and residuals inside the kernel): the same layer, to
+    rounding; before the swap every module's weight trains."""
+    head = random_head(tiny_target, 5).to(dtype)
+    c = head.config
+    gen = torch.Generator().manual_seed(6)
+    embeds = torch.randn(2, 3, c.hidden_size, generator=gen).to(dtype)
+    features = torch.randn(2, 3, len(c.aux_layers) * c.target_hidden_size, generator=gen).to(dtype)
+    positions = torch.arange(3)[None].expand(2, 3)
+
+    def layer() -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = head.fuse(features)
+        q, k, v = head.qkv(embeds, hidden, head.rope(embeds, positions))
+        attended = q + (k * v).sum() / k.numel()  # any [B, H, T, d] that depends on all three
+        out = head.finish(attended, hidden)
+        return out, head.logits(out)
+
+    trained_out, trained_logits = layer()
+    trained_logits.float().sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in head.parameters() if p.requires_grad)
+    head.zero_grad()
+    with torch.no_grad():
+        head.for_drafting(CpuBackend(dtype, eager=False).projection)
+        out, logits = layer()
+    tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
+    torch.testing.assert_close(out, trained_out.detach(), **tolerance)
+    torch.testing.assert_close(logits, trained_logits.detach(), **tolerance)
 
 
 def test_features_that_do_not_continue_start_the_sequence_afresh(tiny_target: torch.nn.Module) -> None:

@@ -24,6 +24,7 @@ from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.drafter import DraftRequest, ModelDrafter, Proposal, _Candidate
 from multiguess.engine.eagle3_head import Eagle3Head
 from multiguess.engine.kv_cache import exchange_slots
+from multiguess.engine.linear import Projection
 from multiguess.engine.prefix_cache import swap_keys
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.tree import TokenTree
@@ -48,9 +49,20 @@ class HeadCache:
 
 
 class HeadRunner:
-    """One forward of the head: rows written at their cache rows, attending where a mask says."""
+    """One forward of the head: rows written at their cache rows, attending where a mask says.
 
-    def __init__(self, head: Eagle3Head, embed: nn.Module, num_slots: int, capacity: int) -> None:
+    The head's linears run as ``projection``'s fused form: the target's device family's
+    (``Backend.projection``), so that on CPUs a level costs the packed kernels' time."""
+
+    def __init__(
+        self,
+        head: Eagle3Head,
+        embed: nn.Module,
+        num_slots: int,
+        capacity: int,
+        projection: type[Projection] = Projection,
+    ) -> None:
+        head.for_drafting(projection)
         self.head = head
         self.embed = embed
         self.device = head.fc.weight.device
@@ -315,5 +327,7 @@ def eagle3_drafter(folder: str | Path, target: NativeRunner) -> Eagle3Drafter:
     """The EAGLE-3 head in ``folder`` drafting for ``target`` (its device, dtype, slots and
     context), reading the target's embeddings unless the head ships its own."""
     head, embed = load_head(folder, target.model.config, target.dtype, target.device)
-    runner = HeadRunner(head, embed or target.embed, target.cache.num_slots, target.capacity)
+    runner = HeadRunner(
+        head, embed or target.embed, target.cache.num_slots, target.capacity, target.backend.projection
+    )
     return Eagle3Drafter(runner)

@@ -11,7 +11,10 @@ draft vocabulary that ``d2t`` maps back to the target's ids (``draft id + d2t[id
 The module names follow the ecosystem's ``LlamaForCausalLMEagle3`` checkpoints (SGLang, vLLM,
 SpecForge), so published heads load with their own names (``models/eagle3_checkpoint.py``).
 The same math serves drafting (``engine/eagle3.py``, over a KV cache) and training
-(``distill/eagle3_train.py``, all positions at once): the attention is left to the caller.
+(``distill/eagle3_train.py``, all positions at once): the attention is left to the caller. The
+linears run as ``Projection``s: trainable views of the modules' weights by default, the device
+family's fused and repacked form once ``for_drafting`` (on CPUs multiguess's bf16 panels, with
+the norms, the gating and the residual adds inside the kernel call).
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from multiguess.engine.linear import Projection, rms_norm
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -73,13 +77,15 @@ class Eagle3Config:
 
 
 class RMSNorm(nn.Module):
+    """Llama's RMSNorm (normalised in fp32, scaled in the input's dtype), as the fused kernels compute it."""
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
+        self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        return rms_norm(self, x)
 
 
 class Attention(nn.Module):
@@ -99,9 +105,6 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
 
 class MidLayer(nn.Module):
     def __init__(self, c: Eagle3Config) -> None:
@@ -111,6 +114,58 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c)
         self.mlp = MLP(c)
+
+
+class Joined(Projection):
+    """Linear layers run as one product over their weights joined at each call: the trainable
+    form of a fused projection (gradients reach every module's own weight)."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        self.linears = linears
+        self.bias = None
+        self.sizes = [m.out_features for m in linears]
+
+    @property
+    def weight(self) -> torch.Tensor:  # type: ignore[override]  # computed, never assigned
+        return (
+            torch.cat([m.weight for m in self.linears]) if len(self.linears) > 1 else self.linears[0].weight
+        )
+
+
+@dataclass
+class HeadProjections:
+    """The head's linears grouped as they run: q/k/v and gate/up each as one product."""
+
+    fc: Projection
+    qkv: Projection
+    o: Projection
+    gate_up: Projection
+    down: Projection
+    lm_head: Projection
+
+    @staticmethod
+    def groups(head: Eagle3Head) -> dict[str, list[nn.Linear]]:
+        attn, mlp = head.midlayer.self_attn, head.midlayer.mlp
+        return {
+            "fc": [head.fc],
+            "qkv": [attn.q_proj, attn.k_proj, attn.v_proj],
+            "o": [attn.o_proj],
+            "gate_up": [mlp.gate_proj, mlp.up_proj],
+            "down": [mlp.down_proj],
+            "lm_head": [head.lm_head],
+        }
+
+    @classmethod
+    def trainable(cls, head: Eagle3Head) -> HeadProjections:
+        return cls(**{name: Joined(linears) for name, linears in cls.groups(head).items()})
+
+    @classmethod
+    def fused(cls, head: Eagle3Head, projection: type[Projection]) -> HeadProjections:
+        """``projection``'s fused form of every group (the modules' weights become views of it)."""
+        built = {name: projection.of(linears) for name, linears in cls.groups(head).items()}
+        if any(p is None for p in built.values()):
+            raise ValueError("EAGLE-3 heads with quantized or non-Linear layers are not supported")
+        return cls(**built)  # type: ignore[arg-type]  # None ruled out above
 
 
 class Eagle3Head(nn.Module):
@@ -134,6 +189,13 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.rotary = LlamaRotaryEmbedding(config.llama_config())
+        self.projections = HeadProjections.trainable(self)
+
+    @torch.no_grad()
+    def for_drafting(self, projection: type[Projection]) -> None:
+        """Run the linears as ``projection``'s fused form (the device family's kernels): for
+        drafting only, since the fused weights no longer train. Call after the weights are loaded."""
+        self.projections = HeadProjections.fused(self, projection)
 
     @property
     def draft_to_target(self) -> torch.Tensor:
@@ -149,7 +211,7 @@ class Eagle3Head(nn.Module):
 
     def fuse(self, target_features: torch.Tensor) -> torch.Tensor:
         """The target's concatenated low/middle/high hidden states as one feature ``[..., hidden]``."""
-        return self.fc(target_features.to(self.fc.weight.dtype))
+        return self.projections.fc(target_features.to(self.fc.weight.dtype))
 
     def rope(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary(like, positions)
@@ -162,22 +224,22 @@ class Eagle3Head(nn.Module):
         layer, c = self.midlayer, self.config
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
         batch, width = x.shape[:2]
-        attn = layer.self_attn
-        q = attn.q_proj(x).view(batch, width, -1, c.dim).transpose(1, 2)
-        k = attn.k_proj(x).view(batch, width, -1, c.dim).transpose(1, 2)
-        v = attn.v_proj(x).view(batch, width, -1, c.dim).transpose(1, 2)
+        q, k, v = (
+            part.view(batch, width, -1, c.dim).transpose(1, 2) for part in self.projections.qkv.split(x)
+        )
         q, k = apply_rotary_pos_emb(q, k, *rope)
         return q, k, v
 
     def finish(self, attended: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The layer's output before the final norm (the next level's feature) from the
         attention's output ``[B, H, T, d]`` and the layer's input feature ``hidden``."""
-        layer = self.midlayer
+        p = self.projections
         batch, _, width, _ = attended.shape
-        out = layer.self_attn.o_proj(attended.transpose(1, 2).reshape(batch, width, -1).to(hidden.dtype))
-        residual = hidden + out
-        return residual + layer.mlp(layer.post_attention_layernorm(residual))
+        flat = attended.transpose(1, 2).reshape(batch, width, -1).to(hidden.dtype)
+        residual = p.o(flat, residual=hidden)
+        gate_up = p.gate_up(residual, norm=self.midlayer.post_attention_layernorm)
+        return p.down(gate_up, gated=True, residual=residual)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary of output features ``[..., hidden]``."""
-        return self.lm_head(self.norm(hidden))
+        return self.projections.lm_head(hidden, norm=self.norm)

@@ -28,6 +28,7 @@ from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from multiguess.engine.backends import backend_for
 from multiguess.engine.eagle3 import HeadRunner
 from multiguess.engine.runner import NativeRunner
 from multiguess.models.draft_head import LoadedHead
@@ -168,7 +169,11 @@ class DraftWorker:
         s = self.settings
         capacity = s.max_model_len + s.max_tree_nodes + 2
         if isinstance(loaded, LoadedHead):
-            drafter = WireExactEagle3Drafter(HeadRunner(loaded.head, loaded.embed, s.max_sessions, capacity))
+            weight = loaded.head.fc.weight
+            projection = backend_for(weight.device, weight.dtype, s.eager).projection
+            drafter = WireExactEagle3Drafter(
+                HeadRunner(loaded.head, loaded.embed, s.max_sessions, capacity, projection)
+            )
             layers = tuple(loaded.head.config.aux_layers)
         else:
             drafter = WireExactDrafter(
