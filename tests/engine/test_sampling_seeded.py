@@ -10,7 +10,7 @@ import pytest
 import torch
 from multiguess import LLM, SamplingParams
 from multiguess.engine.acceptance import seeded_choices
-from multiguess.engine.sampling import position_noise
+from multiguess.engine.sampling import position_noise, race_top
 from multiguess.engine.tree import TokenTree
 from scipy.stats import kstest
 
@@ -60,6 +60,21 @@ def test_a_node_draws_with_the_noise_of_its_position() -> None:
     assert seeded_choices(probs, tree, seed=3, length=10) == expected
     assert torch.equal(position_noise(3, [11], vocab[2:4]), noise[1:, 2:4])  # per token, not per row
     assert not torch.equal(position_noise(4, [11], vocab), noise[1:])
+
+
+def test_the_race_over_the_support_is_the_race_over_the_vocabulary() -> None:
+    """``race_top`` makes noise only for the tokens some row can draw: the winners (and their
+    order) are those of racing every token under its noise, for truncated and whole rows."""
+    gen = torch.Generator().manual_seed(1)
+    vocab = torch.arange(100, 400)  # column j is token 100 + j
+    probs = torch.softmax(torch.randn(3, 300, generator=gen, dtype=torch.float64) * 3, -1)
+    probs[0, probs[0] < probs[0].topk(5).values[-1]] = 0.0  # a truncated row beside whole ones
+    probs[2, probs[2] < probs[2].topk(40).values[-1]] = 0.0
+    for rows in ([0, 2], [0, 1, 2]):
+        positions = [7, 9, 7][: len(rows)]
+        noise = position_noise(5, [7, 9], vocab)[[0 if p == 7 else 1 for p in positions]]
+        expected = torch.topk(probs[rows] / noise, 4, dim=-1).indices
+        assert torch.equal(race_top(probs[rows], 5, positions, vocab, 4), expected)
 
 
 def test_the_noise_is_exponential() -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from multiguess.engine.sampling import draw, position_noise, race_top
+from multiguess.engine.sampling import draw, race_top
 from multiguess.engine.tree import TokenTree
 
 
@@ -97,8 +97,6 @@ def accept_sampled(
 def seeded_choices(target_probs: torch.Tensor, tree: TokenTree, seed: int, length: int) -> list[int]:
     """The token a seeded sample takes after each node of ``tree``, whose root is token
     ``length - 1`` of the sequence: node ``i`` chooses token ``length + depth(i)``."""
-    depths = sorted(set(tree.depths))
     vocab = torch.arange(target_probs.shape[-1], device=target_probs.device)
-    noise = position_noise(seed, [length + d for d in depths], vocab)
-    rows = torch.tensor([depths.index(d) for d in tree.depths], device=target_probs.device)
-    return race_top(target_probs, noise[rows], 1)[:, 0].tolist()
+    positions = [length + d for d in tree.depths]
+    return race_top(target_probs, seed, positions, vocab, 1)[:, 0].tolist()

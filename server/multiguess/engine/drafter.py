@@ -36,7 +36,6 @@ from multiguess.engine.sampling import (
     Generators,
     Processing,
     draw_without_replacement,
-    position_noise,
     processed_probs,
     race_top,
 )
@@ -382,8 +381,7 @@ class ModelDrafter:
                 if req.sample.coupled:
                     position = len(req.token_ids) + (0 if parent == -1 else cands[parent].depth)
                     tokens = self._tokens(torch.arange(len(q), device=q.device))
-                    noise = position_noise(req.sample.generators.seed, [position], tokens)
-                    picks = race_top(q[None], noise, k)[0]
+                    picks = race_top(q[None], req.sample.generators.seed, [position], tokens, k)[0]
                 else:
                     generator = req.sample.generators.on(q.device)
                     picks = torch.tensor(draw_without_replacement(q, k, generator), device=q.device)

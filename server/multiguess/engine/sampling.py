@@ -197,11 +197,25 @@ def position_noise(seed: int, positions: list[int], tokens: torch.Tensor) -> tor
     return -torch.log((_shift(z, 11).double() + 0.5) * 2.0**-53)
 
 
-def race_top(probs: torch.Tensor, noise: torch.Tensor, count: int) -> torch.Tensor:
-    """The ``count`` winners of each row's exponential race (largest ``p / noise``) within the
-    support: the first is an exact draw from the row, the Gumbel-max trick without logarithms."""
-    support = int((probs > 0).sum(dim=-1).min())
-    return torch.topk(probs.double() / noise, min(count, support), dim=-1).indices
+def race_top(
+    probs: torch.Tensor, seed: int, positions: list[int], tokens: torch.Tensor, count: int
+) -> torch.Tensor:
+    """The ``count`` winners (column indices) of each row's exponential race (largest
+    ``p / noise``, row i under the seeded noise of ``positions[i]``, column j being token
+    ``tokens[j]``) within the support: the first is an exact draw from the row, the Gumbel-max
+    trick without logarithms. Noise is made only for the columns some row can draw, since a
+    truncated row's support is a sliver of the vocabulary and the noise costs per token."""
+    drawable = probs > 0
+    support = int(drawable.sum(dim=-1).min())
+    distinct = sorted(set(positions))
+    rows = torch.tensor([distinct.index(p) for p in positions], device=probs.device)
+    columns = drawable.any(dim=0).nonzero()[:, 0]
+    if len(columns) == len(tokens):  # nothing truncated: gathering would only copy
+        noise = position_noise(seed, distinct, tokens)[rows]
+        return torch.topk(probs.double() / noise, min(count, support), dim=-1).indices
+    noise = position_noise(seed, distinct, tokens[columns])[rows]
+    winners = torch.topk(probs[:, columns].double() / noise, min(count, support), dim=-1).indices
+    return columns[winners]
 
 
 class Generators:
