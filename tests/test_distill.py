@@ -337,3 +337,22 @@ def test_eagle3_pipeline_records_features_resumes_and_exports_a_loadable_head(
     assert metrics["chain4_tokens_per_step"] >= 1 and len(metrics["depth_acceptance"]) == 4
     provenance = json.loads((out / "provenance.json").read_text())
     assert provenance["trained_steps"] == 5 and "--method eagle3" in provenance["command"]
+
+
+def test_a_resumed_head_keeps_the_vocabulary_it_was_trained_for(tmp_path: Path) -> None:
+    """The head scores the records' most frequent tokens; once a checkpoint exists, its own
+    (the LM head's rows mean those tokens), even after the data stage added other replies."""
+    from types import SimpleNamespace
+
+    from multiguess.distill.eagle3_pipeline import Eagle3Plan, vocabulary_for
+
+    plan = Eagle3Plan(target=tmp_path, work=tmp_path, out=tmp_path / "out", draft_vocab=3)
+    reply = SimpleNamespace(ids=torch.tensor([1, 9, 9, 9, 4, 4, 7, 2]), start=1)
+    parts = {"gen": ([reply], []), "text": ([], [])}
+    assert vocabulary_for(plan, parts, 16).tolist() == [2, 4, 9]  # ties go to the lower id
+    trained = torch.tensor([3, 5, 11])
+    (plan.folder / "train").mkdir(parents=True)
+    torch.save(
+        {"model": {"d2t": trained - torch.arange(3)}, "step": 7}, plan.folder / "train" / "checkpoint.pt"
+    )
+    assert vocabulary_for(plan, parts, 16).tolist() == [3, 5, 11]

@@ -91,6 +91,13 @@ def training_data(plan: Eagle3Plan) -> dict[str, tuple[list, list]]:
 
 
 def vocabulary_for(plan: Eagle3Plan, parts: dict[str, tuple[list, list]], vocab_size: int) -> torch.Tensor:
+    """The head's draft vocabulary: the records' most frequent tokens when training starts, the
+    checkpoint's once there is one (its LM head's rows were trained for those tokens, whatever
+    data the data stage added since)."""
+    checkpoint = plan.folder / "train" / "checkpoint.pt"
+    if checkpoint.exists():
+        d2t = torch.load(checkpoint, weights_only=False, mmap=True)["model"]["d2t"]
+        return torch.arange(len(d2t)) + d2t
     return head_vocabulary(plan.draft_vocab, parts["gen"][0] or parts["text"][0], vocab_size)
 
 
