@@ -81,3 +81,23 @@ def test_draw_without_replacement_matches_sequential_draws() -> None:
     expected = [6000 * probs[a].item() * probs[b].item() / (1 - probs[a].item()) for a, b in pairs]
     assert chisquare([counts[p] for p in pairs], expected).pvalue > 1e-3
     assert draw_without_replacement(torch.tensor([0.0, 1.0, 0.0]), 3, generator) == [1]
+
+
+def test_node_distributions_process_the_rows_read_and_only_those(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sampled tree's rows are processed as acceptance reads them, once each, and equal the
+    rows of processing the whole tree at once."""
+    logits = peaked_logits(6, 4, 8.0)
+    setting = Processing(0.7, 0.9)
+    whole = processed_probs(logits, [setting] * 6)
+    processed = []
+
+    def counted(x: torch.Tensor, rows: list[Processing]) -> torch.Tensor:
+        processed.append(len(x))
+        return processed_probs(x, rows)
+
+    monkeypatch.setattr(sampling, "processed_probs", counted)
+    nodes = sampling.NodeDistributions(logits, setting)
+    for node in (0, 3, 3, 5):
+        torch.testing.assert_close(nodes[node], whole[node], rtol=0, atol=0)
+    torch.testing.assert_close(nodes.stacked([5, 0]), whole[[5, 0]], rtol=0, atol=0)
+    assert processed == [1, 1, 1]  # rows 0, 3 and 5, each once

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from multiguess import LLM, SamplingParams
-from multiguess.engine.acceptance import seeded_choices
+from multiguess.engine.acceptance import SeededChoices
 from multiguess.engine.sampling import position_noise, race_top
 from multiguess.engine.tree import TokenTree
 from scipy.stats import kstest
@@ -57,7 +57,7 @@ def test_a_node_draws_with_the_noise_of_its_position() -> None:
     tree = TokenTree((0, 1, 4), (-1, 0, 0))  # two children of the root: both choose position 11
     noise = position_noise(3, [10, 11], vocab)
     expected = (probs / noise[[0, 1, 1]]).argmax(-1).tolist()
-    assert seeded_choices(probs, tree, seed=3, length=10) == expected
+    assert [SeededChoices(probs, tree, seed=3, length=10)[i] for i in range(3)] == expected
     assert torch.equal(position_noise(3, [11], vocab[2:4]), noise[1:, 2:4])  # per token, not per row
     assert not torch.equal(position_noise(4, [11], vocab), noise[1:])
 

@@ -4,7 +4,7 @@ Both rules walk the tree from the root. Greedy follows the child equal to the ta
 Sampling follows multi-draft speculative sampling (see ``accept_sampled``), which keeps the
 output distribution exactly the target's whatever the draft proposed. A seeded sample draws
 each token by an exponential race (the Gumbel-max trick) with noise fixed by its seed, the
-token's position and the token (``seeded_choices``); that makes its output a function of the seed alone, so it is
+token's position and the token (``SeededChoices``); that makes its output a function of the seed alone, so it is
 verified like greedy output: token-identical to plain seeded decoding whatever tree was
 drafted. A draft that perturbs its own distribution with the same noise proposes the target's
 choice often (``sampling.race_top``).
@@ -13,10 +13,11 @@ choice often (``sampling.race_top``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from multiguess.engine.sampling import draw, race_top
+from multiguess.engine.sampling import NodeDistributions, draw, race_top
 from multiguess.engine.tree import TokenTree
 
 
@@ -30,8 +31,13 @@ class Acceptance:
         return len(self.path) - 1
 
 
-def accept_greedy(tree: TokenTree, target_argmax: list[int]) -> Acceptance:
-    """Longest path whose every token equals the target's argmax at its parent, plus a bonus."""
+class ByNode(Protocol):
+    def __getitem__(self, node: int) -> int: ...
+
+
+def accept_greedy(tree: TokenTree, target_argmax: ByNode) -> Acceptance:
+    """Longest path whose every token equals the target's argmax at its parent, plus a bonus
+    (``target_argmax[i]``: the target's token after node i; read along the path only)."""
     children = tree.children()
     node, path = 0, [0]
     while True:
@@ -45,7 +51,7 @@ def accept_greedy(tree: TokenTree, target_argmax: list[int]) -> Acceptance:
 
 def accept_sampled(
     tree: TokenTree,
-    target_probs: torch.Tensor,
+    target_probs: torch.Tensor | NodeDistributions,
     draft_probs: dict[int, torch.Tensor],
     generator: torch.Generator | None,
 ) -> Acceptance:
@@ -94,9 +100,20 @@ def accept_sampled(
         path.append(node)
 
 
-def seeded_choices(target_probs: torch.Tensor, tree: TokenTree, seed: int, length: int) -> list[int]:
+class SeededChoices:
     """The token a seeded sample takes after each node of ``tree``, whose root is token
-    ``length - 1`` of the sequence: node ``i`` chooses token ``length + depth(i)``."""
-    vocab = torch.arange(target_probs.shape[-1], device=target_probs.device)
-    positions = [length + d for d in tree.depths]
-    return race_top(target_probs, seed, positions, vocab, 1)[:, 0].tolist()
+    ``length - 1`` of the sequence: node ``i`` chooses token ``length + depth(i)`` by the race
+    under that position's noise. Each is computed when the walk reads it (one path)."""
+
+    def __init__(
+        self, target_probs: torch.Tensor | NodeDistributions, tree: TokenTree, seed: int, length: int
+    ) -> None:
+        self.target_probs = target_probs
+        self.depths = tree.depths
+        self.seed = seed
+        self.length = length
+
+    def __getitem__(self, node: int) -> int:
+        row = self.target_probs[node]
+        vocab = torch.arange(len(row), device=row.device)
+        return int(race_top(row[None], self.seed, [self.length + self.depths[node]], vocab, 1)[0, 0])

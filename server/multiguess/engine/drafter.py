@@ -77,7 +77,7 @@ class SampleSpec:
     processing: Processing
     generators: Generators
     # A seeded request: its children win the draft's race under the noise its target draws with
-    # (``acceptance.seeded_choices``), not independent draws.
+    # (``acceptance.SeededChoices``), not independent draws.
     coupled: bool = False
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from multiguess.engine.acceptance import Acceptance, accept_greedy, accept_sampled, seeded_choices
+from multiguess.engine.acceptance import Acceptance, SeededChoices, accept_greedy, accept_sampled
 from multiguess.engine.adaptive import (
     AdaptivePolicy,
     CostMeter,
@@ -36,7 +36,7 @@ from multiguess.engine.padding import padded_groups, prefill_chunks
 from multiguess.engine.penalties import node_logits
 from multiguess.engine.prefix_cache import PrefixIndex, plan_reuse
 from multiguess.engine.runner import NativeRunner
-from multiguess.engine.sampling import Generators, Processing, processed_probs
+from multiguess.engine.sampling import Generators, NodeDistributions, Processing
 from multiguess.engine.sequence import Sequence, SpecStats
 from multiguess.engine.tree import TokenTree
 from multiguess.errors import InvalidRequestError
@@ -285,7 +285,7 @@ class Engine:
             if seq.params.greedy:
                 acceptance = accept_greedy(proposal.tree, rows[b].argmax(dim=-1).tolist())
             elif seq.params.seed is not None:  # the seed alone fixes its output: verified like greedy
-                choices = seeded_choices(target_probs[b], proposal.tree, seq.params.seed, len(seq.token_ids))
+                choices = SeededChoices(target_probs[b], proposal.tree, seq.params.seed, len(seq.token_ids))
                 acceptance = accept_greedy(proposal.tree, choices)
             else:
                 acceptance = accept_sampled(
@@ -544,7 +544,7 @@ class Engine:
 def fixed_tree(params: SamplingParams) -> bool:
     """Whether a request drafts its own fixed tree instead of the policy's: it set one. A
     seeded sample follows the policy too: its output does not depend on the trees drafted
-    (``acceptance.seeded_choices``), so timing and batch neighbours cannot change it."""
+    (``acceptance.SeededChoices``), so timing and batch neighbours cannot change it."""
     return params.depth is not None or params.num_candidates is not None
 
 
@@ -560,16 +560,14 @@ def sample_spec(seq: Sequence) -> SampleSpec | None:
     return SampleSpec(processing(seq.params), seq.generators, coupled=seq.params.seed is not None)
 
 
-def target_distributions(batch: list[Sequence], rows: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+def target_distributions(batch: list[Sequence], rows: list[torch.Tensor]) -> dict[int, NodeDistributions]:
     """The processed target distribution at every tree node of the sampled sequences, from
-    each sequence's (adjusted) logits after each of its nodes."""
-    sampled = [b for b, seq in enumerate(batch) if not seq.params.greedy]
-    if not sampled:
-        return {}
-    sizes = [len(rows[b]) for b in sampled]
-    specs = [processing(batch[b].params) for b, n in zip(sampled, sizes, strict=True) for _ in range(n)]
-    merged = processed_probs(torch.cat([rows[b] for b in sampled]), specs)
-    return dict(zip(sampled, merged.split(sizes), strict=True))
+    each sequence's (adjusted) logits after each of its nodes, processed as acceptance reads them."""
+    return {
+        b: NodeDistributions(rows[b], processing(seq.params))
+        for b, seq in enumerate(batch)
+        if not seq.params.greedy
+    }
 
 
 def eos_token_ids(model: LoadedModel) -> set[int]:

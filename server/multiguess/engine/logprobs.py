@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from multiguess.engine.sampling import NodeDistributions
+
 FLOOR = -9999.0
 
 
@@ -40,16 +42,20 @@ def emitted_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> list[To
 
 
 def step_logprobs(
-    top: int | None, path: list[int], tokens: list[int], logits: torch.Tensor, probs: torch.Tensor | None
+    top: int | None,
+    path: list[int],
+    tokens: list[int],
+    logits: torch.Tensor,
+    probs: NodeDistributions | None,
 ) -> list[TokenLogprob] | None:
     """The records of one step's emitted ``tokens`` (None unless the request asks for them):
     from the processed ``probs`` of a sampled sequence, or its adjusted ``logits`` when greedy."""
     if top is None:
         return None
-    index = torch.tensor(path, dtype=torch.long, device=logits.device)
     if probs is not None:
-        rows = torch.log(probs[index].double())
+        rows = torch.log(probs.stacked(path).double())
     else:
+        index = torch.tensor(path, dtype=torch.long, device=logits.device)
         rows = torch.log_softmax(logits[index].double(), dim=-1)
     return emitted_logprobs(rows, tokens, top)
 

@@ -75,6 +75,31 @@ def _truncated(
     return out
 
 
+class NodeDistributions:
+    """One sampled sequence's processed target distribution after each tree node, each row
+    processed when first read: acceptance walks one path of the tree, so most rows of a wide
+    tree are never needed, and processing a row over the whole vocabulary costs a fair part of
+    a CPU step. A row depends on its own logits and settings alone."""
+
+    def __init__(self, logits: torch.Tensor, processing: Processing) -> None:
+        self.logits = logits
+        self.processing = processing
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.logits)
+
+    def __getitem__(self, node: int) -> torch.Tensor:
+        row = self._rows.get(node)
+        if row is None:
+            row = self._rows[node] = processed_probs(self.logits[node : node + 1], [self.processing])[0]
+        return row
+
+    def stacked(self, nodes: list[int]) -> torch.Tensor:
+        """The rows of ``nodes`` as one ``[len(nodes), V]`` tensor."""
+        return torch.stack([self[node] for node in nodes])
+
+
 def _prefix(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, width: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
