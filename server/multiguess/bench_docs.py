@@ -226,7 +226,8 @@ def load_section(report: Report | None) -> list[str]:
         f"{report['max_tokens']} tokens per request, {report['rounds']} requests per client (at least "
         f"{report['min_requests']} per level), {report['repeats']} repeats per level with the setups "
         "taking turns; tokens/s is the median over repeats, latencies pool every request. Setups: "
-        "(a) batched + adaptive speculation, (b) batched plain decoding, (c) unbatched speculation.",
+        + ", ".join(f"({name[0]}) {name[3:]}" for name in report["setups"])
+        + ".",
         "",
     ]
     rows = [
