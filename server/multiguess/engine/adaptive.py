@@ -39,7 +39,8 @@ import bisect
 import collections
 import functools
 import itertools
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 
 from multiguess.engine.drafter import TreeBudget
 from multiguess.engine.tree import TokenTree
@@ -290,20 +291,31 @@ class ProbeSchedule:
 
 @dataclass
 class CostMeter:
-    """The running draft time per level of the engine's steps, for ``cost_ratio``."""
+    """The draft's time per level: the median of the latest ``window`` steps that drafted on
+    caught-up caches, once ``min_samples`` have. A median, because one stalled step (a page-fault
+    storm, another process on the cores) must not switch drafting off: nothing is measured
+    while it is off, so an inflated estimate would keep it off for good."""
 
-    smoothing: float = 0.2
-    prior_ratio: float = 0.1  # assumed before anything was measured: a small draft
-    draft_per_level: float | None = None
+    window: int = 9
+    min_samples: int = 3
+    prior_ratio: float = 0.1  # assumed before enough was measured: a small draft
+    samples: collections.deque[float] = field(default_factory=collections.deque)
 
     def record(self, draft_seconds: float, levels: int) -> None:
         if levels > 0:
-            new = draft_seconds / levels
-            old = self.draft_per_level
-            self.draft_per_level = new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+            self.samples.append(draft_seconds / levels)
+            while len(self.samples) > self.window:
+                self.samples.popleft()
+
+    @property
+    def draft_per_level(self) -> float | None:
+        if len(self.samples) < self.min_samples:
+            return None
+        return statistics.median(self.samples)
 
     def ratio(self, plain_step: float) -> float:
         """Draft time per level in units of ``plain_step`` (the target's plain step at this batch)."""
-        if self.draft_per_level is None or not plain_step:
+        per_level = self.draft_per_level
+        if per_level is None or not plain_step:
             return self.prior_ratio
-        return self.draft_per_level / plain_step
+        return per_level / plain_step
