@@ -299,13 +299,14 @@ class CostMeter:
     window: int = 9
     min_samples: int = 3
     prior_ratio: float = 0.1  # assumed before enough was measured: a small draft
-    samples: collections.deque[float] = field(default_factory=collections.deque)
+    samples: collections.deque[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = collections.deque(maxlen=self.window)
 
     def record(self, draft_seconds: float, levels: int) -> None:
         if levels > 0:
             self.samples.append(draft_seconds / levels)
-            while len(self.samples) > self.window:
-                self.samples.popleft()
 
     @property
     def draft_per_level(self) -> float | None:
