@@ -86,9 +86,6 @@ class NodeDistributions:
         self.processing = processing
         self._rows: dict[int, torch.Tensor] = {}
 
-    def __len__(self) -> int:
-        return len(self.logits)
-
     def __getitem__(self, node: int) -> torch.Tensor:
         row = self._rows.get(node)
         if row is None:
@@ -235,12 +232,11 @@ def race_top(
     distinct = sorted(set(positions))
     rows = torch.tensor([distinct.index(p) for p in positions], device=probs.device)
     columns = drawable.any(dim=0).nonzero()[:, 0]
-    if len(columns) == len(tokens):  # nothing truncated: gathering would only copy
-        noise = position_noise(seed, distinct, tokens)[rows]
-        return torch.topk(probs.double() / noise, min(count, support), dim=-1).indices
-    noise = position_noise(seed, distinct, tokens[columns])[rows]
-    winners = torch.topk(probs[:, columns].double() / noise, min(count, support), dim=-1).indices
-    return columns[winners]
+    whole = len(columns) == len(tokens)  # nothing truncated: gathering would only copy
+    racing, ids = (probs, tokens) if whole else (probs[:, columns], tokens[columns])
+    noise = position_noise(seed, distinct, ids)[rows]
+    winners = torch.topk(racing.double() / noise, min(count, support), dim=-1).indices
+    return winners if whole else columns[winners]
 
 
 class Generators:
