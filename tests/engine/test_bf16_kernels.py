@@ -24,15 +24,29 @@ from tests.engine.test_lossless import random_prompts
 needs_kernel = pytest.mark.skipif(
     bf16_kernel.library() is None, reason="the bf16 kernels need AVX512-BF16 and a C compiler"
 )
+needs_amx = pytest.mark.skipif(
+    bf16_kernel.library() is None or not bf16_kernel.amx_usable(), reason="needs AMX tiles (amx_bf16)"
+)
+
+
+@pytest.fixture(params=[False, pytest.param(True, marks=needs_amx)], ids=["avx512", "amx"])
+def product(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Runs a test with the products on AVX512-BF16 and, where the CPU has them, on AMX tiles:
+    every runner the test builds uses that side, as every runner of a process does."""
+    monkeypatch.setattr(bf16_kernel, "matrix_units", lambda: request.param)
+    return request.param
 
 
 @needs_kernel
 @pytest.mark.parametrize(("outputs", "inputs"), [([64, 64], 64), ([100, 37], 72), ([300, 212], 1536)])
-def test_bf16_kernel_rows_do_not_depend_on_the_row_count(outputs: list[int], inputs: int) -> None:
+def test_bf16_kernel_rows_do_not_depend_on_the_row_count(
+    outputs: list[int], inputs: int, product: bool
+) -> None:
     """Why a tree forward and a one-token step agree in bf16: a row is computed the same way
     alone and among 40 others (every tile size, panel tails, a bias); it is fp32 math rounded.
     The widest case has enough long sums that a row summed in another order (a tail tile's
-    pairs reversed, tried) rounds differently somewhere."""
+    pairs reversed, tried) rounds differently somewhere. On AMX tiles 72 inputs (not a multiple
+    of 32) take the AVX512 product, and 20 and 40 rows pad a 16-row tile."""
     torch.manual_seed(2)
     layers = [linear(n, inputs, torch.bfloat16, bias=True) for n in outputs]
     projection = PackedProjection.of(layers)
@@ -50,7 +64,7 @@ def test_bf16_kernel_rows_do_not_depend_on_the_row_count(outputs: list[int], inp
 
 
 @needs_kernel
-def test_bf16_kernel_fuses_norm_activation_and_residual_like_the_torch_ops() -> None:
+def test_bf16_kernel_fuses_norm_activation_and_residual_like_the_torch_ops(product: bool) -> None:
     """The ops the kernel runs around a product give what the modules give, up to one rounding,
     with rows still independent of the row count; the residual add rounds exactly like torch."""
     torch.manual_seed(3)
@@ -144,7 +158,7 @@ def test_attention_matches_scaled_dot_product_attention(heads: int, kv_heads: in
 
 
 @needs_kernel
-def test_tree_rows_are_the_bits_of_tokens_decoded_alone(gqa_pair: tuple[Path, Path]) -> None:
+def test_tree_rows_are_the_bits_of_tokens_decoded_alone(gqa_pair: tuple[Path, Path], product: bool) -> None:
     """A tree verified beside another sequence gives each node the logits, bit for bit, that
     decoding its path one token at a time alone gives. With torch's attention instead, 3 of
     these 4 nodes differ in their last bits (checked when the test was written)."""
@@ -168,7 +182,7 @@ def test_tree_rows_are_the_bits_of_tokens_decoded_alone(gqa_pair: tuple[Path, Pa
 @needs_kernel
 @pytest.mark.parametrize(("num_candidates", "depth"), [(1, 4), (3, 3)])
 def test_bf16_speculation_equals_bf16_plain_decoding(
-    gqa_pair: tuple[Path, Path], num_candidates: int, depth: int
+    gqa_pair: tuple[Path, Path], num_candidates: int, depth: int, product: bool
 ) -> None:
     target, draft = gqa_pair
     prompts = random_prompts(12, (1, 7, 30, 200))
@@ -181,7 +195,7 @@ def test_bf16_speculation_equals_bf16_plain_decoding(
 
 
 @needs_kernel
-def test_layer_kernel_equals_the_per_op_kernels(gqa_pair: tuple[Path, Path]) -> None:
+def test_layer_kernel_equals_the_per_op_kernels(gqa_pair: tuple[Path, Path], product: bool) -> None:
     """One call per layer computes, bit for bit, what the six per-op kernels compose to (norms,
     epsilons, biases and residuals wired right), for a batch of trees after cached prefixes."""
     loaded = load_model(str(gqa_pair[0]), dtype="bfloat16")
@@ -206,3 +220,30 @@ def test_layer_kernel_equals_the_per_op_kernels(gqa_pair: tuple[Path, Path]) -> 
         runner.forward_trees([0, 1], [0, 0], [TokenTree.chain(p) for p in prompts])
     logits = [r.forward_trees([0, 1], [len(p) for p in prompts], trees) for r in (fused, per_op)]
     assert torch.equal(logits[0], logits[1])
+
+
+@needs_amx
+def test_amx_products_are_the_avx512_products_up_to_summation_order() -> None:
+    """Both sides sum each output's pairs in fp32, but the tiles round inside a pair otherwise
+    than vdpbf16ps: about one output in 10,000 differs in its last bit, so the two sides are
+    both within a bf16 rounding of the exact product, and not the same arithmetic (else the
+    tests above would prove nothing about the tiles)."""
+    torch.manual_seed(6)
+    weight, bias = torch.randn(1536, 1536).to(torch.bfloat16), torch.randn(1536).to(torch.bfloat16)
+    panels, x = bf16_kernel.pack(weight), torch.randn(40, 1536).to(torch.bfloat16)
+    tiles, vectors = (bf16_kernel.matmul(panels, 1536, x, bias, amx=amx).float() for amx in (True, False))
+    exact = x.float() @ weight.float().T + bias.float()
+    for result in (tiles, vectors):
+        assert torch.allclose(result, exact, rtol=2**-7, atol=1e-2)
+    assert not torch.equal(tiles, vectors)
+
+
+def test_product_choice_follows_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``avx512`` never takes the tiles, ``amx`` takes them exactly where they are usable, and
+    a misspelt setting is refused rather than ignored."""
+    for setting, expected in (("avx512", False), ("amx", bf16_kernel.amx_usable())):
+        monkeypatch.setenv(bf16_kernel.PRODUCT, setting)
+        assert bf16_kernel.matrix_units.__wrapped__() is expected
+    monkeypatch.setenv(bf16_kernel.PRODUCT, "tiles")
+    with pytest.raises(ValueError, match="auto, amx or avx512"):
+        bf16_kernel.matrix_units.__wrapped__()

@@ -172,6 +172,7 @@ class CpuBackend:
             capacity=runner.capacity,
             length=at.length,
             threads=torch.get_num_threads(),
+            amx=int(bf16_kernel.matrix_units()),
         )
         for i, layer in enumerate(self.layer_weights):
             if at.captured is not None and i in at.captured:

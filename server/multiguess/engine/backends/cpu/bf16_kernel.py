@@ -10,7 +10,8 @@ at once (``run_layer``: one call from Python per layer instead of six). docs/ENG
 measurements. Every row of
 every kernel is computed independently of the others, so a token's logits are the same bits in
 a one-token decode step and inside a verified tree: speculation equals plain decoding in bf16
-as well as in fp32.
+as well as in fp32. On CPUs with AMX tiles the products run on them when measured no slower
+for one row (``matrix_units``): a tree's rows then cost about what one row costs.
 
 They are built with the system C compiler into the cache folder (keyed by the source and flags)
 the first time a model loads, in about a second, or ahead of time by ``python -m
@@ -29,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -39,17 +41,32 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "bf16_kernels.c"
 PANEL = 64
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = [
+    "-O3",
+    *("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+    *("-fopenmp", "-shared", "-fPIC"),
+]
 SWITCH = "MULTIGUESS_BF16_KERNEL"
+PRODUCT = "MULTIGUESS_BF16_PRODUCT"  # auto (measured), amx or avx512
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags, as the Linux kernel reports them (none elsewhere)."""
+    try:
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return frozenset()
 
 
 def cpu_has_avx512_bf16() -> bool:
-    """Read from the kernel's CPU flags (Linux); elsewhere the kernel is not used."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags.split()
+    """Whether the kernels run here at all; elsewhere the forward uses oneDNN."""
+    return "avx512_bf16" in cpu_flags()
+
+
+def cpu_has_amx_bf16() -> bool:
+    """Whether the CPU has AMX tiles with bf16 products (Sapphire Rapids and later Xeons)."""
+    return {"amx_tile", "amx_bf16"} <= cpu_flags()
 
 
 def compiled_path() -> Path:
@@ -101,6 +118,7 @@ class StepPlaces(ctypes.Structure):
         *[(name, ctypes.c_int64) for name in ("batch", "width", "d", "heads", "kv_heads", "dim", "capacity")],
         ("length", ctypes.c_int64),
         ("threads", ctypes.c_int),
+        ("amx", ctypes.c_int),
     ]
 
 
@@ -130,8 +148,10 @@ def library() -> ctypes.CDLL | None:
         ctypes.c_float,
         ctypes.c_int,
         ctypes.c_void_p,
+        ctypes.c_int,
     ]
     lib.multiguess_bf16_matmul.restype = ctypes.c_int
+    lib.multiguess_amx_enable.restype = ctypes.c_int
     lib.multiguess_bf16_rope_cache.argtypes = [*[ctypes.c_void_p] * 7, *[ctypes.c_int64] * 6]
     lib.multiguess_bf16_rope_cache.restype = None
     lib.multiguess_attention.argtypes = [
@@ -190,13 +210,19 @@ def matmul(
     norm: tuple[torch.Tensor, float] | None = None,
     gated: bool = False,
     residual: torch.Tensor | None = None,
+    amx: bool | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for the weight ``packed`` came from; x is bf16 ``[..., in]``.
 
     ``norm`` (weight, epsilon) multiplies ``RMSNorm(x)`` instead; ``gated`` takes x as
     ``[..., 2 * in]`` (gate, then up) and multiplies ``silu(gate) * up``; ``residual`` (the
-    output's shape) is added. Each rounds to bf16 where the module it replaces does."""
+    output's shape) is added. Each rounds to bf16 where the module it replaces does. ``amx``
+    runs the product on AMX tiles (None: as ``matrix_units`` chose for this process)."""
     lib = loaded()
+    if amx is None:
+        amx = matrix_units()
+    elif amx and not amx_usable():
+        raise RuntimeError("AMX tiles are not usable here: check amx_usable() first")
     in_features = packed.shape[1] * 2
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     y = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
@@ -215,6 +241,7 @@ def matmul(
         0.0 if norm is None else norm[1],
         int(gated),
         pointer(residual),
+        int(amx),
     )
     if status != 0:
         raise MemoryError("bf16 kernel: no memory for the prepared inputs")
@@ -255,6 +282,55 @@ def rope_into_cache(
         layer_cache.shape[2],
     )
     return queries
+
+
+@functools.cache
+def amx_usable() -> bool:
+    """AMX tiles on this CPU, the kernels built, and Linux letting this process use the tiles."""
+    lib = library()
+    return cpu_has_amx_bf16() and lib is not None and lib.multiguess_amx_enable() == 0
+
+
+@functools.cache
+def matrix_units() -> bool:
+    """Whether this process's products run on AMX tiles, chosen once for every runner, so that
+    a one-token step and a verified tree always use the same arithmetic: ``$MULTIGUESS_BF16_PRODUCT``
+    ``amx`` or ``avx512`` forces a side; ``auto`` (the default) takes AMX where it is usable and
+    measured within 10% of AVX512-BF16 for one row (a decode step) and faster for 16 (a tree)."""
+    setting = os.environ.get(PRODUCT, "auto")
+    if setting not in ("auto", "amx", "avx512"):
+        raise ValueError(f"{PRODUCT} must be auto, amx or avx512; got {setting!r}")
+    if setting == "avx512" or not amx_usable():
+        if setting == "amx":
+            log.warning("%s=amx, but AMX tiles are not usable here: products use AVX512-BF16", PRODUCT)
+        return False
+    if setting == "amx":
+        return True
+    seconds = product_seconds((1, 16))
+    chosen = seconds[1, True] <= 1.1 * seconds[1, False] and seconds[16, True] < seconds[16, False]
+    log.info(
+        "bf16 products on %s: 1 row %.3f ms (AVX512-BF16 %.3f), 16 rows %.3f ms (%.3f)",
+        "AMX tiles" if chosen else "AVX512-BF16",
+        *(1000 * seconds[key] for key in ((1, True), (1, False), (16, True), (16, False))),
+    )
+    return chosen
+
+
+def product_seconds(
+    rows: tuple[int, ...], size: int = 4096, repeats: int = 9
+) -> dict[tuple[int, bool], float]:
+    """By (rows, amx): the fastest of ``repeats`` products of that many rows by a ``size`` x
+    ``size`` bf16 weight (32 MiB: streamed from memory, as a decode step streams a model), on
+    AMX tiles and on AVX512-BF16, taking turns."""
+    panels = pack(torch.randn(size, size).to(torch.bfloat16))
+    inputs = {count: torch.randn(count, size).to(torch.bfloat16) for count in rows}
+    best = {(count, amx): float("inf") for count in rows for amx in (True, False)}
+    for _ in range(repeats):
+        for count, amx in best:
+            start = time.perf_counter()
+            matmul(panels, size, inputs[count], None, amx=amx)
+            best[count, amx] = min(best[count, amx], time.perf_counter() - start)
+    return best
 
 
 def attention_supported(head_dim: int) -> bool:

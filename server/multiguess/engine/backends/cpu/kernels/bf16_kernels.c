@@ -10,6 +10,11 @@
  * fp32 lane, from its bias (or zero); rows of x are independent of each other, so a row's
  * result does not depend on how many rows are computed with it. Panels are split between
  * OpenMP threads (the runtime torch itself uses when both link libgomp.so.1).
+ *
+ * Where the CPU has AMX tiles (amx_bf16), the same panels also feed tdpbf16ps, 16 rows of x at
+ * a time: a decode step streams the weights as fast as vdpbf16ps, and a tree's extra rows ride
+ * on the same loads nearly free, where vdpbf16ps pays for every row. Which of the two a process
+ * uses is chosen once (bf16_kernel.py: matrix_units), so a row has one arithmetic everywhere.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -17,6 +22,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
 
 #define PANEL 64
 #define ROWS 6 /* rows of x per pass over a panel: 24 accumulators in registers */
@@ -91,6 +101,21 @@ static void silu_mul_row(const uint16_t *gate_up, int64_t k, uint16_t *out) {
   }
 }
 
+/* One output row's 64 (`live`) fp32 sums of a panel, rounded to bf16 at y + at, plus the
+ * residual there when given: bf16(residual + bf16(product)), as torch adds two bf16 tensors. */
+static inline void store_row(const __m512 acc[4], const uint16_t *residual, uint16_t *y, int64_t at,
+                             int64_t live) {
+  for (int j = 0; j < 4 && 16 * j < live; j++) {
+    const __mmask16 mask = lanes(live - 16 * j);
+    __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[j]);
+    if (residual) {
+      const __m256i kept = _mm256_maskz_loadu_epi16(mask, residual + at + 16 * j);
+      out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(widen_lanes(out), widen_lanes(kept)));
+    }
+    _mm256_mask_storeu_epi16(y + at + 16 * j, mask, out);
+  }
+}
+
 static void panel_product(const uint16_t *panel, const uint16_t *x, const uint16_t *bias,
                           const uint16_t *residual, uint16_t *y, int64_t m, int64_t k, int64_t n,
                           int64_t first) {
@@ -130,19 +155,70 @@ static void panel_product(const uint16_t *panel, const uint16_t *x, const uint16
         }
       }
     }
-    for (int64_t i = 0; i < rows; i++) {
-      const int64_t at = (r0 + i) * n + first;
-      for (int j = 0; j < 4 && 16 * j < live; j++) {
-        const __mmask16 mask = lanes(live - 16 * j);
-        __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[i][j]);
-        if (residual) { /* bf16(residual + bf16(product)), as torch adds two bf16 tensors */
-          const __m256i kept = _mm256_maskz_loadu_epi16(mask, residual + at + 16 * j);
-          out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(widen_lanes(out), widen_lanes(kept)));
-        }
-        _mm256_mask_storeu_epi16(y + at + 16 * j, mask, out);
-      }
+    for (int64_t i = 0; i < rows; i++) store_row(acc[i], residual, y, (r0 + i) * n + first, live);
+  }
+}
+
+/* The same panel product on AMX tiles, for x already padded to `padded` rows (a multiple of
+ * 16, zero past m) and k a multiple of 32. Each pass takes 16 rows: four 16x16 fp32 tiles for
+ * the panel's 64 outputs start from the bias (a zero-stride load repeats it on every row) and
+ * accumulate tdpbf16ps over 32 inputs at a time; a B tile is 16 pairs of one 16-output slice of
+ * the panel, whose pairs lie 256 bytes apart, so the panels need no other packing. Each output
+ * sums its own row's products in a fixed order: a row does not depend on the others either. */
+static void panel_product_amx(const uint16_t *panel, const uint16_t *x, const uint16_t *bias,
+                              const uint16_t *residual, uint16_t *y, int64_t m, int64_t padded, int64_t k,
+                              int64_t n, int64_t first) {
+  const int64_t live = n - first < PANEL ? n - first : PANEL;
+  float start[PANEL] __attribute__((aligned(64))) = {0};
+  float sums[4][16][16] __attribute__((aligned(64)));
+  for (int64_t j = 0; bias && j < live; j++) start[j] = widen(bias[first + j]);
+  for (int64_t r0 = 0; r0 < padded; r0 += 16) {
+    _tile_loadd(0, start, 0);
+    _tile_loadd(1, start + 16, 0);
+    _tile_loadd(2, start + 32, 0);
+    _tile_loadd(3, start + 48, 0);
+    const uint16_t *w = panel;
+    for (int64_t c = 0; c < k; c += 32, w += 16 * 2 * PANEL) {
+      _tile_loadd(4, x + r0 * k + c, 2 * k);
+      _tile_loadd(5, w, 4 * PANEL);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, w + 32, 4 * PANEL);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, w + 64, 4 * PANEL);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(6, w + 96, 4 * PANEL);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+    _tile_stored(2, sums[2], 64);
+    _tile_stored(3, sums[3], 64);
+    for (int64_t i = 0; i < 16 && r0 + i < m; i++) {
+      const __m512 acc[4] = {_mm512_load_ps(sums[0][i]), _mm512_load_ps(sums[1][i]), _mm512_load_ps(sums[2][i]),
+                             _mm512_load_ps(sums[3][i])};
+      store_row(acc, residual, y, (r0 + i) * n + first, live);
     }
   }
+}
+
+/* Tiles 0-3 hold sums, 4 a block of x, 5 and 6 weights: 16 rows of 64 bytes each. The
+ * configuration is per thread, and torch's own AMX kernels may change it between calls. */
+static void configure_tiles(void) {
+  struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes[16];
+    uint8_t rows[16];
+  } config = {.palette = 1};
+  for (int t = 0; t < 7; t++) {
+    config.bytes[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+/* Linux hands AMX state to a process only when asked; 0 when this process may use the tiles. */
+int multiguess_amx_enable(void) {
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
 }
 
 /* x: [m][k] bf16 ([m][2k], gate then up, when gated), packed: [ceil(n / 64)][k/2][64][2] bf16
@@ -150,25 +226,41 @@ static void panel_product(const uint16_t *panel, const uint16_t *x, const uint16
  * norm_weight the product is of RMSNorm(x) (epsilon eps); with gated, of silu(gate) * up. */
 int multiguess_bf16_matmul(const uint16_t *packed, const uint16_t *x, const uint16_t *bias,
                            uint16_t *y, int64_t m, int64_t k, int64_t n, int threads,
-                           const uint16_t *norm_weight, float eps, int gated, const uint16_t *residual) {
+                           const uint16_t *norm_weight, float eps, int gated, const uint16_t *residual,
+                           int amx) {
   uint16_t *prepared = NULL;
   if (m == 0) return 0;
-  if (norm_weight || gated) {
-    prepared = malloc((size_t)(m * k) * sizeof *prepared);
+  amx = amx && k % 32 == 0;
+  const int64_t padded = amx ? (m + 15) / 16 * 16 : m;
+  if (norm_weight || gated || padded != m) {
+    prepared = calloc((size_t)(padded * k), sizeof *prepared);
     if (!prepared) return -1;
 #pragma omp parallel for num_threads(threads) schedule(static) if (m > 1)
     for (int64_t r = 0; r < m; r++) {
       if (gated)
         silu_mul_row(x + r * 2 * k, k, prepared + r * k);
-      else
+      else if (norm_weight)
         rms_norm_row(x + r * k, norm_weight, eps, k, prepared + r * k);
+      else
+        memcpy(prepared + r * k, x + r * k, (size_t)k * sizeof *x);
     }
     x = prepared;
   }
   const int64_t panels = (n + PANEL - 1) / PANEL;
+  if (amx) {
+#pragma omp parallel num_threads(threads)
+    {
+      configure_tiles();
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < panels; p++)
+        panel_product_amx(packed + p * k * PANEL, x, bias, residual, y, m, padded, k, n, p * PANEL);
+      _tile_release();
+    }
+  } else {
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t p = 0; p < panels; p++)
-    panel_product(packed + p * k * PANEL, x, bias, residual, y, m, k, n, p * PANEL);
+    for (int64_t p = 0; p < panels; p++)
+      panel_product(packed + p * k * PANEL, x, bias, residual, y, m, k, n, p * PANEL);
+  }
   free(prepared);
   return 0;
 }
@@ -299,6 +391,7 @@ typedef struct {
   float *queries; /* [m][heads * dim] */
   int64_t batch, width, d, heads, kv_heads, dim, capacity, length;
   int threads;
+  int amx; /* products on AMX tiles (multiguess_bf16_matmul) */
 } multiguess_step;
 
 /* A whole pre-norm SiLU-gated decoder layer on the residual stream x [m][d] (bf16, updated in
@@ -309,7 +402,7 @@ int multiguess_bf16_layer(const multiguess_layer *layer, const multiguess_step *
   const int64_t m = step->batch * step->width, inner = step->heads * step->dim;
   const int threads = step->threads;
   if (multiguess_bf16_matmul(layer->qkv, x, layer->qkv_bias, step->qkv, m, step->d, layer->qkv_n, threads,
-                             layer->input_norm, layer->eps, 0, NULL))
+                             layer->input_norm, layer->eps, 0, NULL, step->amx))
     return -1;
   multiguess_bf16_rope_cache(step->qkv, step->cos, step->sin, step->queries, layer->cache, step->slots,
                              step->starts, step->batch, step->width, step->heads, step->kv_heads, step->dim,
@@ -319,11 +412,11 @@ int multiguess_bf16_layer(const multiguess_layer *layer, const multiguess_step *
                            layer->scale, threads))
     return -1;
   if (multiguess_bf16_matmul(layer->o, step->attn, layer->o_bias, step->h, m, inner, step->d, threads, NULL, 0.0f,
-                             0, x))
+                             0, x, step->amx))
     return -1;
   if (multiguess_bf16_matmul(layer->gate_up, step->h, layer->gate_up_bias, step->gate_up, m, step->d,
-                             2 * layer->inter, threads, layer->post_norm, layer->post_eps, 0, NULL))
+                             2 * layer->inter, threads, layer->post_norm, layer->post_eps, 0, NULL, step->amx))
     return -1;
   return multiguess_bf16_matmul(layer->down, step->gate_up, layer->down_bias, x, m, layer->inter, step->d, threads,
-                                NULL, 0.0f, 1, step->h);
+                                NULL, 0.0f, 1, step->h, step->amx);
 }
