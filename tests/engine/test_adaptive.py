@@ -106,24 +106,59 @@ def test_update_counts_each_width_only_where_the_level_had_that_many_children() 
     start = Coverage((0.5, 0.5, 0.5))
     # Rank 1 of 3 accepted: a miss for top-1, a hit for top-2 and top-3. A chain's miss says
     # nothing about wider levels.
-    assert policy.update(start, [(3, 1)]).rates == (0.0, 1.0, 1.0)
-    assert policy.update(start, [(1, None)]).rates == (0.0, 0.5, 0.5)
-    assert policy.update(start, [(3, 0), (1, None)]).rates == (0.5, 1.0, 1.0)
+    assert policy.update(start, [[(3, 1)]]).rates == (0.0, 1.0, 1.0)
+    assert policy.update(start, [[(1, None)]]).rates == (0.0, 0.5, 0.5)
+    assert policy.update(start, [[(3, 0), (1, None)]]).rates == (0.5, 1.0, 1.0)  # one depth: pooled
     assert policy.update(start, []) == start
     damped = AdaptivePolicy(smoothing=0.1, step_weight=0.3)
-    assert damped.update(start, [(1, 0)]).rates[0] == pytest.approx(0.55)  # one level weighs 0.1
-    assert damped.update(start, [(1, 0)] * 8).rates[0] == pytest.approx(0.65)  # a step at most 0.3
+    assert damped.update(start, [[(1, 0)]]).rates[0] == pytest.approx(0.55)  # one level weighs 0.1
+    assert damped.update(start, [[(1, 0)]] * 8).rates[0] == pytest.approx(0.65)  # a step at most 0.3
+
+
+def test_update_keeps_each_depth_apart() -> None:
+    """A tree's first level updates the first-level rates, its second the second's, and
+    everything deeper the deepest tracked rates; a depth no path reached keeps its estimate."""
+    policy = AdaptivePolicy(smoothing=1.0, step_weight=1.0)
+    start = Coverage.prior(0.5, 1, depth=3)
+    assert start.deeper == ((0.5,), (0.5,))
+    hit_then_miss = policy.update(start, [[(1, 0), (1, None)]])
+    assert (hit_then_miss.rates, hit_then_miss.deeper) == ((1.0,), ((0.0,), (0.5,)))
+    deep = policy.update(start, [[(1, 0), (1, 0), (1, 0), (1, None)]])
+    assert deep.deeper == ((1.0,), (0.5,))  # depths 3 and 4 pooled: one hit, one miss
+    assert deep(1, depth=9) == 0.5
+
+
+def test_expected_tokens_follow_each_depths_rates() -> None:
+    """A chain whose deeper levels are accepted more often (text the draft got right once it
+    tends to go on getting right) yields more than the first level's rate says."""
+    flat = Coverage((0.4,), ((0.4,),))
+    rising = Coverage((0.4,), ((0.6,),))
+    chain = TreeBudget(1, 3, 3)
+    assert expected_tokens(flat, chain) == pytest.approx(1 + 0.4 + 0.16 + 0.064)
+    assert expected_tokens(rising, chain) == pytest.approx(1 + 0.4 + 0.24 + 0.144)
+    assert POLICY.plan(BASE, [rising], 0.1, BF16_COST).depth > POLICY.plan(BASE, [flat], 0.1, BF16_COST).depth
 
 
 def test_cost_meter_ratio() -> None:
     meter = CostMeter(window=5, min_samples=2, prior_ratio=0.1)
-    assert meter.ratio(plain_step=0.04) == 0.1
+    assert meter.ratios(plain_step=0.04) == (0.0, 0.1)
     meter.record(draft_seconds=0.0, levels=0)  # a plain step: no draft cost
     meter.record(draft_seconds=0.012, levels=3)
-    assert meter.ratio(plain_step=0.04) == 0.1  # one sample is not yet a measurement
+    assert meter.ratios(plain_step=0.04) == (0.0, 0.1)  # one sample is not yet a measurement
     meter.record(draft_seconds=0.024, levels=3)
-    assert meter.ratio(plain_step=0.04) == pytest.approx(0.006 / 0.04)  # the median of 4 and 8 ms
-    assert meter.ratio(plain_step=0.03) == pytest.approx(0.006 / 0.03)
+    # One depth only: a line through zero, the median of 4 and 8 ms per level.
+    assert meter.ratios(plain_step=0.04) == pytest.approx((0.0, 0.006 / 0.04))
+    assert meter.ratios(plain_step=0.03) == pytest.approx((0.0, 0.006 / 0.03))
+
+
+def test_cost_meter_splits_a_steps_fixed_cost_from_its_levels() -> None:
+    """One level for 2 ms and three for 4 ms: 1 ms a step and 1 ms a level, not the 2 ms a
+    level that one level's step would say, nor the 1.33 ms of three; a stalled step moves neither."""
+    meter = CostMeter()
+    for levels, seconds in ((1, 0.002), (3, 0.004), (1, 0.002), (3, 0.004), (2, 0.090), (2, 0.003)):
+        meter.record(draft_seconds=seconds, levels=levels)
+    assert meter.fitted() == pytest.approx((0.001, 0.001))
+    assert meter.ratios(plain_step=0.01) == pytest.approx((0.1, 0.1))
 
 
 def test_one_stalled_step_does_not_move_the_draft_cost() -> None:
@@ -214,7 +249,7 @@ def test_new_requests_start_from_the_rate_measured_on_earlier_ones(
     target = load_model(str(tiny_llama), dtype="float32")
     for draft in (tiny_llama, tiny_llama_draft):
         engine = Engine(target, load_model(str(draft), dtype="float32"), config)
-        assert engine.coverage[True] == config.policy.initial(3)  # before anything was drafted
+        assert engine.coverage[True] == config.policy.initial(3, config.depth)  # before anything was drafted
         for i, prompt in enumerate(random_prompts(4, (6, 12))):
             engine.add_request(str(i), prompt, SamplingParams(max_tokens=24, ignore_eos=True))
         while engine.has_unfinished():
@@ -234,8 +269,8 @@ def test_sampled_requests_keep_their_own_estimates(tiny_llama: Path, tiny_llama_
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
-    assert engine.coverage[True] == config.policy.initial(3)
-    assert engine.coverage[False] != config.policy.initial(3)
+    assert engine.coverage[True] == config.policy.initial(3, config.depth)
+    assert engine.coverage[False] != config.policy.initial(3, config.depth)
 
 
 def test_one_sequence_probes_at_a_time_the_one_observed_longest_ago(

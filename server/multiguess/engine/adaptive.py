@@ -1,21 +1,21 @@
 """Adaptive speculation: how big a tree the batch's sequences get this step (a pure policy).
 
-Four signals decide. *Acceptance by width*: a drafted node with c children lets the path go on
-when the target's token is among them, which happens at the draft's top-c *coverage* on this
-traffic (``Coverage``: running estimates for c = 1 … num_candidates, every verified tree
-observing each level its accepted path tried). A chain drafts one child per level and goes on
-at the top-1 rate; a tree of width 3 at the top-3 rate, which is higher. So each tree
-shape's expected tokens follow from the coverage and the tree the drafter would grow
-(``expected_tokens``). *Draft cost*: each level costs ``r`` plain target steps (r = measured
-draft time per level / the target's plain step at this batch size; steps in which a
-sequence's draft first caught up on tokens it had not seen are left out: that catch-up
-is paid once when drafting resumes, not per level). *Verification cost*: verifying n nodes per
-sequence costs ``g`` plain steps, read from the target's forward time by tokens in the forward
-(``ForwardCost``, measured when the engine starts): nearly 1 while the forward is memory-bound,
-growing once it is compute-bound, which on a CPU happens at a few tokens. A step costs
-``g + d·r``; the plan tries every width and depth within the budget and keeps the shape with
-the most tokens per cost, and nothing is drafted when none beats plain decoding by
-``min_speedup``. *Load*: ``token_budget`` nodes are shared by the batch at most: few sequences
+Four signals decide. *Acceptance by width and depth*: a drafted node with c children lets
+the path go on when the target's token is among them, which happens at the draft's top-c
+*coverage* on this traffic (``Coverage``: running estimates for c = 1 … num_candidates at each
+depth, every verified tree observing each level its accepted path tried). A chain drafts one
+child per level and goes on at the top-1 rate; a tree of width 3 at the top-3 rate, which is
+higher. So each tree shape's expected tokens follow from the coverage and the tree the drafter
+would grow (``expected_tokens``). *Draft cost*: a drafting step costs ``f`` plain target steps
+and each level ``r`` more (``CostMeter``'s fit of the measured draft time over the target's
+plain step at this batch size; steps in which a sequence's draft first caught up on tokens it
+had not seen are left out: that catch-up is paid once when drafting resumes). *Verification
+cost*: verifying n nodes per sequence costs ``g`` plain steps, read from the target's forward
+time by tokens in the forward (``ForwardCost``, measured when the engine starts): nearly 1
+while the forward is memory-bound, growing once it is compute-bound, which on a CPU happens at
+a few tokens (on AMX tiles, at many more). A step costs ``g + f + d·r``; the plan tries every
+width and depth within the budget and keeps the shape with the most tokens per cost, and
+nothing is drafted when none beats plain decoding by ``min_speedup``. *Load*: ``token_budget`` nodes are shared by the batch at most: few sequences
 get bushy trees, many get chains, very many get none.
 
 While nothing is drafted, one sequence at a time *probes*, so the estimates can recover: the
@@ -53,34 +53,51 @@ Outcome = tuple[int, int | None]
 @dataclass(frozen=True)
 class Coverage:
     """``rates[c - 1]``: how often the target's next token is among the draft's ``c`` best
-    children of a node (sampled requests: its first ``c`` draws), c = 1 … the widest tree."""
+    children of a first-level node (sampled requests: its first ``c`` draws), c = 1 … the
+    widest tree; ``deeper[d - 2]`` the same at depth d, once the path reached that deep, the
+    last of them for every depth below. Acceptance rises with depth (text the draft got right
+    twice is text it tends to go on getting right), so one rate for all depths would price
+    deep trees below what they yield. Without ``deeper`` every depth has ``rates``."""
 
     rates: tuple[float, ...]
+    deeper: tuple[tuple[float, ...], ...] = ()
 
     @classmethod
-    def prior(cls, top1: float, width: int) -> Coverage:
-        """Before anything was verified: ``top1``, and wider as if each child were an
-        independent try. Optimistic for wide trees on purpose, so that they are tried and
-        measured (a chain never observes what width would have caught)."""
-        return cls(tuple(round(1 - (1 - top1) ** c, 3) for c in range(1, max(1, width) + 1)))
+    def prior(cls, top1: float, width: int, depth: int = 1) -> Coverage:
+        """Before anything was verified: ``top1`` at every depth, and wider as if each child
+        were an independent try. Optimistic for wide trees on purpose, so that they are tried
+        and measured (a chain never observes what width would have caught)."""
+        rates = tuple(round(1 - (1 - top1) ** c, 3) for c in range(1, max(1, width) + 1))
+        return cls(rates, (rates,) * (depth - 1))
 
-    def __call__(self, children: int) -> float:
-        """The rate for ``children`` children (none: 0), never below a narrower width's: the
-        estimates of different widths come from different levels and can cross."""
-        return max(self.rates[:children], default=0.0)
+    def at(self, depth: int) -> tuple[float, ...]:
+        """The rates by width of nodes ``depth`` levels below the root (1: its children)."""
+        levels = (self.rates, *self.deeper)
+        return levels[min(depth, len(levels)) - 1]
 
-    def updated(self, outcomes: list[Outcome], per_outcome: float, most: float) -> Coverage:
-        """Fold one step's outcomes in: for each width c, the levels that had at least c
-        children say whether the accepted child was among the first c. Each outcome weighs
-        ``per_outcome`` and a step at most ``most``, so a big batch's step does not erase the
-        history and a lone sequence's one level does not swing it."""
-        rates = list(self.rates)
-        for c in range(1, len(rates) + 1):
-            seen = [rank is not None and rank < c for children, rank in outcomes if children >= c]
-            if seen:
-                weight = min(most, per_outcome * len(seen))
-                rates[c - 1] += weight * (sum(seen) / len(seen) - rates[c - 1])
-        return Coverage(tuple(round(rate, 3) for rate in rates))
+    def __call__(self, children: int, depth: int = 1) -> float:
+        """The rate for ``children`` children (none: 0) at ``depth``, never below a narrower
+        width's: the estimates of different widths come from different levels and can cross."""
+        return max(self.at(depth)[:children], default=0.0)
+
+    def updated(self, trees: list[list[Outcome]], per_outcome: float, most: float) -> Coverage:
+        """Fold one step's verified trees in, each as the levels its accepted path tried (root
+        first, ``level_outcomes``), every depth into its own rates (the deepest tracked takes
+        all below it): for each width c, the levels that had at least c children say whether
+        the accepted child was among the first c. Each outcome weighs ``per_outcome`` and a
+        depth's outcomes of one step at most ``most``, so a big batch's step does not erase
+        the history and a lone sequence's one level does not swing it."""
+        levels = [list(self.rates), *(list(rates) for rates in self.deeper)]
+        for depth, rates in enumerate(levels):
+            last = depth == len(levels) - 1
+            outcomes = [o for tree in trees for o in (tree[depth:] if last else tree[depth : depth + 1])]
+            for c in range(1, len(rates) + 1):
+                seen = [rank is not None and rank < c for children, rank in outcomes if children >= c]
+                if seen:
+                    weight = min(most, per_outcome * len(seen))
+                    rates[c - 1] += weight * (sum(seen) / len(seen) - rates[c - 1])
+        first, *rest = (tuple(round(rate, 3) for rate in rates) for rates in levels)
+        return Coverage(first, tuple(rest))
 
 
 def level_outcomes(tree: TokenTree, path: list[int]) -> list[Outcome]:
@@ -109,22 +126,24 @@ def expected_tokens(coverage: Coverage, tree: TreeBudget) -> float:
     and then the likeliest others."""
     if tree.depth == 0:
         return 1.0
-    spine, others = _reach(coverage.rates, tree.num_candidates, tree.depth)
+    levels = tuple(coverage.at(depth) for depth in range(1, tree.depth + 1))
+    spine, others = _reach(levels, tree.num_candidates, tree.depth)
     kept = min(tree.max_nodes, tree.depth)
     return 1.0 + spine[kept] + others[min(len(others) - 1, tree.max_nodes - kept)]
 
 
 @functools.lru_cache(maxsize=1024)
-def _reach(rates: tuple[float, ...], width: int, depth: int) -> tuple[list[float], list[float]]:
-    """How likely the path is to reach the drafter's candidates ``depth`` levels deep, as
-    running sums: of the spine's first i nodes, and of the i likeliest others. Cached: a plan
-    asks for every shape, and the estimates are kept to three decimals."""
-    coverage = Coverage(rates)
-    p = [coverage(r + 1) - coverage(r) for r in range(width)]
+def _reach(levels: tuple[tuple[float, ...], ...], width: int, depth: int) -> tuple[list[float], list[float]]:
+    """How likely the path is to reach the drafter's candidates ``depth`` levels deep (level
+    i's rates by width: ``levels[i]``), as running sums: of the spine's first i nodes, and of
+    the i likeliest others. Cached: a plan asks for every shape, and the estimates are kept to
+    three decimals."""
     spine: list[float] = []
     others: list[float] = []
     beam = [(1.0, True)]
-    for _ in range(depth):
+    for rates in levels[:depth]:
+        coverage = Coverage(rates)
+        p = [coverage(r + 1) - coverage(r) for r in range(width)]
         children = [(reach * p[r], on_spine and r == 0) for reach, on_spine in beam for r in range(width)]
         spine += [reach for reach, on_spine in children if on_spine]
         rest = sorted((reach for reach, on_spine in children if not on_spine), reverse=True)
@@ -174,11 +193,11 @@ class AdaptivePolicy:
     probe_every_max: int = 64  # longest interval between probes while they keep finding no gain
     nearly_free: float = 0.25  # a forward this close to one token's time raises token_budget
 
-    def initial(self, width: int) -> Coverage:
-        return Coverage.prior(self.prior, width)
+    def initial(self, width: int, depth: int) -> Coverage:
+        return Coverage.prior(self.prior, width, depth)
 
-    def update(self, coverage: Coverage, outcomes: list[Outcome]) -> Coverage:
-        return coverage.updated(outcomes, self.smoothing, self.step_weight)
+    def update(self, coverage: Coverage, trees: list[list[Outcome]]) -> Coverage:
+        return coverage.updated(trees, self.smoothing, self.step_weight)
 
     def probe_interval(self, batch_size: int) -> int:
         """The longest wait between probes at this batch size (see the module's docstring)."""
@@ -190,14 +209,17 @@ class AdaptivePolicy:
         coverages: list[Coverage],
         cost_ratio: float,
         forward_cost: ForwardCost | None = None,
+        step_ratio: float = 0.0,
     ) -> TreeBudget:
         """The tree every sequence of the batch drafts, at most ``base``; depth 0 when none pays.
+        Drafting costs ``step_ratio`` plain steps a step and ``cost_ratio`` a level.
 
         ``coverages`` holds each sequence's estimates (the engine keeps one for greedy and one
         for sampled requests, whose rates differ several-fold); a shape's tokens are their mean.
         Plans are remembered: while drafting is off nothing they read changes from step to step."""
         kinds = tuple(collections.Counter(coverages).items())
-        return self._plan(base, kinds, len(coverages), cost_ratio, forward_cost or ForwardCost())
+        cost = forward_cost or ForwardCost()
+        return self._plan(base, kinds, len(coverages), cost_ratio, cost, step_ratio)
 
     @functools.lru_cache(maxsize=1024)  # noqa: B019 - policies are few and live as long as engines
     def _plan(
@@ -207,6 +229,7 @@ class AdaptivePolicy:
         batch: int,
         cost_ratio: float,
         cost: ForwardCost,
+        step_ratio: float,
     ) -> TreeBudget:
         batch, nodes = max(1, batch), self.room(base, batch)
         off = TreeBudget(base.num_candidates, 0, base.max_nodes)
@@ -217,7 +240,7 @@ class AdaptivePolicy:
 
         def speedup(tree: TreeBudget) -> float:
             tokens = sum(count * expected_tokens(c, tree) for c, count in kinds) / batch
-            return tokens / (growth[tree.max_nodes] + tree.depth * cost_ratio)
+            return tokens / (growth[tree.max_nodes] + step_ratio + tree.depth * cost_ratio)
 
         best = max(shapes, key=speedup)
         return best if speedup(best) >= self.min_speedup else off
@@ -291,32 +314,51 @@ class ProbeSchedule:
 
 @dataclass
 class CostMeter:
-    """The draft's time per level: the median of the latest ``window`` steps that drafted on
-    caught-up caches, once ``min_samples`` have. A median, because one stalled step (a page-fault
-    storm, another process on the cores) must not switch drafting off: nothing is measured
-    while it is off, so an inflated estimate would keep it off for good."""
+    """The draft's time per drafting step, as a fixed part (catching up on the accepted tokens,
+    assembling the tree) plus a part per level, fitted to the latest ``window`` steps that
+    drafted on caught-up caches once ``min_samples`` have. Theil-Sen: the median of the slopes
+    between steps of different depths, then the median of what is left, so one stalled step (a
+    page-fault storm, another process on the cores) moves neither: nothing is measured while
+    drafting is off, and an inflated estimate would keep it off for good. Steps all of one depth
+    fit a line through zero (their median time per level). Pricing every level at a step's
+    mean per level would make deep trees look dearer than they are, and once the plan stays
+    shallow, nothing would show otherwise."""
 
-    window: int = 9
+    window: int = 15
     min_samples: int = 3
-    prior_ratio: float = 0.1  # assumed before enough was measured: a small draft
-    samples: collections.deque[float] = field(init=False)
+    prior_ratio: float = 0.1  # per level, assumed before enough was measured: a small draft
+    samples: collections.deque[tuple[int, float]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.samples = collections.deque(maxlen=self.window)
 
     def record(self, draft_seconds: float, levels: int) -> None:
         if levels > 0:
-            self.samples.append(draft_seconds / levels)
+            self.samples.append((levels, draft_seconds))
+
+    def fitted(self) -> tuple[float, float] | None:
+        """Seconds per drafting step and per level, or None before ``min_samples`` steps."""
+        if len(self.samples) < self.min_samples:
+            return None
+        slopes = [
+            (s1 - s0) / (d1 - d0)
+            for (d0, s0), (d1, s1) in itertools.combinations(self.samples, 2)
+            if d1 != d0
+        ]
+        if not slopes:
+            return 0.0, statistics.median(seconds / levels for levels, seconds in self.samples)
+        per_level = max(0.0, statistics.median(slopes))
+        return max(0.0, statistics.median(s - per_level * d for d, s in self.samples)), per_level
 
     @property
     def draft_per_level(self) -> float | None:
-        if len(self.samples) < self.min_samples:
-            return None
-        return statistics.median(self.samples)
+        fit = self.fitted()
+        return None if fit is None else fit[1]
 
-    def ratio(self, plain_step: float) -> float:
-        """Draft time per level in units of ``plain_step`` (the target's plain step at this batch)."""
-        per_level = self.draft_per_level
-        if per_level is None or not plain_step:
-            return self.prior_ratio
-        return per_level / plain_step
+    def ratios(self, plain_step: float) -> tuple[float, float]:
+        """The fixed and the per-level cost in units of ``plain_step`` (the target's plain step
+        at this batch size)."""
+        fit = self.fitted()
+        if fit is None or not plain_step:
+            return 0.0, self.prior_ratio
+        return fit[0] / plain_step, fit[1] / plain_step

@@ -194,7 +194,9 @@ class Engine:
         # apart: the policy's prior until anything was drafted, then running rates over every
         # verified tree, so a new request does not spend its first steps on an optimistic guess.
         policy = self.config.policy
-        self.coverage = dict.fromkeys((True, False), policy.initial(self.config.num_candidates))
+        self.coverage = dict.fromkeys(
+            (True, False), policy.initial(self.config.num_candidates, self.config.depth)
+        )
         self.probes = ProbeSchedule(policy.probe_every)
         # Measured whatever the drafter: a server attaches a remote drafter after construction.
         self.forward_cost = ForwardCost()
@@ -275,7 +277,7 @@ class Engine:
         for seq in drafting:
             seq.drafted_at = self.steps
         outputs: list[StepOutput] = []
-        observed: dict[bool, list[Outcome]] = {True: [], False: []}
+        observed: dict[bool, list[list[Outcome]]] = {True: [], False: []}
         rows = [
             node_logits(seq, p.tree, logits[b], self.eos_ids)
             for b, (seq, p) in enumerate(zip(batch, proposals, strict=True))
@@ -299,7 +301,7 @@ class Engine:
                 self.drafter.commit(seq.slot, proposal, acceptance)
             self._record(seq, proposal, acceptance)
             self.last_outcomes.append(level_outcomes(proposal.tree, acceptance.path))
-            observed[seq.params.greedy].extend(self.last_outcomes[-1])
+            observed[seq.params.greedy].append(self.last_outcomes[-1])
             before = len(seq.output_ids)
             logprobs = step_logprobs(
                 seq.params.logprobs, acceptance.path, acceptance.tokens, rows[b], target_probs.get(b)
@@ -429,8 +431,9 @@ class Engine:
         cfg, cost = self.config, self.forward_cost
         if not cfg.adaptive:
             return [cfg.budget] * len(batch)
-        ratio = self.costs.ratio(cost(len(batch)))
-        planned = cfg.policy.plan(cfg.budget, [self.coverage[s.params.greedy] for s in batch], ratio, cost)
+        fixed, per_level = self.costs.ratios(cost(len(batch)))
+        coverages = [self.coverage[s.params.greedy] for s in batch]
+        planned = cfg.policy.plan(cfg.budget, coverages, per_level, cost, fixed)
         trees = [planned] * len(batch)
         if planned.depth > 0:
             self.probes.reset()
@@ -460,7 +463,8 @@ class Engine:
             return True
         if ranks is None:
             return False
-        self.coverage[True] = self.config.policy.update(self.coverage[True], [(width, r) for r in ranks])
+        observed = [[(width, rank)] for rank in ranks]  # each a first-level guess
+        self.coverage[True] = self.config.policy.update(self.coverage[True], observed)
         seq.drafted_at = self.steps
         return True
 
