@@ -108,7 +108,7 @@ class CpuBackend:
     @property
     def label(self) -> str:
         if self.layer_kernels:
-            return "multiguess bf16"
+            return "multiguess bf16 on AMX tiles" if bf16_kernel.matrix_units() else "multiguess bf16"
         return "prepacked" if self.packed else "eager"
 
     def mask(self, visible: torch.Tensor, plain: bool) -> torch.Tensor:
