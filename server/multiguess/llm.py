@@ -92,7 +92,8 @@ class LLM:
     ``cuda_graphs`` replays captured forwards on GPUs (opt-in; ``eager`` stays the escape hatch).
     ``max_prefill_tokens`` caps the prompt tokens prefilled per step (chunked prefill).
     ``prefix_caching`` starts each prompt from the KV of the longest prefix it shares with a
-    recent or running sequence (``engine/prefix_cache.py``).
+    recent or running sequence (``engine/prefix_cache.py``). ``prompt_lookup`` grafts that many
+    tokens of prompt lookup past a drafted tree's depth onto greedy and seeded trees (0: none).
     """
 
     def __init__(
@@ -117,6 +118,7 @@ class LLM:
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         max_prefill_tokens: int | None = None,
         prefix_caching: bool = True,
+        prompt_lookup: int = 8,
     ) -> None:
         config = EngineConfig(
             num_candidates,
@@ -131,6 +133,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             max_prefill_tokens=max_prefill_tokens,
             prefix_caching=prefix_caching,
+            prompt_lookup=prompt_lookup,
         )
         self.engine = build_engine(
             config, target, draft, drafter, dtype, device, draft_device, draft_quantization, draft_dtype

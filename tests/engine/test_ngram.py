@@ -2,9 +2,11 @@
 
 from pathlib import Path
 
+import pytest
 from multiguess import LLM, SamplingParams
 from multiguess.engine.drafter import DraftRequest, TreeBudget
-from multiguess.engine.ngram import NgramDrafter, find_continuations, trie
+from multiguess.engine.ngram import NgramDrafter, find_continuations, graft, lookup_chain, trie
+from multiguess.engine.tree import TokenTree
 
 from tests.engine.test_lossless import random_prompts, reference
 
@@ -41,3 +43,58 @@ def test_ngram_speculation_is_lossless_and_accepts_on_repetitive_text(tiny_llama
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
     assert [o.token_ids for o in outs] == reference(tiny_llama, prompts, 32, ignore_eos=True)
     assert sum(o.stats["accepted_tokens"] for o in outs) > 0
+
+
+def test_lookup_chain_continues_the_latest_repeat_of_the_longest_suffix() -> None:
+    assert lookup_chain([1, 2, 3, 9, 1, 2, 3, 8, 5, 2, 3], 3) == [8, 5, 2]  # "2 3" last seen before 8
+    assert lookup_chain([1, 2, 3, 4], 3) == []  # no suffix of two tokens repeats
+    assert lookup_chain([7, 5, 7], 3) == []  # one token is not a repeat worth grafting
+
+
+def test_graft_follows_the_trees_own_nodes_then_appends_the_rest() -> None:
+    #     0            root 10
+    #   1   2          11, 12
+    #   3              13 under 11
+    tree = TokenTree((10, 11, 12, 13), (-1, 0, 0, 1))
+    grafted = graft(tree, [11, 13, 14, 15], max_new=5)
+    assert grafted.tokens[:4] == tree.tokens and grafted.parents[:4] == tree.parents  # indices kept
+    assert grafted.tokens[4:] == (14, 15) and grafted.parents[4:] == (3, 4)  # under 11 -> 13
+    branch = graft(tree, [12, 20, 21], max_new=1)
+    assert branch.tokens[4:] == (20,) and branch.parents[4:] == (2,)  # capped at one new node
+    assert graft(tree, [11, 13], max_new=5) == tree  # nothing new: the same tree
+    assert graft(tree, [], max_new=5) == tree
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+def test_grafted_lookup_is_lossless_and_accepted_on_repetitive_text(
+    tiny_llama: Path, tiny_llama_draft: Path, seed: int | None
+) -> None:
+    """Greedy (and seeded) trees carry prompt lookup past the draft's depth: outputs stay
+    those of plain decoding, and on repetitive text some accepted tokens are grafted ones;
+    with lookup off, none are."""
+    prompts = [p * 3 for p in random_prompts(4, (5, 12, 30))] + random_prompts(8, (1, 50))
+    params = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0 if seed is None else 0.3, seed=seed)
+    plain = LLM(str(tiny_llama), None, dtype="float32", max_batch=4)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    for lookup in (8, 0):
+        llm = LLM(
+            str(tiny_llama),
+            str(tiny_llama_draft),
+            2,
+            2,
+            dtype="float32",
+            adaptive=False,
+            prompt_lookup=lookup,
+        )
+        outs = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert (llm.engine.totals.lookup_tokens > 0) == (lookup > 0)
+
+
+def test_unseeded_sampled_trees_get_no_lookup(tiny_llama: Path, tiny_llama_draft: Path) -> None:
+    """Exact sampling checks each child against the draft's distribution it was drawn from:
+    a grafted node was not drawn from any, so sampled trees keep only the draft's nodes."""
+    prompts = [p * 3 for p in random_prompts(4, (5, 12, 30))]
+    llm = LLM(str(tiny_llama), str(tiny_llama_draft), 2, 2, dtype="float32", adaptive=False)
+    llm.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.8))
+    assert llm.engine.totals.lookup_tokens == 0 and llm.engine.totals.accepted_tokens > 0

@@ -136,12 +136,15 @@ def test_seeded_sampling_with_reuse_is_sampling_without(pair: tuple) -> None:
 
 
 def test_an_evicted_prefix_is_prefilled_again(pair: tuple) -> None:
-    """Two free slots keep two prefixes: a third prompt evicts the least recently stored one."""
+    """Two free slots keep two prefixes: a third prompt evicts the least recently stored one.
+    (Without prompt lookup, whose accepted runs would change which request retires first.)"""
     target, draft = pair
     a, b, c = shared_prompts(3), shared_prompts(4), shared_prompts(5)
     assert len({a[0][0], b[0][0], c[0][0]}) == 3  # three system prompts that share nothing
     waves = [[a[0], b[0]], [c[0]], [b[2]], [a[2]]]  # a retires first: b's entry is the newer
-    runs = {c: serve(engine_for(target, draft, c, max_batch=2), waves) for c in (False, True)}
+    runs = {
+        c: serve(engine_for(target, draft, c, max_batch=2, prompt_lookup=0), waves) for c in (False, True)
+    }
     assert [s.output_ids for s in runs[True]] == [s.output_ids for s in runs[False]]
     assert [s.cached_tokens for s in runs[True]] == [0, 0, 0, 40, 0]  # c evicted a's, b's stayed
 

@@ -77,7 +77,11 @@ def head_server(small_vocab_target: Path, head: Path) -> Iterator[Callable[..., 
 
 
 def config(num_candidates: int, depth: int) -> EngineConfig:
-    return EngineConfig(num_candidates, depth, 16, max_batch=4, max_model_len=128, adaptive=False)
+    """Fixed trees and no prompt lookup, which only local drafters' trees take: the local and
+    the remote head then verify the same trees."""
+    return EngineConfig(
+        num_candidates, depth, 16, max_batch=4, max_model_len=128, adaptive=False, prompt_lookup=0
+    )
 
 
 class Recorder:

@@ -84,6 +84,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="prompt tokens prefilled per step at most (chunked prefill: a long prompt does not "
         "stall running streams); 0: each prompt whole",
     )
+    add_flag(
+        parser,
+        "--prompt-lookup",
+        8,
+        int,
+        help="tokens of prompt lookup (the continuation of the latest repeat of the text's suffix) "
+        "grafted past the draft's depth onto greedy and seeded trees; 0: none",
+    )
     add_flag(parser, "--threads", 0, int, help="CPU threads for torch (0: the cores this process may use)")
     add_switch(parser, "--no-adaptive", "always draft the full tree budget")
     add_switch(parser, "--eager", "plain PyTorch kernels, no prepacked CPU weights (escape hatch)")
@@ -153,4 +161,5 @@ def build_llm(args: argparse.Namespace) -> Any:
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_prefill_tokens=args.max_prefill_tokens or None,
         prefix_caching=args.enable_prefix_caching,
+        prompt_lookup=args.prompt_lookup,
     )

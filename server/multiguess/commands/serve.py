@@ -72,6 +72,7 @@ def build_engine(args: argparse.Namespace, registry: Any = None) -> Any:
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_prefill_tokens=args.max_prefill_tokens or None,
             prefix_caching=args.enable_prefix_caching,
+            prompt_lookup=args.prompt_lookup,
         )
         engine = build_local(config, args.target, None, "none", args.dtype, args.device)
         engine.drafter = RemoteDrafter(

@@ -14,6 +14,9 @@ layers in ``feature_layers``; the engine then has its target forwards capture th
 them over with ``add_features(slot, position, features)``: the prompt's after prefill, the
 accepted path's after every verification, so they flow into the next proposal.
 
+A drafter whose ``takes_grafts`` is true lets the engine graft prompt-lookup nodes onto its
+greedy and seeded trees after the drafter's own (``Proposal.drafted``).
+
 A drafter with ``prefill(slot, token_ids)`` catches up on a prompt while the target prefills
 it, chunk by chunk under ``EngineConfig.max_prefill_tokens``; one without catches up at its
 first proposal, on the whole prompt at once.
@@ -22,6 +25,7 @@ first proposal, on the whole prompt at once.
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -86,6 +90,20 @@ class Proposal:
     tree: TokenTree
     # For sampled children: node index -> the distribution its children were drawn from.
     draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
+    # How many of the tree's first nodes the drafter drafted (None: all); the rest were
+    # grafted on by prompt lookup (``ngram.graft``), which says nothing of the drafter's coverage.
+    drafted: int | None = None
+
+    @property
+    def drafted_depth(self) -> int:
+        """The levels the drafter drafted (grafted nodes may reach deeper)."""
+        return max(self.tree.depths[: self.drafted])
+
+    def drafted_part(self, path: list[int]) -> tuple[TokenTree, list[int]]:
+        """The tree of the drafter's own nodes and the part of ``path`` (root first) in it."""
+        n = len(self.tree) if self.drafted is None else self.drafted
+        own = TokenTree(self.tree.tokens[:n], self.tree.parents[:n])
+        return own, list(itertools.takewhile(lambda node: node < n, path))
 
 
 class Drafter(Protocol):
@@ -192,6 +210,10 @@ class ModelDrafter:
     first (usually the root and a token or two accepted last step), beam nodes are written
     after them and only the accepted ones are kept.
     """
+
+    # Its commit keeps the draft KV of the accepted nodes it fed and its next proposal catches
+    # up on the rest, so the engine may graft prompt-lookup nodes onto its trees.
+    takes_grafts = True
 
     def __init__(self, runner: NativeRunner) -> None:
         self.runner = runner

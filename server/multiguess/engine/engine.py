@@ -32,6 +32,7 @@ from multiguess.engine.guard import fallback_reason
 from multiguess.engine.logprobs import TokenLogprob, prompt_logprobs, step_logprobs
 from multiguess.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION, check_utilization
 from multiguess.engine.memory_probe import fit_to_memory
+from multiguess.engine.ngram import graft, lookup_chain
 from multiguess.engine.padding import padded_groups, prefill_chunks
 from multiguess.engine.penalties import node_logits
 from multiguess.engine.prefix_cache import PrefixIndex, plan_reuse
@@ -65,6 +66,9 @@ class EngineConfig:
     long prompt does not stall the running sequences' tokens; None prefills each prompt whole.
     ``prefix_caching`` starts a new prompt from the KV of the longest prefix it shares with a
     finished or running sequence, for target and draft (``engine/prefix_cache.py``).
+    ``prompt_lookup`` grafts onto each greedy or seeded tree a drafter drafted the continuation
+    of the sequence's latest repeated suffix, up to that many tokens past the tree's depth and
+    within the nodes the batch's share and ``max_nodes`` leave (0: none; see ``_graft_lookups``).
     """
 
     num_candidates: int = 3
@@ -81,6 +85,7 @@ class EngineConfig:
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     max_prefill_tokens: int | None = None
     prefix_caching: bool = True
+    prompt_lookup: int = 8
 
     def __post_init__(self) -> None:
         TreeBudget(self.num_candidates, self.depth, self.max_nodes)  # validates
@@ -93,6 +98,8 @@ class EngineConfig:
         check_utilization(self.gpu_memory_utilization)
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}")
+        if self.prompt_lookup < 0:
+            raise ValueError(f"prompt_lookup must be >= 0, got {self.prompt_lookup}")
 
     @property
     def budget(self) -> TreeBudget:
@@ -272,7 +279,7 @@ class Engine:
         # Draft time per level only from steps that drafted on caught-up caches (see CostMeter).
         drafting = [s for s, p in zip(batch, proposals, strict=True) if len(p.tree) > 1]
         steady = all(s.drafted_at == self.steps - 1 for s in drafting)
-        levels = max(p.tree.max_depth for p in proposals) if steady else 0
+        levels = max(p.drafted_depth for p in proposals) if steady else 0
         self.costs.record(drafted - started, levels)
         for seq in drafting:
             seq.drafted_at = self.steps
@@ -300,7 +307,7 @@ class Engine:
             if self.drafter is not None and len(proposal.tree) > 1:
                 self.drafter.commit(seq.slot, proposal, acceptance)
             self._record(seq, proposal, acceptance)
-            self.last_outcomes.append(level_outcomes(proposal.tree, acceptance.path))
+            self.last_outcomes.append(level_outcomes(*proposal.drafted_part(acceptance.path)))
             observed[seq.params.greedy].append(self.last_outcomes[-1])
             before = len(seq.output_ids)
             logprobs = step_logprobs(
@@ -503,7 +510,33 @@ class Engine:
             return proposals
         for (i, _), proposal in zip(requests, drafted, strict=True):
             proposals[i] = proposal
+        self._graft_lookups(batch, proposals)
         return proposals
+
+    def _graft_lookups(self, batch: list[Sequence], proposals: list[Proposal]) -> None:
+        """Graft prompt lookup (``ngram.lookup_chain``) onto the drafted trees of greedy and
+        seeded sequences, whose acceptance holds for any tree: where a sequence repeats earlier
+        text (summaries, code edits, extraction) the lookup goes on well past where the draft's
+        guesses fade, and drafting it costs microseconds. Only onto trees the policy already
+        pays for, within the nodes the batch's share of the token budget and ``max_nodes``
+        leave, so the verification's size stays what the plan allowed; never onto a tree the
+        request chose itself, nor under a grammar (whose nodes must be allowed tokens)."""
+        cfg = self.config
+        if not cfg.prompt_lookup or not getattr(self.drafter, "takes_grafts", False):
+            return
+        share = cfg.policy.room(cfg.budget, len(batch)) if cfg.adaptive else cfg.max_nodes
+        for i, (seq, proposal) in enumerate(zip(batch, proposals, strict=True)):
+            tree = proposal.tree
+            room = min(share, cfg.max_nodes) - (len(tree) - 1)
+            exact_for_any_tree = seq.params.greedy or seq.params.seed is not None
+            own_tree = fixed_tree(seq.params) or seq.grammar is not None  # the request's own, or constrained
+            if len(tree) == 1 or room < 1 or not exact_for_any_tree or own_tree:
+                continue
+            left = min(seq.remaining, cfg.max_model_len - len(seq.token_ids)) - 1
+            chain = lookup_chain(seq.token_ids, min(tree.max_depth + cfg.prompt_lookup, left))
+            grafted = graft(tree, chain, room)
+            if len(grafted) > len(tree):
+                proposals[i] = replace(proposal, tree=grafted, drafted=len(tree))
 
     def _decode_without_drafter(self, exc: Exception, seqs: list[Sequence]) -> None:
         """This step decodes ``seqs`` plainly; the drafter starts them afresh next time."""
@@ -517,10 +550,13 @@ class Engine:
         self.fallback_reasons[fallback_reason(exc)] += len(seqs)
 
     def _record(self, seq: Sequence, proposal: Proposal, acceptance: Acceptance) -> None:
+        own = len(proposal.tree) if proposal.drafted is None else proposal.drafted
+        looked_up = sum(node >= own for node in acceptance.path)
         for stats in (seq.stats, self.totals):
             stats.verify_steps += 1
             stats.draft_tokens += len(proposal.tree) - 1
             stats.accepted_tokens += acceptance.accepted_drafts
+            stats.lookup_tokens += looked_up
 
     def _retire(self, seq: Sequence) -> None:
         """Free ``seq``'s slot, moving the sequence in the highest slot into it.

@@ -241,6 +241,11 @@ class GuardedDrafter:
             self.release(slot)
 
     @property
+    def takes_grafts(self) -> bool:
+        """Whether the engine may graft prompt lookup onto the inner drafter's trees."""
+        return bool(getattr(self.inner, "takes_grafts", False))
+
+    @property
     def feature_layers(self) -> tuple[int, ...]:
         """The target layers whose hidden states the inner drafter reads (none: it reads none)."""
         return tuple(getattr(self.inner, "feature_layers", ()))

@@ -21,6 +21,7 @@ class SpecStats:
     draft_tokens: int = 0  # drafted nodes the target verified
     accepted_tokens: int = 0  # drafted tokens the target accepted
     fallback_steps: int = 0  # steps decoded without the drafter because it failed
+    lookup_tokens: int = 0  # of the accepted tokens, those prompt lookup grafted onto the trees
 
     @property
     def mean_accepted_length(self) -> float:
@@ -32,6 +33,7 @@ class SpecStats:
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
             "fallback_steps": self.fallback_steps,
+            "lookup_tokens": self.lookup_tokens,
             "mean_accepted_length": round(self.mean_accepted_length, 4),
         }
 
