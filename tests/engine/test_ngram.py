@@ -4,9 +4,12 @@ from pathlib import Path
 
 import pytest
 from multiguess import LLM, SamplingParams
+from multiguess.engine.adaptive import ForwardCost
 from multiguess.engine.drafter import DraftRequest, TreeBudget
+from multiguess.engine.engine import Engine, EngineConfig
 from multiguess.engine.ngram import NgramDrafter, find_continuations, graft, lookup_chain, trie
 from multiguess.engine.tree import TokenTree
+from multiguess.models.loading import load_model
 
 from tests.engine.test_lossless import random_prompts, reference
 
@@ -98,3 +101,27 @@ def test_unseeded_sampled_trees_get_no_lookup(tiny_llama: Path, tiny_llama_draft
     llm = LLM(str(tiny_llama), str(tiny_llama_draft), 2, 2, dtype="float32", adaptive=False)
     llm.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.8))
     assert llm.engine.totals.lookup_tokens == 0 and llm.engine.totals.accepted_tokens > 0
+
+
+def test_grafts_widen_the_forward_only_where_the_widening_is_cheap(
+    tiny_llama: Path, tiny_llama_draft: Path
+) -> None:
+    """A forward that costs a plain step more per node leaves grafts only the padding of the
+    batch's widest tree (here none: one sequence); a flat one lets them widen it."""
+    prompts = [p * 3 for p in random_prompts(4, (5, 12, 30))]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    looked_up = {}
+    for name, cost in (("flat", ForwardCost()), ("steep", ForwardCost((1, 64), (1.0, 64.0)))):
+        config = EngineConfig(2, 2, 16, max_batch=1, max_model_len=256, adaptive=False)
+        engine = Engine(
+            load_model(str(tiny_llama), dtype="float32"),
+            load_model(str(tiny_llama_draft), dtype="float32"),
+            config,
+        )
+        engine.forward_cost = cost
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+        looked_up[name] = engine.totals.lookup_tokens
+    assert looked_up["flat"] > 0 and looked_up["steep"] == 0

@@ -95,13 +95,18 @@ class Proposal:
     drafted: int | None = None
 
     @property
+    def own_nodes(self) -> int:
+        """The tree's first nodes, the root included, that the drafter drafted."""
+        return len(self.tree) if self.drafted is None else self.drafted
+
+    @property
     def drafted_depth(self) -> int:
         """The levels the drafter drafted (grafted nodes may reach deeper)."""
-        return max(self.tree.depths[: self.drafted])
+        return max(self.tree.depths[: self.own_nodes])
 
     def drafted_part(self, path: list[int]) -> tuple[TokenTree, list[int]]:
         """The tree of the drafter's own nodes and the part of ``path`` (root first) in it."""
-        n = len(self.tree) if self.drafted is None else self.drafted
+        n = self.own_nodes
         own = TokenTree(self.tree.tokens[:n], self.tree.parents[:n])
         return own, list(itertools.takewhile(lambda node: node < n, path))
 

@@ -46,6 +46,11 @@ from multiguess.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+# Tokens a grafted prompt-lookup node yields, assumed at least (and before any was verified):
+# grafts that widen the forward by less than this are always tried, and so measured.
+LOOKUP_FLOOR = 0.05
+LOOKUP_SMOOTHING = 0.1  # weight of one step's grafts in the running yield
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -214,6 +219,7 @@ class Engine:
             if budget > policy.token_budget:  # measured on this device: more nodes ride for free
                 self.config = replace(self.config, policy=replace(policy, token_budget=budget))
         self.steps = 0
+        self.lookup_yield = LOOKUP_FLOOR  # accepted grafted tokens per grafted node, running
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -285,6 +291,7 @@ class Engine:
             seq.drafted_at = self.steps
         outputs: list[StepOutput] = []
         observed: dict[bool, list[list[Outcome]]] = {True: [], False: []}
+        grafted = looked_up = 0  # prompt-lookup nodes verified and accepted this step
         rows = [
             node_logits(seq, p.tree, logits[b], self.eos_ids)
             for b, (seq, p) in enumerate(zip(batch, proposals, strict=True))
@@ -306,7 +313,8 @@ class Engine:
             seq.cache_len += len(acceptance.path)
             if self.drafter is not None and len(proposal.tree) > 1:
                 self.drafter.commit(seq.slot, proposal, acceptance)
-            self._record(seq, proposal, acceptance)
+            grafted += len(proposal.tree) - proposal.own_nodes
+            looked_up += self._record(seq, proposal, acceptance)
             self.last_outcomes.append(level_outcomes(*proposal.drafted_part(acceptance.path)))
             observed[seq.params.greedy].append(self.last_outcomes[-1])
             before = len(seq.output_ids)
@@ -327,6 +335,8 @@ class Engine:
                     seq.prompt_logprobs if before == 0 and seq.params.prompt_logprobs is not None else None,
                 )
             )
+        if grafted:
+            self.lookup_yield += LOOKUP_SMOOTHING * (looked_up / grafted - self.lookup_yield)
         for greedy, outcomes in observed.items():
             self.coverage[greedy] = self.config.policy.update(self.coverage[greedy], outcomes)
         # After every sequence's cache is compacted: retiring may move a sequence to another slot.
@@ -486,8 +496,12 @@ class Engine:
                 cfg.depth if params.depth is None else params.depth,
                 cfg.max_nodes,
             )
-        room = min(seq.remaining, cfg.max_model_len - len(seq.token_ids)) - 1
-        return replace(budget, depth=max(0, min(budget.depth, room)))
+        return replace(budget, depth=max(0, min(budget.depth, self._room(seq))))
+
+    def _room(self, seq: Sequence) -> int:
+        """Levels a tree of ``seq`` may reach below its root: the tokens it may still produce
+        and the context has room for, less the bonus token."""
+        return min(seq.remaining, self.config.max_model_len - len(seq.token_ids)) - 1
 
     def _propose(self, batch: list[Sequence]) -> list[Proposal]:
         proposals = [Proposal(TokenTree.chain([s.token_ids[-1]])) for s in batch]
@@ -518,25 +532,37 @@ class Engine:
         seeded sequences, whose acceptance holds for any tree: where a sequence repeats earlier
         text (summaries, code edits, extraction) the lookup goes on well past where the draft's
         guesses fade, and drafting it costs microseconds. Only onto trees the policy already
-        pays for, within the nodes the batch's share of the token budget and ``max_nodes``
-        leave, so the verification's size stays what the plan allowed; never onto a tree the
-        request chose itself, nor under a grammar (whose nodes must be allowed tokens)."""
+        pays for, never onto a tree the request chose itself, nor under a grammar (whose nodes
+        must be allowed tokens). The forward pads every tree to the widest, so grafts fill that
+        padding for free and widen the batch only while each widening's cost (``ForwardCost``,
+        in plain steps) is below the tokens a grafted node has been yielding; within the batch's
+        share of the token budget and ``max_nodes``."""
         cfg = self.config
         if not cfg.prompt_lookup or not getattr(self.drafter, "takes_grafts", False):
             return
+        width = max(len(p.tree) for p in proposals)  # the forward's, roots included
         share = cfg.policy.room(cfg.budget, len(batch)) if cfg.adaptive else cfg.max_nodes
+        widest = 1 + min(share, cfg.max_nodes)
+        while width < widest and self._widening_pays(len(batch), width):
+            width += 1
         for i, (seq, proposal) in enumerate(zip(batch, proposals, strict=True)):
             tree = proposal.tree
-            room = min(share, cfg.max_nodes) - (len(tree) - 1)
             exact_for_any_tree = seq.params.greedy or seq.params.seed is not None
             own_tree = fixed_tree(seq.params) or seq.grammar is not None  # the request's own, or constrained
-            if len(tree) == 1 or room < 1 or not exact_for_any_tree or own_tree:
+            if len(tree) == 1 or len(tree) >= width or not exact_for_any_tree or own_tree:
                 continue
-            left = min(seq.remaining, cfg.max_model_len - len(seq.token_ids)) - 1
-            chain = lookup_chain(seq.token_ids, min(tree.max_depth + cfg.prompt_lookup, left))
-            grafted = graft(tree, chain, room)
+            chain = lookup_chain(seq.token_ids, min(tree.max_depth + cfg.prompt_lookup, self._room(seq)))
+            grafted = graft(tree, chain, width - len(tree))
             if len(grafted) > len(tree):
                 proposals[i] = replace(proposal, tree=grafted, drafted=len(tree))
+
+    def _widening_pays(self, batch: int, width: int) -> bool:
+        """Whether verifying ``width + 1`` nodes per sequence instead of ``width`` costs less,
+        in plain steps, than a grafted node's measured yield in tokens (at least
+        ``LOOKUP_FLOOR``, so grafts that cost nearly nothing go on being measured)."""
+        cost = self.forward_cost
+        extra = cost.growth(batch, width + 1) - cost.growth(batch, width)
+        return extra <= max(self.lookup_yield, LOOKUP_FLOOR)
 
     def _decode_without_drafter(self, exc: Exception, seqs: list[Sequence]) -> None:
         """This step decodes ``seqs`` plainly; the drafter starts them afresh next time."""
@@ -549,14 +575,15 @@ class Engine:
             self.totals.fallback_steps += 1
         self.fallback_reasons[fallback_reason(exc)] += len(seqs)
 
-    def _record(self, seq: Sequence, proposal: Proposal, acceptance: Acceptance) -> None:
-        own = len(proposal.tree) if proposal.drafted is None else proposal.drafted
-        looked_up = sum(node >= own for node in acceptance.path)
+    def _record(self, seq: Sequence, proposal: Proposal, acceptance: Acceptance) -> int:
+        """Count the step in the request's and the engine's stats; the accepted grafted tokens."""
+        looked_up = sum(node >= proposal.own_nodes for node in acceptance.path)
         for stats in (seq.stats, self.totals):
             stats.verify_steps += 1
             stats.draft_tokens += len(proposal.tree) - 1
             stats.accepted_tokens += acceptance.accepted_drafts
             stats.lookup_tokens += looked_up
+        return looked_up
 
     def _retire(self, seq: Sequence) -> None:
         """Free ``seq``'s slot, moving the sequence in the highest slot into it.
