@@ -15,16 +15,17 @@ time by tokens in the forward (``ForwardCost``, measured when the engine starts)
 while the forward is memory-bound, growing once it is compute-bound, which on a CPU happens at
 a few tokens (on AMX tiles, at many more). A step costs ``g + f + d·r``; the plan tries every
 width and depth within the budget and keeps the shape with the most tokens per cost, and
-nothing is drafted when none beats plain decoding by ``min_speedup``. *Load*: ``token_budget`` nodes are shared by the batch at most: few sequences
-get bushy trees, many get chains, very many get none.
+nothing is drafted when none beats plain decoding by ``min_speedup``. *Load*: ``token_budget``
+nodes are shared by the batch at most: few sequences get bushy trees, many get chains, very
+many get none.
 
 While nothing is drafted, one sequence at a time *probes*, so the estimates can recover: the
 one observed longest ago, after ``probe_every`` steps, then at doubling intervals up to
 ``probe_every`` × batch size (at most ``probe_every_max``) while probes keep finding that
 drafting does not pay (see ``ProbeSchedule``): alone, a sequence probes every ``probe_every``
 steps, because a good stretch of text (code, a quote) should turn drafting back on within a few
-tokens. A greedy sequence probes by *observation* (``Drafter.observe``): the draft catches up on
-the tokens the target chose since it last saw the sequence and ranks each among its guesses,
+tokens. A greedy sequence probes by *observation* (``Drafter.observe``): the draft catches up
+on the tokens the target chose since it last saw the sequence and ranks each among its guesses,
 which is what a verified tree would have measured, at no cost to the target. Other sequences
 probe with a one-level tree as wide as the budget allows (it measures every width's coverage at
 once), which pads the whole batch to its width in the target's forward. One sequence at a time,
