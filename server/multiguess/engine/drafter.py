@@ -106,7 +106,9 @@ class Proposal:
 
     def drafted_part(self, path: list[int]) -> tuple[TokenTree, list[int]]:
         """The tree of the drafter's own nodes and the part of ``path`` (root first) in it."""
-        n = self.own_nodes
+        if self.drafted is None:  # nothing grafted: no copy on every step of every sequence
+            return self.tree, path
+        n = self.drafted
         own = TokenTree(self.tree.tokens[:n], self.tree.parents[:n])
         return own, list(itertools.takewhile(lambda node: node < n, path))
 

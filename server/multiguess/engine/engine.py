@@ -72,8 +72,8 @@ class EngineConfig:
     ``prefix_caching`` starts a new prompt from the KV of the longest prefix it shares with a
     finished or running sequence, for target and draft (``engine/prefix_cache.py``).
     ``prompt_lookup`` grafts onto each greedy or seeded tree a drafter drafted the continuation
-    of the sequence's latest repeated suffix, up to that many tokens past the tree's depth and
-    within the nodes the batch's share and ``max_nodes`` leave (0: none; see ``_graft_lookups``).
+    of the sequence's latest repeated suffix, up to that many tokens past the tree's depth, where
+    the forward has room for it (0: none; ``_graft_lookups`` says where).
     """
 
     num_candidates: int = 3
