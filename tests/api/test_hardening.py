@@ -8,6 +8,7 @@ abort.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -68,6 +69,27 @@ def test_a_body_over_the_limit_is_413_announced_or_streamed(limited: LiveServer)
         assert_error(streamed, 413, "--max-body-size")
     with limited.client() as client:
         assert client.post("/generate", json={"prompt": "w1 w2", "max_tokens": 2}).status_code == 200
+
+
+def test_a_refused_body_is_read_before_the_connection_closes(limited: LiveServer) -> None:
+    """Closing a socket with unread data in it makes the kernel send a reset, which can destroy
+    the 413 on its way; the server drains the refused body first, so the client reads the whole
+    answer and then a clean end of stream."""
+    host, port = limited.url.removeprefix("http://").split(":")
+    body = b"x" * (2 * 64 * 1024)
+    head = (
+        f"POST /generate HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(head + body)
+        time.sleep(0.2)  # the server answers and closes before the client reads
+        received = b""
+        while chunk := conn.recv(65536):
+            received += chunk
+    status, _, rest = received.partition(b"\r\n")
+    assert status == b"HTTP/1.1 413 Request Entity Too Large"
+    assert b"limit of 65536 bytes" in rest.partition(b"\r\n\r\n")[2]
 
 
 def test_a_10_mb_body_is_refused_at_once_and_liveness_never_waits(server: LiveServer) -> None:

@@ -89,9 +89,7 @@ class RequestGate:
                 body = await self.read_body(receive)
                 receive = replay(body, receive)
         except Refused as refused:
-            await respond(send, refused)
-            if refused.status == 413:
-                await discard_body(receive, DISCARD_LIMIT * self.max_body)
+            await respond(send, refused, receive, DISCARD_LIMIT * self.max_body)
             return
         await self.app(scope, receive, send)
 
@@ -162,9 +160,8 @@ def replay(body: bytes, receive: Receive) -> Receive:
 
 
 async def discard_body(receive: Receive, limit: int) -> None:
-    """Read and drop what is left of a refused body, up to ``limit`` bytes. A server that closes
-    a connection with unread data in it makes the kernel reset the connection, and the reset can
-    destroy the 413 on its way to the client; past ``limit`` the connection is closed anyway."""
+    """Read and drop what is left of a refused body, up to ``limit`` bytes; past it the
+    connection is closed anyway."""
     read = 0
     while read <= limit:
         message = await receive()
@@ -173,11 +170,18 @@ async def discard_body(receive: Receive, limit: int) -> None:
         read += len(message.get("body", b""))
 
 
-async def respond(send: Send, refused: Refused) -> None:
+async def respond(send: Send, refused: Refused, receive: Receive, discard_limit: int) -> None:
+    """The refusal, sent at once. A 413's response is held open while the rest of the body is
+    drained: a server that closes a connection with unread data in it makes the kernel reset
+    it, and the reset can destroy the 413 on its way; the server hands out no more of the
+    body once a response is complete, so the drain happens before the response ends."""
     payload = json.dumps(error_body(refused.status, refused.message, code=refused.code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
     headers += [(k.encode(), v.encode()) for k, v in refused.headers]
     if refused.status == 413:
         headers.append((b"connection", b"close"))  # the rest of the body is not read
     await send({"type": "http.response.start", "status": refused.status, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})
+    await send({"type": "http.response.body", "body": payload, "more_body": True})
+    if refused.status == 413:
+        await discard_body(receive, discard_limit)
+    await send({"type": "http.response.body", "body": b""})
