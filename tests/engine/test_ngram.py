@@ -1,5 +1,6 @@
 """The model-free n-gram drafter: matching, tree building, and lossless output."""
 
+import random
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,29 @@ def test_longest_suffix_match_first_then_most_recent() -> None:
     tokens = [1, 2, 3, 9, 1, 2, 4, 7, 2, 3, 5, 1, 2]
     # Suffix [1, 2] occurred at 0 (-> 3 9) and 4 (-> 4 7); [2] also at 8 (-> 3 5, same first as 3 9).
     assert find_continuations(tokens, depth=2, limit=3, max_ngram=3, min_ngram=1) == [[4, 7], [3, 9]]
+
+
+def brute_force_continuations(
+    tokens: list[int], depth: int, limit: int, max_ngram: int, min_ngram: int
+) -> list[list[int]]:
+    """The specification, spelled out: every earlier window equal to the suffix, longest
+    suffixes first, then the latest windows, skipping continuations whose first token was had."""
+    found: list[list[int]] = []
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            cont = tokens[start + n : start + n + depth]
+            if tokens[start : start + n] == tokens[-n:] and cont and cont[0] not in {c[0] for c in found}:
+                found.append(cont)
+    return found[:limit]
+
+
+def test_matching_agrees_with_the_brute_force_specification() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        longest = rng.randrange(1, 5)
+        args = (rng.randrange(1, 6), rng.randrange(1, 4), longest, rng.randrange(1, longest + 1))
+        assert find_continuations(tokens, *args) == brute_force_continuations(tokens, *args), (tokens, args)
 
 
 def test_no_match_no_continuation() -> None:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from multiguess.engine.placement import region_attention_mask
-from multiguess.engine.tree import TokenTree, ancestor_masks, pack_trees
+from multiguess.engine.tree import TokenTree, pack_trees
 
 
 def path_to(tree: TokenTree, node: int) -> list[int]:
@@ -16,8 +16,8 @@ def path_to(tree: TokenTree, node: int) -> list[int]:
 
 
 def ancestor_mask(tree: TokenTree) -> torch.Tensor:
-    """One tree's ``[n, n]`` ancestor-or-self mask, through the batched ``ancestor_masks``."""
-    return ancestor_masks(torch.tensor([0, *tree.parents[1:]])[None], tree.max_depth)[0]
+    """One tree's ``[n, n]`` ancestor-or-self mask, as ``pack_trees`` builds it."""
+    return pack_trees([tree])[2][0]
 
 
 def test_depths_children_and_paths() -> None:
@@ -78,6 +78,7 @@ def random_tree(generator: torch.Generator, size: int) -> TokenTree:
 def test_packed_masks_and_depths_agree_with_paths_for_random_trees() -> None:
     generator = torch.Generator().manual_seed(0)
     trees = [random_tree(generator, int(n)) for n in torch.randint(1, 33, (12,), generator=generator)]
+    trees[3:3] = [TokenTree.chain(range(7, 27)), TokenTree.chain([9])]  # chains take a faster path
     tokens, depths, mask = pack_trees(trees)
     for b, tree in enumerate(trees):
         n = len(tree)

@@ -24,14 +24,18 @@ def find_continuations(
     Longer matching suffixes come first, then more recent occurrences; continuations whose
     first token repeats an earlier one's are skipped so that branches differ.
     """
+    if len(tokens) < 2:
+        return []
     seq = np.asarray(tokens)
     found: list[list[int]] = []
     firsts: set[int] = set()
+    ends = np.flatnonzero(seq[:-1] == seq[-1])  # where an earlier match of any suffix ends
     for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
-        starts = np.flatnonzero((windows == seq[-n:]).all(axis=1))
-        for start in starts[::-1]:
-            cont = seq[start + n : start + n + depth].tolist()
+        matched = ends[ends >= n - 1]
+        for back in range(1, n):  # the match's other tokens, compared at the candidates only
+            matched = matched[seq[matched - back] == seq[-1 - back]]
+        for end in matched[::-1]:
+            cont = seq[end + 1 : end + 1 + depth].tolist()
             if cont and cont[0] not in firsts:
                 firsts.add(cont[0])
                 found.append(cont)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 
 @dataclass(frozen=True)
@@ -59,27 +58,29 @@ class TokenTree:
         return kids
 
 
-def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """``[B, T, T]`` ancestor-or-self masks from ``[B, T]`` parent indices (roots and padding
-    point to themselves): one gather per tree level, whatever the number of nodes."""
-    batch, width = parents.shape
-    mask = torch.eye(width, dtype=torch.bool).repeat(batch, 1, 1)
-    node = torch.arange(width).expand(batch, width)
-    for _ in range(max_depth):
-        node = parents.gather(1, node)
-        mask.scatter_(2, node[..., None], True)
-    return mask
-
-
 def pack_trees(trees: list[TokenTree], device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
     """Pad a batch of trees to one width for a single forward.
 
     Returns ``(tokens [B, T], depths [B, T], ancestor mask [B, T, T])``. Padding nodes are
     their own only ancestor (so attention rows never go empty) and are ignored by callers.
+    Built from the trees' own lists with a handful of tensor calls: this runs for every
+    forward, where a few dozen small tensor ops would cost as much as a draft model's layers.
+    A chain (a prefill chunk, a catch-up) is a triangle; other trees list each node's ancestors.
     """
-    tokens = pad_sequence([torch.tensor(t.tokens) for t in trees], batch_first=True)
-    parents = pad_sequence([torch.tensor(t.parents) for t in trees], batch_first=True, padding_value=-1)
-    parents = torch.where(parents < 0, torch.arange(parents.shape[1]), parents)
-    mask = ancestor_masks(parents, max(t.max_depth for t in trees))
-    depths = mask.sum(-1) - 1  # a node's ancestors are one per level above it
+    width = max(len(t) for t in trees)
+    tokens = torch.tensor([(*t.tokens, *(0,) * (width - len(t))) for t in trees])
+    depths = torch.tensor([(*t.depths, *(0,) * (width - len(t))) for t in trees])
+    mask = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)
+    seen: list[tuple[int, int, int]] = []  # (tree, node, ancestor) outside any chain's triangle
+    for b, tree in enumerate(trees):
+        n = len(tree)
+        if tree.depths[-1] == n - 1:  # a chain: depths 0..n-1 in order
+            mask[b, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril_()
+            continue
+        for node, parent in enumerate(tree.parents):
+            while parent >= 0:
+                seen.append((b, node, parent))
+                parent = tree.parents[parent]
+    if seen:
+        mask[tuple(torch.tensor(seen).T)] = True
     return tokens.to(device), depths.to(device), mask.to(device)
