@@ -75,6 +75,11 @@ def test_the_race_over_the_support_is_the_race_over_the_vocabulary() -> None:
         noise = position_noise(5, [7, 9], vocab)[[0 if p == 7 else 1 for p in positions]]
         expected = torch.topk(probs[rows] / noise, 4, dim=-1).indices
         assert torch.equal(race_top(probs[rows], 5, positions, vocab, 4), expected)
+        # Row 0 can draw 5 tokens only: its 5 winners, then columns it cannot draw.
+        winners = race_top(probs[rows], 5, positions, vocab, 8)
+        expected = torch.topk(probs[rows] / noise, 8, dim=-1).indices
+        assert torch.equal(winners[0, :5], expected[0, :5]) and not probs[0, winners[0, 5:]].any()
+        assert torch.equal(winners[1:], expected[1:])
 
 
 def test_the_noise_is_exponential() -> None:

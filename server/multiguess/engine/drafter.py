@@ -405,12 +405,14 @@ class ModelDrafter:
         else:
             assert req.sample is not None
             choices = []
-            for parent, q in zip(beam, dists, strict=True):
+            if req.sample.coupled:  # one race for the level: its rows share a position's noise
+                positions = [len(req.token_ids) + (0 if p == -1 else cands[p].depth) for p in beam]
+                columns = self._tokens(torch.arange(dists.shape[-1], device=dists.device))
+                races = list(race_top(dists, req.sample.generators.seed, positions, columns, k))
+            for i, (parent, q) in enumerate(zip(beam, dists, strict=True)):
                 probs[parent] = self._over_vocabulary(q)
                 if req.sample.coupled:
-                    position = len(req.token_ids) + (0 if parent == -1 else cands[parent].depth)
-                    tokens = self._tokens(torch.arange(len(q), device=q.device))
-                    picks = race_top(q[None], req.sample.generators.seed, [position], tokens, k)[0]
+                    picks = races[i]
                 else:
                     generator = req.sample.generators.on(q.device)
                     picks = torch.tensor(draw_without_replacement(q, k, generator), device=q.device)

@@ -226,9 +226,11 @@ def race_top(
     ``p / noise``, row i under the seeded noise of ``positions[i]``, column j being token
     ``tokens[j]``) within the support: the first is an exact draw from the row, the Gumbel-max
     trick without logarithms. Noise is made only for the columns some row can draw, since a
-    truncated row's support is a sliver of the vocabulary and the noise costs per token."""
+    truncated row's support is a sliver of the vocabulary and the noise costs per token. A row
+    that can draw fewer than ``count`` tokens (while another can draw more) ends in columns it
+    cannot draw, after its own winners: callers skip those (they have probability 0)."""
     drawable = probs > 0
-    support = int(drawable.sum(dim=-1).min())
+    support = int(drawable.sum(dim=-1).max())
     distinct = sorted(set(positions))
     rows = torch.tensor([distinct.index(p) for p in positions], device=probs.device)
     columns = drawable.any(dim=0).nonzero()[:, 0]
