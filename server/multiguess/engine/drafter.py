@@ -45,6 +45,10 @@ from multiguess.engine.sampling import (
 )
 from multiguess.engine.tree import TokenTree
 
+# A seeded sample's children race over each row's likeliest columns only: a token beyond them
+# rarely wins, and a tree need only be a good guess, since the seed alone fixes the output.
+RACED = 64
+
 
 @dataclass(frozen=True)
 class TreeBudget:
@@ -407,8 +411,11 @@ class ModelDrafter:
             choices = []
             if req.sample.coupled:  # one race for the level: its rows share a position's noise
                 positions = [len(req.token_ids) + (0 if p == -1 else cands[p].depth) for p in beam]
-                columns = self._tokens(torch.arange(dists.shape[-1], device=dists.device))
-                races = list(race_top(dists, req.sample.generators.seed, positions, columns, k))
+                likeliest = torch.topk(dists, min(RACED, dists.shape[-1]), dim=-1).indices.unique()
+                races = race_top(
+                    dists[:, likeliest], req.sample.generators.seed, positions, self._tokens(likeliest), k
+                )
+                races = list(likeliest[races])
             for i, (parent, q) in enumerate(zip(beam, dists, strict=True)):
                 probs[parent] = self._over_vocabulary(q)
                 if req.sample.coupled:
