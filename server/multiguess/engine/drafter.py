@@ -408,21 +408,16 @@ class ModelDrafter:
             choices = top
         else:
             assert req.sample is not None
+            if req.sample.coupled:
+                drawn = self._race_level(req, beam, cands, dists, k)
+            else:
+                generator = req.sample.generators.on(dists.device)
+                drawn = [
+                    torch.tensor(draw_without_replacement(q, k, generator), device=q.device) for q in dists
+                ]
             choices = []
-            if req.sample.coupled:  # one race for the level: its rows share a position's noise
-                positions = [len(req.token_ids) + (0 if p == -1 else cands[p].depth) for p in beam]
-                likeliest = torch.topk(dists, min(RACED, dists.shape[-1]), dim=-1).indices.unique()
-                races = race_top(
-                    dists[:, likeliest], req.sample.generators.seed, positions, self._tokens(likeliest), k
-                )
-                races = list(likeliest[races])
-            for i, (parent, q) in enumerate(zip(beam, dists, strict=True)):
+            for parent, q, picks in zip(beam, dists, drawn, strict=True):
                 probs[parent] = self._over_vocabulary(q)
-                if req.sample.coupled:
-                    picks = races[i]
-                else:
-                    generator = req.sample.generators.on(q.device)
-                    picks = torch.tensor(draw_without_replacement(q, k, generator), device=q.device)
                 choices.append((self._tokens(picks).tolist(), torch.log(q[picks]).tolist()))
         for parent, (picks, scores) in zip(beam, choices, strict=True):
             base = 0.0 if parent == -1 else cands[parent].score
@@ -434,6 +429,20 @@ class ModelDrafter:
                 cands.append(_Candidate(tok, parent, base + lp, rank, on_spine and rank == 0, depth))
                 new.append(len(cands) - 1)
         return new
+
+    def _race_level(
+        self, req: DraftRequest, beam: list[int], cands: list[_Candidate], dists: torch.Tensor, k: int
+    ) -> list[torch.Tensor]:
+        """A seeded level's children, the columns of each row's race under the noise of the
+        row's position: one race for the level (its rows share a position, hence its noise),
+        over each row's ``RACED`` likeliest columns."""
+        assert req.sample is not None
+        positions = [len(req.token_ids) + (0 if p == -1 else cands[p].depth) for p in beam]
+        likeliest = torch.topk(dists, min(RACED, dists.shape[-1]), dim=-1).indices.unique()
+        winners = race_top(
+            dists[:, likeliest], req.sample.generators.seed, positions, self._tokens(likeliest), k
+        )
+        return list(likeliest[winners])
 
     def _tokens(self, columns: torch.Tensor) -> torch.Tensor:
         return columns if self.vocab is None else self.vocab[columns]
