@@ -179,7 +179,7 @@ async def respond(send: Send, refused: Refused, receive: Receive, discard_limit:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
     headers += [(k.encode(), v.encode()) for k, v in refused.headers]
     if refused.status == 413:
-        headers.append((b"connection", b"close"))  # the rest of the body is not read
+        headers.append((b"connection", b"close"))  # drained up to a limit only: never reused
     await send({"type": "http.response.start", "status": refused.status, "headers": headers})
     await send({"type": "http.response.body", "body": payload, "more_body": True})
     if refused.status == 413:

@@ -71,11 +71,12 @@ def pack_trees(trees: list[TokenTree], device: torch.device | str = "cpu") -> tu
     tokens = torch.tensor([(*t.tokens, *(0,) * (width - len(t))) for t in trees])
     depths = torch.tensor([(*t.depths, *(0,) * (width - len(t))) for t in trees])
     mask = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)
+    triangle = torch.ones(width, width, dtype=torch.bool).tril_()
     seen: list[tuple[int, int, int]] = []  # (tree, node, ancestor) outside any chain's triangle
     for b, tree in enumerate(trees):
         n = len(tree)
         if tree.depths[-1] == n - 1:  # a chain: depths 0..n-1 in order
-            mask[b, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril_()
+            mask[b, :n, :n] = triangle[:n, :n]
             continue
         for node, parent in enumerate(tree.parents):
             while parent >= 0:
