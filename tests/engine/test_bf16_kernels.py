@@ -22,7 +22,7 @@ from tests.engine.test_fast_path import linear
 from tests.engine.test_lossless import random_prompts
 
 needs_kernel = pytest.mark.skipif(
-    bf16_kernel.library() is None, reason="the bf16 kernels need AVX512-BF16 and a C compiler"
+    bf16_kernel.library() is None, reason="the bf16 kernels need AVX512-BF16 or AVX2, and a C compiler"
 )
 needs_amx = pytest.mark.skipif(
     bf16_kernel.library() is None or not bf16_kernel.amx_usable(), reason="needs AMX tiles (amx_bf16)"
@@ -96,7 +96,7 @@ def test_bf16_kernel_fuses_norm_activation_and_residual_like_the_torch_ops(produ
 def test_bf16_kernel_build_failure_falls_back_with_a_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(bf16_kernel, "cpu_has_avx512_bf16", lambda: True)
+    monkeypatch.setattr(bf16_kernel, "cpu_variant", lambda: "avx2")
     monkeypatch.setenv("MULTIGUESS_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a compiler that fails
     assert bf16_kernel.library.__wrapped__() is None
@@ -104,6 +104,34 @@ def test_bf16_kernel_build_failure_falls_back_with_a_warning(
     assert not list((tmp_path / "kernels").iterdir())  # no half-written library left behind
     monkeypatch.setenv("MULTIGUESS_BF16_KERNEL", "0")
     assert bf16_kernel.library.__wrapped__() is None
+
+
+@pytest.mark.skipif(bf16_kernel.find_compiler() is None, reason="needs a C compiler")
+@pytest.mark.parametrize("variant", list(bf16_kernel.VARIANTS))
+def test_every_variant_builds_on_any_cpu(
+    variant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An image bakes every variant on whatever CPU builds it, so each must compile anywhere,
+    under its own name (a CPU loads the one it runs)."""
+    monkeypatch.setenv("MULTIGUESS_CACHE_DIR", str(tmp_path))
+    compiler = bf16_kernel.find_compiler()
+    assert compiler is not None
+    built = bf16_kernel.build(compiler, variant)
+    assert built.exists() and built.stat().st_size > 0 and f"-{variant}-" in built.name
+    others = {bf16_kernel.compiled_path(name).name for name in bf16_kernel.VARIANTS}
+    assert len(others) == len(bf16_kernel.VARIANTS)
+
+
+def test_the_variant_is_the_best_the_cpu_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    cases = [
+        ({"avx2", "fma", "avx512_bf16"}, "avx512"),
+        ({"avx2", "fma"}, "avx2"),
+        ({"avx2"}, None),
+        (set(), None),
+    ]
+    for cpu, expected in cases:
+        monkeypatch.setattr(bf16_kernel, "cpu_flags", lambda cpu=cpu: frozenset(cpu))
+        assert bf16_kernel.cpu_variant() == expected
 
 
 def test_odd_input_width_falls_back_to_onednn() -> None:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from multiguess import LLM, SamplingParams
 from multiguess.engine.backends.cpu import bf16_kernel
 from multiguess.engine.backends.cpu.backend import attention, fold_mask
-from multiguess.engine.backends.cpu.packed import PackedProjection, packing_supported
+from multiguess.engine.backends.cpu.packed import PackedProjection, onednn_bf16, packing_supported
 from multiguess.engine.runner import NativeRunner
 from multiguess.models.loading import load_model
 from transformers import AutoModelForCausalLM
@@ -28,7 +28,7 @@ def linear(out_features: int, in_features: int, dtype: torch.dtype, bias: bool =
     return layer.to(dtype)
 
 
-@pytest.mark.skipif(not packing_supported(torch.bfloat16), reason="no oneDNN bf16 on this CPU")
+@pytest.mark.skipif(not onednn_bf16(), reason="no oneDNN bf16 on this CPU")
 def test_onednn_bf16_projection_is_bitwise_f_linear_for_every_row_count(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

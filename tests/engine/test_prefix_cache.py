@@ -179,7 +179,7 @@ def count_fed(runner) -> list[int]:
 
 
 needs_kernel = pytest.mark.skipif(
-    bf16_kernel.library() is None, reason="the bf16 kernels need AVX512-BF16 and a C compiler"
+    bf16_kernel.library() is None, reason="the bf16 kernels need AVX512-BF16 or AVX2, and a C compiler"
 )
 
 

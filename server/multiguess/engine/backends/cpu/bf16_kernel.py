@@ -1,4 +1,4 @@
-"""multiguess's bf16 kernels for CPUs with AVX512-BF16, compiled from C on first use.
+"""multiguess's bf16 kernels for CPUs with AVX512-BF16 or AVX2, compiled from C on first use.
 
 Why: a decode step streams every weight once, and for decode-sized products oneDNN streams
 them well below the memory's bandwidth on CPUs without AMX; the product here
@@ -11,12 +11,16 @@ measurements. Every row of
 every kernel is computed independently of the others, so a token's logits are the same bits in
 a one-token decode step and inside a verified tree: speculation equals plain decoding in bf16
 as well as in fp32. On CPUs with AMX tiles the products run on them when measured no slower
-for one row (``matrix_units``): a tree's rows then cost about what one row costs.
+for one row (``matrix_units``): a tree's rows then cost about what one row costs. CPUs with
+AVX2 and FMA but no AVX512-BF16 get the same kernels built for them (``isa_avx2.h``: bf16
+widened to fp32 in registers), so a decode step streams bf16 weights there too, where oneDNN's
+bf16 path is several times slower than fp32.
 
-They are built with the system C compiler into the cache folder (keyed by the source and flags)
-the first time a model loads, in about a second, or ahead of time by ``python -m
-multiguess.engine.backends.cpu.bf16_kernel`` (the server image does, so it needs no compiler); without a
-compiler, on other CPUs, or with ``MULTIGUESS_BF16_KERNEL=0`` the forward uses oneDNN and torch.
+They are built with the system C compiler into the cache folder (keyed by the sources, the
+variant and its flags) the first time a model loads, in about a second, or ahead of time, every
+variant, by ``python -m multiguess.engine.backends.cpu.bf16_kernel`` (the server image does, so
+it needs no compiler); without a compiler, on other CPUs, or with ``MULTIGUESS_BF16_KERNEL=0``
+the forward uses oneDNN and torch.
 """
 
 from __future__ import annotations
@@ -40,12 +44,15 @@ from multiguess.models.embedded import cache_roots
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "bf16_kernels.c"
+HEADERS = tuple(sorted(SOURCE.parent.glob("isa_*.h")))
 PANEL = 64
-FLAGS = [
-    "-O3",
-    *("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
-    *("-fopenmp", "-shared", "-fPIC"),
-]
+COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+# Instruction sets the library is built for, best first, each with the CPU flags it needs.
+VARIANTS = {
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+    "avx2": ("-mavx2", "-mfma"),
+}
+NEEDS = {"avx512": frozenset({"avx512_bf16"}), "avx2": frozenset({"avx2", "fma"})}
 SWITCH = "MULTIGUESS_BF16_KERNEL"
 PRODUCT = "MULTIGUESS_BF16_PRODUCT"  # auto (measured), amx or avx512
 
@@ -59,9 +66,9 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
-def cpu_has_avx512_bf16() -> bool:
-    """Whether the kernels run here at all; elsewhere the forward uses oneDNN."""
-    return "avx512_bf16" in cpu_flags()
+def cpu_variant() -> str | None:
+    """The best variant of the kernels this CPU runs (None: none, the forward uses oneDNN)."""
+    return next((name for name in VARIANTS if NEEDS[name] <= cpu_flags()), None)
 
 
 def cpu_has_amx_bf16() -> bool:
@@ -69,11 +76,16 @@ def cpu_has_amx_bf16() -> bool:
     return {"amx_tile", "amx_bf16"} <= cpu_flags()
 
 
-def compiled_path() -> Path:
-    """Where the library for this source and these flags is: the first cache folder that has
+def flags(variant: str) -> list[str]:
+    return [*COMMON_FLAGS, *VARIANTS[variant]]
+
+
+def compiled_path(variant: str = "avx512") -> Path:
+    """Where the library of this variant of these sources is: the first cache folder that has
     it (an image bakes it in a read-only one), else where it is built, in the first folder."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    places = [root / "kernels" / f"bf16_kernels-{digest}.so" for root in cache_roots()]
+    sources = b"".join(path.read_bytes() for path in (SOURCE, *HEADERS))
+    digest = hashlib.sha256(sources + " ".join(flags(variant)).encode()).hexdigest()[:16]
+    places = [root / "kernels" / f"bf16_kernels-{variant}-{digest}.so" for root in cache_roots()]
     return next((p for p in places if p.exists()), places[0])
 
 
@@ -82,14 +94,15 @@ def find_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build(compiler: str) -> Path:
-    """Compile the library unless it is there; any CPU can build it (an image build host)."""
-    target = compiled_path()
+def build(compiler: str, variant: str) -> Path:
+    """Compile the library unless it is there; any CPU can build any variant (an image build
+    host)."""
+    target = compiled_path(variant)
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
             built = Path(scratch) / target.name
-            command = [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"]
+            command = [compiler, *flags(variant), str(SOURCE), "-o", str(built), "-lm"]
             subprocess.run(command, check=True, capture_output=True)
             os.replace(built, target)  # atomic: concurrent loaders see a whole file or none
     return target
@@ -125,16 +138,17 @@ class StepPlaces(ctypes.Structure):
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, or None (and one log line saying why) when it cannot be used."""
-    if os.environ.get(SWITCH, "1") == "0" or sys.platform != "linux" or not cpu_has_avx512_bf16():
+    variant = cpu_variant()
+    if os.environ.get(SWITCH, "1") == "0" or sys.platform != "linux" or variant is None:
         return None
-    path = compiled_path()
+    path = compiled_path(variant)
     try:
         if not path.exists():
             compiler = find_compiler()
             if compiler is None:
                 log.info("no C compiler found: bf16 projections use oneDNN (slower on decode steps)")
                 return None
-            path = build(compiler)
+            path = build(compiler, variant)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", b"") or str(error).encode()
@@ -167,7 +181,7 @@ def library() -> ctypes.CDLL | None:
         ctypes.c_void_p,
     ]
     lib.multiguess_bf16_layer.restype = ctypes.c_int
-    log.info("bf16 kernels loaded from %s", path)
+    log.info("bf16 kernels (%s) loaded from %s", variant, path)
     return lib
 
 
@@ -386,4 +400,5 @@ if __name__ == "__main__":
     compiler = find_compiler()
     if compiler is None:
         sys.exit("no C compiler: install gcc or set CC")
-    print(build(compiler))
+    for name in VARIANTS:
+        print(build(compiler, name))

@@ -16,26 +16,29 @@ from multiguess.engine.linear import Projection, rms_norm
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
-    """oneDNN prepacked weights: fp32, or bf16 with hardware support."""
-    if not torch.backends.mkldnn.is_available():
-        return False
+    """Repacked weights: bf16 where multiguess's kernels run or oneDNN computes bf16 natively,
+    fp32 where oneDNN runs."""
     if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return dtype == torch.float32
+        return bf16_kernel.library() is not None or onednn_bf16()
+    return dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def onednn_bf16() -> bool:
+    """Whether oneDNN has bf16 instructions here (elsewhere it emulates them, slowly)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedProjection(Projection):
     """A ``Projection`` whose product runs on a second, repacked copy of the weight: the bf16
     kernel's panels where it runs (norm, gating and residual fused into the call), oneDNN's
-    blocked layout otherwise."""
+    blocked layout otherwise (or the plain weight, for a bf16 one oneDNN would emulate)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]) -> None:
         super().__init__(weight, bias, sizes)
         self.panels = bf16_kernel.pack(weight) if bf16_kernel.usable(weight) else None
         self.panels_placed = False  # moved by ``place_panels``: never moved again
-        self.packed = (
-            None if self.panels is not None else torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        )
+        reorder = self.panels is None and (weight.dtype != torch.bfloat16 or onednn_bf16())
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if reorder else None
 
     def __call__(
         self,
@@ -52,6 +55,8 @@ class PackedProjection(Projection):
         return bf16_kernel.matmul(self.panels, self.weight.shape[0], x, self.bias, weight, gated, residual)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return super().product(x)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
 

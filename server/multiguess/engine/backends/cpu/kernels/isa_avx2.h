@@ -1,0 +1,168 @@
+/* AVX2 + FMA vector code of bf16_kernels.c, for CPUs without AVX512-BF16 (AMD Zen 2 and 3,
+ * Intel client cores): bf16 is widened to fp32 in registers, where the product of two bf16 is
+ * exact, and accumulated by FMA in 8 fp32 lanes. A packed pair of inputs is one 32-bit lane, its
+ * first input in the low half, so a shift and a mask widen the two without shuffling. The
+ * weights stream at half their fp32 size, which is what a decode step waits for. */
+#define HAS_AMX 0
+#define PANEL 64
+
+static inline __m256 widen8(__m128i v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+/* Eight floats to bf16, rounded to nearest even like narrow() (NaN stays NaN). */
+static inline __m128i narrow8(__m256 f) {
+  const __m256i bits = _mm256_castps_si256(f);
+  const __m256i high = _mm256_srli_epi32(bits, 16);
+  const __m256i odd = _mm256_and_si256(high, _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+  const __m256i out = _mm256_blendv_epi8(rounded, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(out, out), 0xD8));
+}
+
+/* The first `live` (at most 8) bf16 at p, zero past them, and the store of as many. */
+static inline __m128i load8(const uint16_t *p, int64_t live) {
+  if (live >= 8) return _mm_loadu_si128((const __m128i *)p);
+  uint16_t part[8] = {0};
+  memcpy(part, p, (size_t)live * sizeof *p);
+  return _mm_loadu_si128((const __m128i *)part);
+}
+
+static inline void store8(uint16_t *p, __m128i v, int64_t live) {
+  if (live >= 8) {
+    _mm_storeu_si128((__m128i *)p, v);
+    return;
+  }
+  uint16_t part[8];
+  _mm_storeu_si128((__m128i *)part, v);
+  memcpy(p, part, (size_t)live * sizeof *p);
+}
+
+/* e^x in fp32 lanes: 2^n * p(r), r = x - n ln2, |r| <= ln2/2, a degree-6 polynomial (relative
+ * error ~2e-7); 0 below -87, +inf above 88. */
+static inline __m256 exp8(__m256 x) {
+  const __m256 tiny = _mm256_set1_ps(-87.0f), huge = _mm256_set1_ps(88.0f);
+  const __m256 underflow = _mm256_cmp_ps(x, tiny, _CMP_LT_OQ);
+  const __m256 overflow = _mm256_cmp_ps(x, huge, _CMP_GT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, tiny), huge);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 poly = _mm256_set1_ps(1.0f / 720);
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 120));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 24));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 6));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(0.5f));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 value = _mm256_andnot_ps(underflow, _mm256_mul_ps(poly, _mm256_castsi256_ps(scale)));
+  return _mm256_blendv_ps(value, _mm256_set1_ps(INFINITY), overflow);
+}
+
+/* act(gate) * up in bf16, gate and up the two halves of a row: bf16(bf16(silu(gate)) * up),
+ * silu(g) = g / (1 + e^-g) in fp32 as torch computes it (its exp may differ in the last bit). */
+static void silu_mul_row(const uint16_t *gate_up, int64_t k, uint16_t *out) {
+  for (int64_t j = 0; j < k; j += 8) {
+    const int64_t live = k - j;
+    const __m256 gate = widen8(load8(gate_up + j, live));
+    const __m256 up = widen8(load8(gate_up + k + j, live));
+    const __m256 silu = _mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gate))));
+    store8(out + j, narrow8(_mm256_mul_ps(widen8(narrow8(silu)), up)), live);
+  }
+}
+
+/* One output row's 64 (`live`) fp32 sums of a panel, rounded to bf16 at y + at, plus the
+ * residual there when given: bf16(residual + bf16(product)), as torch adds two bf16 tensors. */
+static inline void store_row(const __m256 acc[8], const uint16_t *residual, uint16_t *y, int64_t at,
+                             int64_t live) {
+  for (int j = 0; j < 8 && 8 * j < live; j++) {
+    __m128i out = narrow8(acc[j]);
+    if (residual) out = narrow8(_mm256_add_ps(widen8(out), widen8(load8(residual + at + 8 * j, live - 8 * j))));
+    store8(y + at + 8 * j, out, live - 8 * j);
+  }
+}
+
+/* A panel's 64 outputs for every row of x, one row per pass: eight accumulators, and each
+ * 32-byte load of the panel holds eight outputs' pairs (low half: the even input). The first
+ * pass streams the panel from memory; the next rows find it in L2. */
+static void panel_product(const uint16_t *panel, const uint16_t *x, const uint16_t *bias,
+                          const uint16_t *residual, uint16_t *y, int64_t m, int64_t k, int64_t n,
+                          int64_t first) {
+  const int64_t pairs = k / 2;
+  const int64_t live = n - first < PANEL ? n - first : PANEL;
+  const __m256i odd_half = _mm256_set1_epi32((int)0xffff0000u);
+  __m256 start[8];
+  for (int j = 0; j < 8; j++)
+    start[j] = bias && 8 * j < live ? widen8(load8(bias + first + 8 * j, live - 8 * j)) : _mm256_setzero_ps();
+  for (int64_t r = 0; r < m; r++) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = start[j];
+    const uint16_t *xr = x + r * k;
+    const uint16_t *w = panel;
+    for (int64_t p = 0; p < pairs; p++, w += 2 * PANEL) {
+      _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T1);
+      _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T1);
+      const __m256 even = _mm256_set1_ps(widen(xr[2 * p]));
+      const __m256 odd = _mm256_set1_ps(widen(xr[2 * p + 1]));
+      for (int j = 0; j < 8; j++) {
+        const __m256i both = _mm256_loadu_si256((const __m256i *)(w + 16 * j));
+        acc[j] = _mm256_fmadd_ps(even, _mm256_castsi256_ps(_mm256_slli_epi32(both, 16)), acc[j]);
+        acc[j] = _mm256_fmadd_ps(odd, _mm256_castsi256_ps(_mm256_and_si256(both, odd_half)), acc[j]);
+      }
+    }
+    store_row(acc, residual, y, r * n + first, live);
+  }
+}
+
+static inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* One query head's attention over `length` cached keys and values (dim % 16 == 0, dim <= 256),
+ * skipping keys its additive mask row hides (-inf). Keys are visited in cache order and hidden
+ * ones add nothing, so the result depends only on the visible keys' values and order: a tree
+ * node and the same token decoded alone get the same bits. */
+static void attend(const float *q, const float *keys, const float *values, const float *mask,
+                   int64_t length, int64_t dim, float scale, float *scores, uint16_t *out) {
+  const int64_t blocks = dim / 8;
+  float top = -INFINITY;
+  for (int64_t j = 0; j < length; j++) {
+    if (mask[j] == -INFINITY) {
+      scores[j] = -INFINITY;
+      continue;
+    }
+    const float *key = keys + j * dim;
+    __m256 dot = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(key));
+    for (int64_t c = 1; c < blocks; c++)
+      dot = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(key + 8 * c), dot);
+    scores[j] = sum8(dot) * scale + mask[j];
+    top = scores[j] > top ? scores[j] : top;
+  }
+  const __m256 shift = _mm256_set1_ps(top);
+  for (int64_t j = 0; j < length; j += 8) {
+    const __m256 s = _mm256_loadu_ps(scores + j); /* the buffer has room past `length` */
+    const __m256 shown = _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    const __m256 weights = _mm256_and_ps(shown, exp8(_mm256_sub_ps(s, shift)));
+    float part[8];
+    _mm256_storeu_ps(part, weights);
+    memcpy(scores + j, part, (size_t)(length - j < 8 ? length - j : 8) * sizeof *scores);
+  }
+  __m256 acc[32];
+  for (int64_t c = 0; c < blocks; c++) acc[c] = _mm256_setzero_ps();
+  float total = 0.0f;
+  for (int64_t j = 0; j < length; j++) {
+    if (scores[j] == 0.0f) continue;
+    total += scores[j];
+    const __m256 weight = _mm256_set1_ps(scores[j]);
+    const float *value = values + j * dim;
+    for (int64_t c = 0; c < blocks; c++) acc[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * c), acc[c]);
+  }
+  const __m256 inverse = _mm256_set1_ps(1.0f / total);
+  for (int64_t c = 0; c < blocks; c++)
+    _mm_storeu_si128((__m128i *)(out + 8 * c), narrow8(_mm256_mul_ps(acc[c], inverse)));
+}
