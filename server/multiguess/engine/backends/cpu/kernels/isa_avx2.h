@@ -85,34 +85,78 @@ static inline void store_row(const __m256 acc[8], const uint16_t *residual, uint
   }
 }
 
-/* A panel's 64 outputs for every row of x, one row per pass: eight accumulators, and each
- * 32-byte load of the panel holds eight outputs' pairs (low half: the even input). The first
- * pass streams the panel from memory; the next rows find it in L2. */
+/* Rows r and r + 1 of x against half a panel (outputs 32 * half ... + 31): four accumulators
+ * per row, so that each widened weight feeds two rows' FMAs (the widening costs as much as an
+ * FMA, and a tree's rows are what make a product compute-bound). */
+static void pair_of_rows(const uint16_t *panel, const uint16_t *x, const __m256 start[8], int64_t pairs,
+                         int64_t k, int64_t r, int half, __m256 acc[2][8]) {
+  const __m256i odd_half = _mm256_set1_epi32((int)0xffff0000u);
+  const uint16_t *x0 = x + r * k, *x1 = x0 + k;
+  __m256 a0[4], a1[4];
+  for (int j = 0; j < 4; j++) a0[j] = a1[j] = start[4 * half + j];
+  const uint16_t *w = panel + 64 * half; /* four 8-output loads of 16 bf16 each */
+  for (int64_t p = 0; p < pairs; p++, w += 2 * PANEL) {
+    _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T1);
+    const __m256 even0 = _mm256_set1_ps(widen(x0[2 * p])), odd0 = _mm256_set1_ps(widen(x0[2 * p + 1]));
+    const __m256 even1 = _mm256_set1_ps(widen(x1[2 * p])), odd1 = _mm256_set1_ps(widen(x1[2 * p + 1]));
+    for (int j = 0; j < 4; j++) {
+      const __m256i both = _mm256_loadu_si256((const __m256i *)(w + 16 * j));
+      const __m256 low = _mm256_castsi256_ps(_mm256_slli_epi32(both, 16));
+      const __m256 high = _mm256_castsi256_ps(_mm256_and_si256(both, odd_half));
+      a0[j] = _mm256_fmadd_ps(odd0, high, _mm256_fmadd_ps(even0, low, a0[j]));
+      a1[j] = _mm256_fmadd_ps(odd1, high, _mm256_fmadd_ps(even1, low, a1[j]));
+    }
+  }
+  for (int j = 0; j < 4; j++) {
+    acc[0][4 * half + j] = a0[j];
+    acc[1][4 * half + j] = a1[j];
+  }
+}
+
+/* Row r of x against the whole panel: eight accumulators, one contiguous stream (a decode
+ * step's single row waits on memory, not on arithmetic). */
+static void one_row(const uint16_t *panel, const uint16_t *x, const __m256 start[8], int64_t pairs, int64_t k,
+                    int64_t r, __m256 acc[8]) {
+  const __m256i odd_half = _mm256_set1_epi32((int)0xffff0000u);
+  const uint16_t *xr = x + r * k;
+  for (int j = 0; j < 8; j++) acc[j] = start[j];
+  const uint16_t *w = panel;
+  for (int64_t p = 0; p < pairs; p++, w += 2 * PANEL) {
+    _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T1);
+    _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T1);
+    const __m256 even = _mm256_set1_ps(widen(xr[2 * p]));
+    const __m256 odd = _mm256_set1_ps(widen(xr[2 * p + 1]));
+    for (int j = 0; j < 8; j++) {
+      const __m256i both = _mm256_loadu_si256((const __m256i *)(w + 16 * j));
+      acc[j] = _mm256_fmadd_ps(even, _mm256_castsi256_ps(_mm256_slli_epi32(both, 16)), acc[j]);
+      acc[j] = _mm256_fmadd_ps(odd, _mm256_castsi256_ps(_mm256_and_si256(both, odd_half)), acc[j]);
+    }
+  }
+}
+
+/* A panel's 64 outputs for every row of x: rows two at a time, the last odd one alone. Each
+ * 32-byte load of the panel holds eight outputs' pairs (low half: the even input), and every
+ * output sums its pairs in order from its bias either way, so a row's bits do not depend on
+ * which pass computed it. The first pass streams the panel from memory; the next find it in L2. */
 static void panel_product(const uint16_t *panel, const uint16_t *x, const uint16_t *bias,
                           const uint16_t *residual, uint16_t *y, int64_t m, int64_t k, int64_t n,
                           int64_t first) {
   const int64_t pairs = k / 2;
   const int64_t live = n - first < PANEL ? n - first : PANEL;
-  const __m256i odd_half = _mm256_set1_epi32((int)0xffff0000u);
   __m256 start[8];
   for (int j = 0; j < 8; j++)
     start[j] = bias && 8 * j < live ? widen8(load8(bias + first + 8 * j, live - 8 * j)) : _mm256_setzero_ps();
-  for (int64_t r = 0; r < m; r++) {
+  int64_t r = 0;
+  for (; r + 1 < m; r += 2) {
+    __m256 acc[2][8];
+    pair_of_rows(panel, x, start, pairs, k, r, 0, acc);
+    pair_of_rows(panel, x, start, pairs, k, r, 1, acc);
+    store_row(acc[0], residual, y, r * n + first, live);
+    store_row(acc[1], residual, y, (r + 1) * n + first, live);
+  }
+  if (r < m) {
     __m256 acc[8];
-    for (int j = 0; j < 8; j++) acc[j] = start[j];
-    const uint16_t *xr = x + r * k;
-    const uint16_t *w = panel;
-    for (int64_t p = 0; p < pairs; p++, w += 2 * PANEL) {
-      _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T1);
-      _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T1);
-      const __m256 even = _mm256_set1_ps(widen(xr[2 * p]));
-      const __m256 odd = _mm256_set1_ps(widen(xr[2 * p + 1]));
-      for (int j = 0; j < 8; j++) {
-        const __m256i both = _mm256_loadu_si256((const __m256i *)(w + 16 * j));
-        acc[j] = _mm256_fmadd_ps(even, _mm256_castsi256_ps(_mm256_slli_epi32(both, 16)), acc[j]);
-        acc[j] = _mm256_fmadd_ps(odd, _mm256_castsi256_ps(_mm256_and_si256(both, odd_half)), acc[j]);
-      }
-    }
+    one_row(panel, x, start, pairs, k, r, acc);
     store_row(acc, residual, y, r * n + first, live);
   }
 }
