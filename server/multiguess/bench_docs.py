@@ -67,6 +67,8 @@ def machine() -> str:
                 flags = set(value.split())
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     isa = [label for flag, label in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX")) if flag in flags]
+    if not isa and "avx2" in flags:  # the bf16 kernels' AVX2 build (engine/backends/cpu/bf16_kernel.py)
+        isa = ["AVX2, no AVX512"]
     description = f"{name}, {cores} cores" + (f" ({', '.join(isa)})" if isa else "")
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
