@@ -2,9 +2,9 @@
 
 CPU attention kernels are several times faster in fp32 than in bf16 for decode-sized queries,
 and a small model's cache is small, so attention runs in fp32 over an fp32 cache whatever the
-weights' dtype. On CPUs with AVX512-BF16 and bf16 weights each whole layer (norms, products,
-SiLU gating, residual adds, rotary, cache write, attention) is one call into multiguess's bf16
-kernels (``bf16_kernel.py``), every row independent of the others, so a tree node's logits are
+weights' dtype. On CPUs with AVX512-BF16 or AVX2 and bf16 weights each whole layer (norms,
+products, SiLU gating, residual adds, rotary, cache write, attention) is one call into
+multiguess's bf16 kernels (``bf16_kernel.py``), every row independent of the others, so a tree node's logits are
 the bits of the same token decoded alone.
 """
 
