@@ -150,6 +150,40 @@ void multiguess_bf16_rope_cache(const uint16_t *qkv, const uint16_t *cos, const 
   }
 }
 
+/* One query head's attention over `length` cached keys and values (dim % 16 == 0, dim <= 256),
+ * skipping keys its additive mask row hides (-inf). Keys are visited in cache order and hidden
+ * ones add nothing, so the result depends only on the visible keys' values and order: a tree
+ * node and the same token decoded alone get the same bits. */
+static void attend(const float *q, const float *keys, const float *values, const float *mask,
+                   int64_t length, int64_t dim, float scale, float *scores, uint16_t *out) {
+  const int64_t blocks = dim / VLANES;
+  float top = -INFINITY;
+  for (int64_t j = 0; j < length; j++) {
+    if (mask[j] == -INFINITY) {
+      scores[j] = -INFINITY;
+      continue;
+    }
+    const float *key = keys + j * dim;
+    vec dot = vmul(vload(q), vload(key));
+    for (int64_t c = 1; c < blocks; c++) dot = vfma(vload(q + VLANES * c), vload(key + VLANES * c), dot);
+    scores[j] = vsum(dot) * scale + mask[j];
+    top = scores[j] > top ? scores[j] : top;
+  }
+  for (int64_t j = 0; j < length; j += VLANES) exp_shifted(scores + j, length - j < VLANES ? length - j : VLANES, top);
+  vec acc[256 / VLANES];
+  for (int64_t c = 0; c < blocks; c++) acc[c] = vzero();
+  float total = 0.0f;
+  for (int64_t j = 0; j < length; j++) {
+    if (scores[j] == 0.0f) continue;
+    total += scores[j];
+    const vec weight = vsplat(scores[j]);
+    const float *value = values + j * dim;
+    for (int64_t c = 0; c < blocks; c++) acc[c] = vfma(weight, vload(value + VLANES * c), acc[c]);
+  }
+  const vec inverse = vsplat(1.0f / total);
+  for (int64_t c = 0; c < blocks; c++) vstore_bf16(out + VLANES * c, vmul(acc[c], inverse));
+}
+
 /* Attention of fp32 queries [b][t][heads][dim] over one layer's cache [slots][2 * kv_heads]
  * [capacity][dim] (keys, then values) for sequence b's slot slots[b], rows [0, length), under
  * an additive mask [b][t][length] (0 or -inf); query head h reads key/value head h / (heads /

@@ -161,52 +161,28 @@ static void panel_product(const uint16_t *panel, const uint16_t *x, const uint16
   }
 }
 
-static inline float sum8(__m256 v) {
+/* What attention (bf16_kernels.c: attend) computes with: VLANES fp32 lanes. */
+#define VLANES 8
+typedef __m256 vec;
+static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline vec vsplat(float f) { return _mm256_set1_ps(f); }
+static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline void vstore_bf16(uint16_t *out, vec v) { _mm_storeu_si128((__m128i *)out, narrow8(v)); }
+
+static inline float vsum(vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* One query head's attention over `length` cached keys and values (dim % 16 == 0, dim <= 256),
- * skipping keys its additive mask row hides (-inf). Keys are visited in cache order and hidden
- * ones add nothing, so the result depends only on the visible keys' values and order: a tree
- * node and the same token decoded alone get the same bits. */
-static void attend(const float *q, const float *keys, const float *values, const float *mask,
-                   int64_t length, int64_t dim, float scale, float *scores, uint16_t *out) {
-  const int64_t blocks = dim / 8;
-  float top = -INFINITY;
-  for (int64_t j = 0; j < length; j++) {
-    if (mask[j] == -INFINITY) {
-      scores[j] = -INFINITY;
-      continue;
-    }
-    const float *key = keys + j * dim;
-    __m256 dot = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(key));
-    for (int64_t c = 1; c < blocks; c++)
-      dot = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(key + 8 * c), dot);
-    scores[j] = sum8(dot) * scale + mask[j];
-    top = scores[j] > top ? scores[j] : top;
-  }
-  const __m256 shift = _mm256_set1_ps(top);
-  for (int64_t j = 0; j < length; j += 8) {
-    const __m256 s = _mm256_loadu_ps(scores + j); /* the buffer has room past `length` */
-    const __m256 shown = _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-    const __m256 weights = _mm256_and_ps(shown, exp8(_mm256_sub_ps(s, shift)));
-    float part[8];
-    _mm256_storeu_ps(part, weights);
-    memcpy(scores + j, part, (size_t)(length - j < 8 ? length - j : 8) * sizeof *scores);
-  }
-  __m256 acc[32];
-  for (int64_t c = 0; c < blocks; c++) acc[c] = _mm256_setzero_ps();
-  float total = 0.0f;
-  for (int64_t j = 0; j < length; j++) {
-    if (scores[j] == 0.0f) continue;
-    total += scores[j];
-    const __m256 weight = _mm256_set1_ps(scores[j]);
-    const float *value = values + j * dim;
-    for (int64_t c = 0; c < blocks; c++) acc[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * c), acc[c]);
-  }
-  const __m256 inverse = _mm256_set1_ps(1.0f / total);
-  for (int64_t c = 0; c < blocks; c++)
-    _mm_storeu_si128((__m128i *)(out + 8 * c), narrow8(_mm256_mul_ps(acc[c], inverse)));
+/* scores[j, j + live) (live <= 8) as e^(s - top), those at -inf (hidden keys) as 0. */
+static inline void exp_shifted(float *scores, int64_t live, float top) {
+  float part[8] = {0};
+  memcpy(part, scores, (size_t)live * sizeof *scores);
+  const __m256 s = _mm256_loadu_ps(part);
+  const __m256 shown = _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+  _mm256_storeu_ps(part, _mm256_and_ps(shown, exp8(_mm256_sub_ps(s, _mm256_set1_ps(top)))));
+  memcpy(scores, part, (size_t)live * sizeof *scores);
 }

@@ -163,45 +163,22 @@ static void configure_tiles(void) {
   _tile_loadconfig(&config);
 }
 
-/* One query head's attention over `length` cached keys and values (dim % 16 == 0, dim <= 256),
- * skipping keys its additive mask row hides (-inf). Keys are visited in cache order and hidden
- * ones add nothing, so the result depends only on the visible keys' values and order: a tree
- * node and the same token decoded alone get the same bits. */
-static void attend(const float *q, const float *keys, const float *values, const float *mask,
-                   int64_t length, int64_t dim, float scale, float *scores, uint16_t *out) {
-  const int64_t blocks = dim / 16;
-  float top = -INFINITY;
-  for (int64_t j = 0; j < length; j++) {
-    if (mask[j] == -INFINITY) {
-      scores[j] = -INFINITY;
-      continue;
-    }
-    const float *key = keys + j * dim;
-    __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(key));
-    for (int64_t c = 1; c < blocks; c++)
-      dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(key + 16 * c), dot);
-    scores[j] = _mm512_reduce_add_ps(dot) * scale + mask[j];
-    top = scores[j] > top ? scores[j] : top;
-  }
-  const __m512 shift = _mm512_set1_ps(top);
-  for (int64_t j = 0; j < length; j += 16) {
-    const __mmask16 live = lanes(length - j);
-    const __m512 s = _mm512_maskz_loadu_ps(live, scores + j);
-    const __mmask16 shown = _mm512_mask_cmp_ps_mask(live, s, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-    _mm512_mask_storeu_ps(scores + j, live, _mm512_maskz_mov_ps(shown, exp_lanes(_mm512_sub_ps(s, shift))));
-  }
-  __m512 acc[16];
-  for (int64_t c = 0; c < blocks; c++) acc[c] = _mm512_setzero_ps();
-  float total = 0.0f;
-  for (int64_t j = 0; j < length; j++) {
-    if (scores[j] == 0.0f) continue;
-    total += scores[j];
-    const __m512 weight = _mm512_set1_ps(scores[j]);
-    const float *value = values + j * dim;
-    for (int64_t c = 0; c < blocks; c++) acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + 16 * c), acc[c]);
-  }
-  const __m512 inverse = _mm512_set1_ps(1.0f / total);
-  for (int64_t c = 0; c < blocks; c++)
-    _mm256_storeu_si256((__m256i *)(out + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[c], inverse)));
-}
 
+/* What attention (bf16_kernels.c: attend) computes with: VLANES fp32 lanes. */
+#define VLANES 16
+typedef __m512 vec;
+static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline vec vsplat(float f) { return _mm512_set1_ps(f); }
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+static inline void vstore_bf16(uint16_t *out, vec v) { _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(v)); }
+
+/* scores[j, j + live) (live <= 16) as e^(s - top), those at -inf (hidden keys) as 0. */
+static inline void exp_shifted(float *scores, int64_t live, float top) {
+  const __mmask16 mask = lanes(live);
+  const __m512 s = _mm512_maskz_loadu_ps(mask, scores);
+  const __mmask16 shown = _mm512_mask_cmp_ps_mask(mask, s, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+  _mm512_mask_storeu_ps(scores, mask, _mm512_maskz_mov_ps(shown, exp_lanes(_mm512_sub_ps(s, _mm512_set1_ps(top)))));
+}
