@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,12 +48,23 @@ SOURCE = Path(__file__).with_name("kernels") / "bf16_kernels.c"
 HEADERS = tuple(sorted(SOURCE.parent.glob("isa_*.h")))
 PANEL = 64
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
-# Instruction sets the library is built for, best first, each with the CPU flags it needs.
-VARIANTS = {
-    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
-    "avx2": ("-mavx2", "-mfma"),
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One instruction set the library is built for: the CPU flags it needs, its compiler flags."""
+
+    needs: frozenset[str]
+    flags: tuple[str, ...]
+
+
+VARIANTS = {  # best first
+    "avx512": Variant(
+        frozenset({"avx512_bf16"}),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+    ),
+    "avx2": Variant(frozenset({"avx2", "fma"}), ("-mavx2", "-mfma")),
 }
-NEEDS = {"avx512": frozenset({"avx512_bf16"}), "avx2": frozenset({"avx2", "fma"})}
 SWITCH = "MULTIGUESS_BF16_KERNEL"
 PRODUCT = "MULTIGUESS_BF16_PRODUCT"  # auto (measured), amx or avx512
 
@@ -68,7 +80,7 @@ def cpu_flags() -> frozenset[str]:
 
 def cpu_variant() -> str | None:
     """The best variant of the kernels this CPU runs (None: none, the forward uses oneDNN)."""
-    return next((name for name in VARIANTS if NEEDS[name] <= cpu_flags()), None)
+    return next((name for name, variant in VARIANTS.items() if variant.needs <= cpu_flags()), None)
 
 
 def cpu_has_amx_bf16() -> bool:
@@ -77,10 +89,10 @@ def cpu_has_amx_bf16() -> bool:
 
 
 def flags(variant: str) -> list[str]:
-    return [*COMMON_FLAGS, *VARIANTS[variant]]
+    return [*COMMON_FLAGS, *VARIANTS[variant].flags]
 
 
-def compiled_path(variant: str = "avx512") -> Path:
+def compiled_path(variant: str) -> Path:
     """Where the library of this variant of these sources is: the first cache folder that has
     it (an image bakes it in a read-only one), else where it is built, in the first folder."""
     sources = b"".join(path.read_bytes() for path in (SOURCE, *HEADERS))

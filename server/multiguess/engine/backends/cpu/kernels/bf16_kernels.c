@@ -29,6 +29,8 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
+#define PANEL 64 /* output rows per packed panel (bf16_kernel.py: PANEL) */
+
 /* Weights requested into L2 32 KiB ahead of the loads: 8-12% faster streaming than the
  * hardware prefetcher alone on the 2-core EPYC measured (docs/ENGINE.md); never faults. */
 #define PREFETCH 16384

@@ -4,7 +4,6 @@
  * first input in the low half, so a shift and a mask widen the two without shuffling. The
  * weights stream at half their fp32 size, which is what a decode step waits for. */
 #define HAS_AMX 0
-#define PANEL 64
 
 static inline __m256 widen8(__m128i v) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));

@@ -3,7 +3,6 @@
  * time: a decode step streams the weights as fast as vdpbf16ps, and a tree's extra rows ride on
  * the same loads nearly free, where vdpbf16ps pays for every row. */
 #define HAS_AMX 1
-#define PANEL 64
 #define ROWS 6 /* rows of x per pass over a panel: 24 accumulators in registers */
 
 static inline __mmask16 lanes(int64_t live) {
