@@ -46,14 +46,15 @@ def test_bf16_kernel_rows_do_not_depend_on_the_row_count(
     alone and among 40 others (every tile size, panel tails, a bias); it is fp32 math rounded.
     The widest case has enough long sums that a row summed in another order (a tail tile's
     pairs reversed, tried) rounds differently somewhere. On AMX tiles 72 inputs (not a multiple
-    of 32) take the AVX512 product, and 20 and 40 rows pad a 16-row tile."""
+    of 32) take the AVX512 product, and 20 and 40 rows pad a 16-row tile. On AVX2, 8 rows and
+    more take the widened product (40 rows: two groups; 1536 inputs: several slices)."""
     torch.manual_seed(2)
     layers = [linear(n, inputs, torch.bfloat16, bias=True) for n in outputs]
     projection = PackedProjection.of(layers)
     assert projection is not None and projection.panels is not None
     x = torch.randn(2, 20, inputs, dtype=torch.bfloat16)
     together = projection(x)
-    for rows in (1, 2, 5, 7, 13):
+    for rows in (1, 2, 5, 7, 8, 13, 19):
         assert torch.equal(projection(x[:, :rows]), together[:, :rows])
     assert torch.equal(projection(x[1, 19]), together[1, 19])  # one row, 1-D input
     weight = torch.cat([m.weight for m in layers]).float()

@@ -112,9 +112,19 @@ int multiguess_bf16_matmul(const uint16_t *packed, const uint16_t *x, const uint
     return 0;
   }
 #endif
+  float *wide = NULL; /* x in fp32, where the product broadcasts fp32 inputs */
+  if (widens_inputs(m)) {
+    wide = malloc((size_t)(m * k) * sizeof *wide);
+    if (!wide) {
+      free(prepared);
+      return -1;
+    }
+    for (int64_t i = 0; i < m * k; i++) wide[i] = widen(x[i]);
+  }
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t p = 0; p < panels; p++)
-    panel_product(packed + p * k * PANEL, x, bias, residual, y, m, k, n, p * PANEL);
+    panel_product(packed + p * k * PANEL, x, wide, bias, residual, y, m, k, n, p * PANEL);
+  free(wide);
   free(prepared);
   return 0;
 }

@@ -133,11 +133,96 @@ static void one_row(const uint16_t *panel, const uint16_t *x, const __m256 start
   }
 }
 
-/* A panel's 64 outputs for every row of x: rows two at a time, the last odd one alone. Each
- * 32-byte load of the panel holds eight outputs' pairs (low half: the even input), and every
- * output sums its pairs in order from its bias either way, so a row's bits do not depend on
- * which pass computed it. The first pass streams the panel from memory; the next find it in L2. */
-static void panel_product(const uint16_t *panel, const uint16_t *x, const uint16_t *bias,
+#define WIDE_ROWS 8 /* rows from which a panel is widened once and shared (docs/ENGINE.md) */
+#define SLICE 128    /* inputs per widened slice: 64 outputs x 128 fp32, 32 KiB, one L1 */
+#define BLOCK 6      /* rows per pass over a slice's 16-output tile: 12 accumulators */
+#define GROUP 24     /* rows whose sums are kept while a slice is in L1 */
+
+/* Whether x is widened to fp32 for this many rows (bf16_kernels.c passes it as `wide`). */
+static inline bool widens_inputs(int64_t m) { return m >= WIDE_ROWS; }
+
+/* Pairs [from, from + count) of a panel as fp32 in four tiles of 16 outputs, [4][SLICE][16]
+ * (tile-major, so a tile's inputs are one contiguous stream). */
+static void widen_slice(const uint16_t *panel, int64_t from, int64_t count, float *slice) {
+  const __m256i odd_half = _mm256_set1_epi32((int)0xffff0000u);
+  for (int64_t p = 0; p < count; p++) {
+    const uint16_t *w = panel + (from + p) * 2 * PANEL;
+    _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T1);
+    _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T1);
+    for (int j = 0; j < 8; j++) {
+      const __m256i both = _mm256_loadu_si256((const __m256i *)(w + 16 * j));
+      float *at = slice + (j / 2) * SLICE * 16 + 2 * p * 16 + (j % 2) * 8;
+      _mm256_storeu_ps(at, _mm256_castsi256_ps(_mm256_slli_epi32(both, 16)));
+      _mm256_storeu_ps(at + 16, _mm256_castsi256_ps(_mm256_and_si256(both, odd_half)));
+    }
+  }
+}
+
+/* `rows` (at most BLOCK) rows of fp32 x, k apart, against one widened tile of `inputs` inputs:
+ * sums [rows][64] (16 of them, at sums) go on from where they stand, an FMA per input in order.
+ * Inlined with a constant `rows`, its 2 * rows accumulators stay in registers. */
+static inline __attribute__((always_inline)) void block_product(const float *tile, const float *x, int64_t k,
+                                                                int64_t inputs, float *sums, const int rows) {
+  __m256 acc[BLOCK][2];
+  for (int r = 0; r < rows; r++) {
+    acc[r][0] = _mm256_loadu_ps(sums + 64 * r);
+    acc[r][1] = _mm256_loadu_ps(sums + 64 * r + 8);
+  }
+  for (int64_t i = 0; i < inputs; i++) {
+    const __m256 w0 = _mm256_loadu_ps(tile + 16 * i), w1 = _mm256_loadu_ps(tile + 16 * i + 8);
+    for (int r = 0; r < rows; r++) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * k + i);
+      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < rows; r++) {
+    _mm256_storeu_ps(sums + 64 * r, acc[r][0]);
+    _mm256_storeu_ps(sums + 64 * r + 8, acc[r][1]);
+  }
+}
+
+static void block_product_any(const float *tile, const float *x, int64_t k, int64_t inputs, float *sums,
+                              int64_t rows) {
+  switch (rows) {
+    case 1: block_product(tile, x, k, inputs, sums, 1); break;
+    case 2: block_product(tile, x, k, inputs, sums, 2); break;
+    case 3: block_product(tile, x, k, inputs, sums, 3); break;
+    case 4: block_product(tile, x, k, inputs, sums, 4); break;
+    case 5: block_product(tile, x, k, inputs, sums, 5); break;
+    default: block_product(tile, x, k, inputs, sums, BLOCK); break;
+  }
+}
+
+/* Rows [r0, r0 + rows) (at most GROUP) of fp32 x against a panel, a widened slice at a time: the
+ * weight is widened once per slice for all of them, and each tile of it then feeds BLOCK rows'
+ * FMAs per load, which is what a tree's rows need from a CPU without bf16 arithmetic. */
+static void group_product(const uint16_t *panel, const float *wide, const __m256 start[8],
+                          const uint16_t *residual, uint16_t *y, int64_t rows, int64_t r0, int64_t k,
+                          int64_t n, int64_t first, int64_t live, float *slice) {
+  float sums[GROUP][64];
+  for (int64_t r = 0; r < rows; r++)
+    for (int j = 0; j < 8; j++) _mm256_storeu_ps(sums[r] + 8 * j, start[j]);
+  for (int64_t from = 0; from < k / 2; from += SLICE / 2) {
+    const int64_t count = k / 2 - from < SLICE / 2 ? k / 2 - from : SLICE / 2;
+    widen_slice(panel, from, count, slice);
+    for (int t = 0; t < 4; t++)
+      for (int64_t b = 0; b < rows; b += BLOCK)
+        block_product_any(slice + t * SLICE * 16, wide + (r0 + b) * k + 2 * from, k, 2 * count,
+                          sums[b] + 16 * t, rows - b < BLOCK ? rows - b : BLOCK);
+  }
+  for (int64_t r = 0; r < rows; r++) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_loadu_ps(sums[r] + 8 * j);
+    store_row(acc, residual, y, (r0 + r) * n + first, live);
+  }
+}
+
+/* A panel's 64 outputs for every row of x: from WIDE_ROWS rows in groups over widened slices
+ * (`wide` is x in fp32), below that two rows at a time and the last odd one alone. Every output
+ * sums its inputs in order from its bias, one FMA each, whichever path computes it, so a row's
+ * bits do not depend on how many rows came with it. */
+static void panel_product(const uint16_t *panel, const uint16_t *x, const float *wide, const uint16_t *bias,
                           const uint16_t *residual, uint16_t *y, int64_t m, int64_t k, int64_t n,
                           int64_t first) {
   const int64_t pairs = k / 2;
@@ -145,6 +230,13 @@ static void panel_product(const uint16_t *panel, const uint16_t *x, const uint16
   __m256 start[8];
   for (int j = 0; j < 8; j++)
     start[j] = bias && 8 * j < live ? widen8(load8(bias + first + 8 * j, live - 8 * j)) : _mm256_setzero_ps();
+  if (wide) {
+    float slice[4 * SLICE * 16] __attribute__((aligned(32)));
+    for (int64_t r0 = 0; r0 < m; r0 += GROUP)
+      group_product(panel, wide, start, residual, y, m - r0 < GROUP ? m - r0 : GROUP, r0, k, n, first, live,
+                    slice);
+    return;
+  }
   int64_t r = 0;
   for (; r + 1 < m; r += 2) {
     __m256 acc[2][8];

@@ -62,9 +62,16 @@ static inline void store_row(const __m512 acc[4], const uint16_t *residual, uint
   }
 }
 
-static void panel_product(const uint16_t *panel, const uint16_t *x, const uint16_t *bias,
+/* vdpbf16ps multiplies bf16 pairs as they are: x is never widened here. */
+static inline bool widens_inputs(int64_t m) {
+  (void)m;
+  return false;
+}
+
+static void panel_product(const uint16_t *panel, const uint16_t *x, const float *wide, const uint16_t *bias,
                           const uint16_t *residual, uint16_t *y, int64_t m, int64_t k, int64_t n,
                           int64_t first) {
+  (void)wide;
   const int64_t pairs = k / 2;
   int64_t live = n - first < PANEL ? n - first : PANEL;
   __m512 start[4];
