@@ -10,9 +10,18 @@ import pytest
 import torch
 from multiguess import LLM, SamplingParams
 from multiguess.engine.acceptance import SeededChoices
-from multiguess.engine.sampling import position_noise, race_top
+from multiguess.engine.backends.cpu import bf16_kernel
+from multiguess.engine.sampling import (
+    NodeDistributions,
+    Processing,
+    position_key,
+    position_noise,
+    race_top,
+    seeded_choice,
+    sorted_processed_probs,
+)
 from multiguess.engine.tree import TokenTree
-from scipy.stats import kstest
+from scipy.stats import chisquare, kstest
 
 from tests.engine.test_lossless import random_prompts
 
@@ -51,13 +60,18 @@ def test_seeded_output_does_not_depend_on_the_policy_or_the_batch(
     assert one_by_one == expected
 
 
-def test_a_node_draws_with_the_noise_of_its_position() -> None:
+@pytest.mark.parametrize(
+    "processing", [Processing(1.0), Processing(0.8, top_p=0.9), Processing(1.3, top_k=3)]
+)
+def test_a_node_draws_with_the_noise_of_its_position(processing: Processing) -> None:
     vocab = torch.arange(6)
-    probs = torch.softmax(torch.randn(3, 6, generator=torch.Generator().manual_seed(0)), -1).double()
+    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(0))
+    probs = sorted_processed_probs(logits, [processing] * 3)
     tree = TokenTree((0, 1, 4), (-1, 0, 0))  # two children of the root: both choose position 11
     noise = position_noise(3, [10, 11], vocab)
     expected = (probs / noise[[0, 1, 1]]).argmax(-1).tolist()
-    assert [SeededChoices(probs, tree, seed=3, length=10)[i] for i in range(3)] == expected
+    choices = SeededChoices(NodeDistributions(logits, processing), tree, seed=3, length=10)
+    assert [choices[i] for i in range(3)] == expected
     assert torch.equal(position_noise(3, [11], vocab[2:4]), noise[1:, 2:4])  # per token, not per row
     assert not torch.equal(position_noise(4, [11], vocab), noise[1:])
 
@@ -86,3 +100,44 @@ def test_the_noise_is_exponential() -> None:
     """Its CDF is 1 - exp(-e): uniform after the transform (Kolmogorov-Smirnov)."""
     noise = position_noise(9, list(range(40)), torch.arange(500)).flatten()
     assert kstest(1 - torch.exp(-noise).numpy(), "uniform").pvalue > 1e-3
+
+
+def gumbel_reference(logits: torch.Tensor, temperature: float, seed: int, position: int) -> int:
+    """The race over a whole row, every token scored: argmax of logits / T - log(noise)."""
+    noise = position_noise(seed, [position], torch.arange(len(logits)))[0]
+    return int((logits.double() / temperature - torch.log(noise)).argmax())
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+def test_the_race_from_logits_is_the_race_over_probabilities(temperature: float) -> None:
+    """An untruncated row's seeded choice, straight from its logits, is the winner of
+    ``race_top`` over its softmax, and (on CPUs with the kernel, which scores only the tokens
+    that can still win) of scoring every token, at the vocabulary size of a real model."""
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(49152, generator=gen) * 4
+    logits[torch.randperm(49152, generator=gen)[:500]] = float("-inf")  # masked tokens
+    probs = torch.softmax(logits.double() / temperature, -1)
+    kernel = bf16_kernel.library() is not None
+    for position in range(120):
+        expected = gumbel_reference(logits, temperature, 11, position)
+        assert seeded_choice(logits, temperature, 11, position) == expected
+        if position < 20:
+            assert int(race_top(probs[None], 11, [position], torch.arange(49152), 1)[0, 0]) == expected
+        if kernel:
+            assert bf16_kernel.seeded_argmax(logits, temperature, position_key(11, position)) == expected
+
+
+def test_the_race_from_logits_samples_the_softmax() -> None:
+    """Over many positions, the seeded choices of one row follow softmax(logits / T)
+    (chi-square over the likeliest tokens and the rest together)."""
+    logits = torch.randn(3000, generator=torch.Generator().manual_seed(3)) * 3
+    probs = torch.softmax(logits.double() / 0.7, -1)
+    top = torch.topk(probs, 12).indices
+    bucket = torch.full((3000,), 12, dtype=torch.long)
+    bucket[top] = torch.arange(12)
+    draws = 6000
+    counts = torch.bincount(
+        torch.tensor([bucket[seeded_choice(logits, 0.7, 5, t)] for t in range(draws)]), minlength=13
+    )
+    expected = torch.zeros(13, dtype=torch.float64).index_add_(0, bucket, probs) * draws
+    assert chisquare(counts.double().numpy(), expected.numpy()).pvalue > 1e-3

@@ -42,7 +42,7 @@ def test_the_wheel_holds_the_kernel_sources_and_headers(tmp_path: Path) -> None:
     (wheel,) = wheels.glob("multiguess-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     needed = [
-        path.relative_to(ROOT / "server").as_posix() for path in (bf16_kernel.SOURCE, *bf16_kernel.HEADERS)
+        path.relative_to(ROOT / "server").as_posix() for path in (*bf16_kernel.SOURCES, *bf16_kernel.HEADERS)
     ]
     assert len(needed) >= 3, "the kernel sources were not found beside bf16_kernel.py"
     missing = [name for name in needed if name not in names]

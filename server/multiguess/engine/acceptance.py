@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from multiguess.engine.sampling import NodeDistributions, draw, race_top
+from multiguess.engine.sampling import NodeDistributions, draw
 from multiguess.engine.tree import TokenTree
 
 
@@ -105,15 +105,11 @@ class SeededChoices:
     ``length - 1`` of the sequence: node ``i`` chooses token ``length + depth(i)`` by the race
     under that position's noise. Each is computed when the walk reads it (one path)."""
 
-    def __init__(
-        self, target_probs: torch.Tensor | NodeDistributions, tree: TokenTree, seed: int, length: int
-    ) -> None:
-        self.target_probs = target_probs
+    def __init__(self, target: NodeDistributions, tree: TokenTree, seed: int, length: int) -> None:
+        self.target = target
         self.depths = tree.depths
         self.seed = seed
         self.length = length
 
     def __getitem__(self, node: int) -> int:
-        row = self.target_probs[node]
-        vocab = torch.arange(len(row), device=row.device)
-        return int(race_top(row[None], self.seed, [self.length + self.depths[node]], vocab, 1)[0, 0])
+        return self.target.seeded_choice(node, self.seed, self.length + self.depths[node])

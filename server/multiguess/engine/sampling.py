@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from multiguess.engine.backends.cpu.bf16_kernel import seeded_argmax
+
 # Prefix widths a row's truncation tries, in turn, before it sorts the whole row.
 PREFIXES = (64, 2048)
 
@@ -95,6 +97,16 @@ class NodeDistributions:
     def stacked(self, nodes: list[int]) -> torch.Tensor:
         """The rows of ``nodes`` as one ``[len(nodes), V]`` tensor."""
         return torch.stack([self[node] for node in nodes])
+
+    def seeded_choice(self, node: int, seed: int, position: int) -> int:
+        """The token a seeded sample takes after ``node`` at ``position``: the race over the
+        processed row when its processing truncates, else straight from its logits."""
+        p = self.processing
+        if 0 < p.top_k < self.logits.shape[-1] or p.top_p < 1.0:
+            row = self[node]
+            vocab = torch.arange(len(row), device=row.device)
+            return int(race_top(row[None], seed, [position], vocab, 1)[0, 0])
+        return seeded_choice(self.logits[node], p.temperature, seed, position)
 
 
 def _prefix(
@@ -204,19 +216,34 @@ def _shift(z: torch.Tensor, bits: int) -> torch.Tensor:
     return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
+def position_key(seed: int, position: int) -> int:
+    """The 64-bit key (as a signed integer) of one position's noise in a seeded sample."""
+    return _signed(int.from_bytes(hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()))
+
+
 def position_noise(seed: int, positions: list[int], tokens: torch.Tensor) -> torch.Tensor:
     """Exponential(1) noise ``[len(positions), len(tokens)]`` for the given token ids at each
     position of a seeded sample: a function of seed, position and token alone (splitmix64 of a
     per-position key), so every device and every tree shape sees the same values."""
-    keys = []
-    for position in positions:
-        digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
-        keys.append(_signed(int.from_bytes(digest)))
+    keys = [position_key(seed, position) for position in positions]
     z = torch.tensor(keys, dtype=torch.long, device=tokens.device)[:, None] + tokens.long()[None, :] * _GOLDEN
     z = (z ^ _shift(z, 30)) * _MIX1
     z = (z ^ _shift(z, 27)) * _MIX2
     z = z ^ _shift(z, 31)
     return -torch.log((_shift(z, 11).double() + 0.5) * 2.0**-53)
+
+
+def seeded_choice(logits: torch.Tensor, temperature: float, seed: int, position: int) -> int:
+    """The winner of ``race_top``'s race over a whole row (no top-k, no top-p), from its logits
+    ``[V]``: the largest p / noise is the largest ``logits / temperature - log(noise)`` (the
+    Gumbel-max trick; the softmax's normaliser drops out). On CPUs a kernel scores only the
+    tokens that can still win (``kernels/seeded_race.c``); elsewhere the whole row is scored."""
+    key = position_key(seed, position)
+    winner = seeded_argmax(logits, temperature, key)
+    if winner is not None:
+        return winner
+    noise = position_noise(seed, [position], torch.arange(len(logits), device=logits.device))[0]
+    return int((logits.double() / temperature - torch.log(noise)).argmax())
 
 
 def race_top(

@@ -20,7 +20,8 @@ They are built with the system C compiler into the cache folder (keyed by the so
 variant and its flags) the first time a model loads, in about a second, or ahead of time, every
 variant, by ``python -m multiguess.engine.backends.cpu.bf16_kernel`` (the server image does, so
 it needs no compiler); without a compiler, on other CPUs, or with ``MULTIGUESS_BF16_KERNEL=0``
-the forward uses oneDNN and torch.
+the forward uses oneDNN and torch. The same library holds seeded sampling's race over a row of
+logits (``kernels/seeded_race.c``, ``seeded_argmax``).
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ from multiguess.models.embedded import cache_roots
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "bf16_kernels.c"
-HEADERS = tuple(sorted(SOURCE.parent.glob("isa_*.h")))
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = (KERNELS / "bf16_kernels.c", KERNELS / "seeded_race.c")  # one library
+HEADERS = tuple(sorted(KERNELS.glob("isa_*.h")))
 PANEL = 64
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 
@@ -95,7 +97,7 @@ def flags(variant: str) -> list[str]:
 def compiled_path(variant: str) -> Path:
     """Where the library of this variant of these sources is: the first cache folder that has
     it (an image bakes it in a read-only one), else where it is built, in the first folder."""
-    sources = b"".join(path.read_bytes() for path in (SOURCE, *HEADERS))
+    sources = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     digest = hashlib.sha256(sources + " ".join(flags(variant)).encode()).hexdigest()[:16]
     places = [root / "kernels" / f"bf16_kernels-{variant}-{digest}.so" for root in cache_roots()]
     return next((p for p in places if p.exists()), places[0])
@@ -114,7 +116,7 @@ def build(compiler: str, variant: str) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
             built = Path(scratch) / target.name
-            command = [compiler, *flags(variant), str(SOURCE), "-o", str(built), "-lm"]
+            command = [compiler, *flags(variant), *map(str, SOURCES), "-o", str(built), "-lm"]
             subprocess.run(command, check=True, capture_output=True)
             os.replace(built, target)  # atomic: concurrent loaders see a whole file or none
     return target
@@ -193,6 +195,13 @@ def library() -> ctypes.CDLL | None:
         ctypes.c_void_p,
     ]
     lib.multiguess_bf16_layer.restype = ctypes.c_int
+    lib.multiguess_seeded_argmax.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_double,
+        ctypes.c_uint64,
+    ]
+    lib.multiguess_seeded_argmax.restype = ctypes.c_int64
     log.info("bf16 kernels (%s) loaded from %s", variant, path)
     return lib
 
@@ -399,6 +408,16 @@ def attention(
     if status != 0:
         raise MemoryError("attention kernel: no memory for the scores")
     return out
+
+
+def seeded_argmax(logits: torch.Tensor, temperature: float, key: int) -> int | None:
+    """The winner of a seeded row's race (``sampling.seeded_choice``) over CPU logits ``[V]``,
+    or None where the library is not available."""
+    lib = library()
+    if lib is None or logits.device.type != "cpu":
+        return None
+    row = logits.float().contiguous()
+    return lib.multiguess_seeded_argmax(row.data_ptr(), row.numel(), temperature, key % 2**64)
 
 
 def run_layer(layer: LayerWeights, step: StepPlaces, x: torch.Tensor) -> None:
