@@ -14,9 +14,10 @@ from multiguess.engine.adaptive import (
     expected_tokens,
     level_outcomes,
 )
-from multiguess.engine.drafter import DraftRequest, ModelDrafter, TreeBudget
+from multiguess.engine.drafter import DraftRequest, ModelDrafter, SampleSpec, TreeBudget
 from multiguess.engine.engine import Engine, EngineConfig
 from multiguess.engine.runner import NativeRunner
+from multiguess.engine.sampling import Generators, Processing
 from multiguess.engine.tree import TokenTree
 from multiguess.models.loading import load_model
 
@@ -290,9 +291,11 @@ def test_one_sequence_probes_at_a_time_the_one_observed_longest_ago(
     observed_slots: list[int] = []
     observe = engine.drafter.observe  # type: ignore[union-attr]
 
-    def recording(slot: int, token_ids: list[int], width: int, since: int) -> list[int | None] | None:
+    def recording(
+        slot: int, token_ids: list[int], width: int, since: int, sample: SampleSpec | None = None
+    ) -> list[int | None] | None:
         observed_slots.append(slot)
-        return observe(slot, token_ids, width, since)
+        return observe(slot, token_ids, width, since, sample)
 
     engine.drafter.observe = recording  # type: ignore[union-attr,method-assign]
     probed, drafted = [], []
@@ -331,6 +334,47 @@ def test_observing_ranks_the_tokens_the_target_chose_and_catches_the_draft_up(ti
     request = [DraftRequest(0, [*tokens, 5], TreeBudget(3, 3, 9))]
     fresh = drafters[1].propose([replace(request[0], slot=0)])
     assert drafters[0].propose(request)[0].tree == fresh[0].tree
+
+
+def test_a_seeded_sample_observes_the_winners_of_its_race(tiny_llama: Path) -> None:
+    """The target as its own draft: under a seeded sample's noise its race's winner at each
+    position is the token the target drew there (rank 0), for the replies and not the prompt;
+    unseeded, a draw ranks nothing and the same tokens are mostly not its top guess."""
+    model = load_model(str(tiny_llama), dtype="float32")
+    prompt = random_prompts(6, (7,))[0]
+    params = SamplingParams(max_tokens=14, temperature=1.0, seed=11, ignore_eos=True)
+    reply = LLM(str(tiny_llama), None, dtype="float32").generate([prompt], params)[0].outputs[0].token_ids
+    tokens = [*prompt, *reply]
+    seeded = SampleSpec(Processing(1.0), Generators(11), coupled=True)
+    drafter = ModelDrafter(NativeRunner(model, 2, 64))
+    assert drafter.observe(0, tokens, 3, 7, seeded) == [0] * 14
+    other = SampleSpec(Processing(1.0), Generators(12), coupled=True)  # another seed's noise
+    ranks = ModelDrafter(NativeRunner(model, 2, 64)).observe(0, tokens, 1, 7, other)
+    assert ranks.count(0) < 10
+
+
+@pytest.mark.parametrize(("seed", "probe_trees"), [(7, False), (None, True)])
+def test_seeded_samples_probe_by_observation_unseeded_ones_with_trees(
+    tiny_llama: Path, tiny_llama_draft: Path, seed: int | None, probe_trees: bool
+) -> None:
+    """While no tree pays, a seeded sample probes without a tree (its output stays plain seeded
+    decoding's) and an unseeded one with a one-level tree; both keep the sampled estimates."""
+    target, draft = (load_model(str(path), dtype="float32") for path in (tiny_llama, tiny_llama_draft))
+    policy = AdaptivePolicy(min_speedup=100.0, probe_every=2, probe_every_max=2)
+    engine = Engine(target, draft, EngineConfig(3, 4, 16, max_batch=1, max_model_len=128, policy=policy))
+    prompt = random_prompts(25, (9,))[0]
+    params = SamplingParams(max_tokens=30, temperature=1.0, seed=seed, ignore_eos=True)
+    seq = engine.add_request("0", prompt, params)
+    drafted = []
+    while engine.has_unfinished():
+        engine.step()
+        drafted.append(sum(engine.last_tree_sizes))
+    assert any(drafted) == probe_trees
+    assert engine.coverage[False] != policy.initial(3, 4)
+    assert engine.coverage[True] == policy.initial(3, 4)
+    if seed is not None:
+        plain = LLM(str(tiny_llama), None, dtype="float32").generate([prompt], params)[0].outputs[0]
+        assert seq.output_ids == plain.token_ids
 
 
 def test_draft_cost_leaves_out_steps_that_caught_a_draft_cache_up(

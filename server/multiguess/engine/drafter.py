@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -142,11 +143,29 @@ class Drafter(Protocol):
         retained is retained in ``src`` now (the two slots swap)."""
         ...
 
-    def observe(self, slot: int, token_ids: list[int], width: int, since: int) -> list[int | None] | None:
+    def observe(
+        self, slot: int, token_ids: list[int], width: int, since: int, sample: SampleSpec | None = None
+    ) -> list[int | None] | None:
         """The rank of each ``token_ids[i]``, ``i >= since``, whose guess the drafter had not made
         yet (it had not seen ``token_ids[i - 1]``) among its ``width`` best guesses there (None:
-        not among them), in order; None when the drafter cannot tell without drafting a tree."""
+        not among them), in order; None when the drafter cannot tell without drafting a tree.
+        ``sample``: a seeded sample's, whose guesses are its race's winners (``coupled``)."""
         ...
+
+
+def seeded_guesses(
+    dists: torch.Tensor,
+    seed: int,
+    positions: list[int],
+    tokens: Callable[[torch.Tensor], torch.Tensor],
+    count: int,
+) -> torch.Tensor:
+    """The ``count`` columns of each row of ``dists`` (a drafter's processed distributions over
+    its columns, whose token ids ``tokens`` gives) that win a seeded sample's race under the
+    noise of the row's position, raced over the rows' ``RACED`` likeliest columns: one race for
+    all rows (``sampling.race_top``). Columns past a row's support can end a row."""
+    likeliest = torch.topk(dists, min(RACED, dists.shape[-1]), dim=-1).indices.unique()
+    return likeliest[race_top(dists[:, likeliest], seed, positions, tokens(likeliest), count)]
 
 
 def _path(cands: list[_Candidate], index: int) -> tuple[int, ...]:
@@ -438,11 +457,7 @@ class ModelDrafter:
         over each row's ``RACED`` likeliest columns."""
         assert req.sample is not None
         positions = [len(req.token_ids) + (0 if p == -1 else cands[p].depth) for p in beam]
-        likeliest = torch.topk(dists, min(RACED, dists.shape[-1]), dim=-1).indices.unique()
-        winners = race_top(
-            dists[:, likeliest], req.sample.generators.seed, positions, self._tokens(likeliest), k
-        )
-        return list(likeliest[winners])
+        return list(seeded_guesses(dists, req.sample.generators.seed, positions, self._tokens, k))
 
     def _tokens(self, columns: torch.Tensor) -> torch.Tensor:
         return columns if self.vocab is None else self.vocab[columns]
@@ -501,23 +516,40 @@ class ModelDrafter:
             visible[tuple(torch.tensor(seen).T)] = True
         return tokens, depths, used, visible
 
-    def observe(self, slot: int, token_ids: list[int], width: int, since: int) -> list[int | None]:
+    def observe(
+        self, slot: int, token_ids: list[int], width: int, since: int, sample: SampleSpec | None = None
+    ) -> list[int | None]:
         """Catch the draft's cache up on ``token_ids`` and rank each known token from ``since``
-        on among the draft's ``width`` best at its position: for a greedy sequence's output,
-        whether a node with ``width`` children there would have held the target's token (a
-        prompt's tokens say little about that). It costs one draft forward over the catch-up
-        that drafting would make anyway, and nothing on the target."""
+        on among the draft's ``width`` guesses at its position: for a greedy or seeded
+        sequence's output, whether a node with ``width`` children there would have held the
+        target's token (a prompt's tokens say little about that). It costs one draft forward
+        over the catch-up that drafting would make anyway, and nothing on the target."""
         start = self.cached.get(slot, 0)
         if start >= len(token_ids):
             return []
         logits = self.runner.forward_trees([slot], [start], [TokenTree.chain(token_ids[start:])])[0]
         self.cached[slot] = len(token_ids)
         first = max(start + 1, since)  # the first token ranked; row i guesses token start + 1 + i
-        rows = logits[first - start - 1 : len(token_ids) - start - 1]
-        best = self._tokens(torch.topk(rows, min(width, rows.shape[-1])).indices)
-        known = torch.tensor(token_ids[first:], dtype=torch.long, device=best.device)
-        hits = (best == known[:, None]).tolist()  # one copy to the host for all rows
-        return [row.index(True) if True in row else None for row in hits]
+        return self._ranks(
+            logits[first - start - 1 : len(token_ids) - start - 1], token_ids, first, width, sample
+        )
+
+    def _ranks(
+        self, rows: torch.Tensor, token_ids: list[int], first: int, width: int, sample: SampleSpec | None
+    ) -> list[int | None]:
+        """The rank of each ``token_ids[first + i]`` among row i's ``width`` guesses: its top
+        ``width`` (greedy), or the winners of a seeded sample's race at that token's position,
+        as drafting would choose them (None: not among them)."""
+        if sample is None:
+            columns = torch.topk(rows, min(width, rows.shape[-1])).indices
+            hits = self._tokens(columns).cpu() == torch.tensor(token_ids[first:])[:, None]
+        else:
+            dists = processed_probs(rows, [sample.processing] * len(rows))
+            positions = list(range(first, len(token_ids)))
+            columns = seeded_guesses(dists, sample.generators.seed, positions, self._tokens, width)
+            known = torch.tensor(token_ids[first:], device=rows.device)[:, None]
+            hits = ((self._tokens(columns) == known) & (dists.gather(-1, columns) > 0)).cpu()
+        return [row.index(True) if True in row else None for row in hits.tolist()]
 
     def commit(self, slot: int, proposal: Proposal, acceptance: Acceptance) -> None:
         """Keep the draft KV of accepted nodes that were fed to the draft (a prefix of the path)."""

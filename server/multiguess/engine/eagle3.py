@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from multiguess.engine.acceptance import Acceptance
-from multiguess.engine.drafter import DraftRequest, ModelDrafter, Proposal, _Candidate
+from multiguess.engine.drafter import DraftRequest, ModelDrafter, Proposal, SampleSpec, _Candidate
 from multiguess.engine.eagle3_head import Eagle3Head
 from multiguess.engine.kv_cache import exchange_slots
 from multiguess.engine.linear import Projection
@@ -306,21 +306,21 @@ class Eagle3Drafter(ModelDrafter):
                 self._hidden[b][c] = hidden[b, j]
         return [logits[b, : len(beam)] for b, beam in enumerate(beams)]
 
-    def observe(self, slot: int, token_ids: list[int], width: int, since: int) -> list[int | None]:
+    def observe(
+        self, slot: int, token_ids: list[int], width: int, since: int, sample: SampleSpec | None = None
+    ) -> list[int | None]:
         """Feed the positions whose target features arrived and rank each token they guess for
-        the first time (position p guesses ``token_ids[p + 2]``) among the head's ``width`` best;
-        nothing for a sequence it holds no features for."""
+        the first time (position p guesses ``token_ids[p + 2]``) among the head's ``width``
+        guesses (``ModelDrafter._ranks``); nothing for a sequence it holds no features for."""
         if slot not in self.pending:
             return []
         ((start, logits, _),) = self._feed_chain([slot], [token_ids])
         first = max(start + 2, since)
-        known = torch.tensor(token_ids[first:], dtype=torch.long)
-        if not len(known):
+        if first >= len(token_ids):
             return []
-        rows = logits[first - 2 - start : len(token_ids) - 2 - start]
-        best = self._tokens(torch.topk(rows, min(width, rows.shape[-1])).indices).cpu()
-        hits = best == known[:, None]
-        return [int(row.nonzero()[0]) if row.any() else None for row in hits]
+        return self._ranks(
+            logits[first - 2 - start : len(token_ids) - 2 - start], token_ids, first, width, sample
+        )
 
 
 def eagle3_drafter(folder: str | Path, target: NativeRunner) -> Eagle3Drafter:

@@ -463,25 +463,28 @@ class Engine:
         return trees
 
     def _observe(self, seq: Sequence) -> bool:
-        """Probe a greedy sequence without a tree: rank the tokens the target chose since the
-        draft last saw the sequence among the draft's guesses (``Drafter.observe``). A probe
-        tree pads every sequence of the batch to its width in the target's forward
-        (docs/ENGINE.md); this costs one draft forward over the catch-up that drafting would
-        make anyway.
-        False when the drafter cannot (a sampled sequence's children are draws, not ranks)."""
+        """Probe a greedy or seeded sequence without a tree: rank the tokens the target chose
+        since the draft last saw the sequence among the draft's guesses (``Drafter.observe``; a
+        seeded sample's guesses are its race's winners). A probe tree pads every sequence of the
+        batch to its width in the target's forward (docs/ENGINE.md); this costs one draft
+        forward over the catch-up that drafting would make anyway.
+        False when the drafter cannot (an unseeded sample's children are draws, not ranks)."""
         assert self.drafter is not None
-        if not seq.params.greedy:
+        if not seq.params.greedy and seq.params.seed is None:
             return False
         width = self.config.num_candidates
         try:
-            ranks = self.drafter.observe(seq.slot, seq.token_ids, width, len(seq.prompt_ids))
+            ranks = self.drafter.observe(
+                seq.slot, seq.token_ids, width, len(seq.prompt_ids), sample_spec(seq)
+            )
         except Exception as exc:  # a failing drafter must never fail a request
             self._decode_without_drafter(exc, [seq])
             return True
         if ranks is None:
             return False
         observed = [[(width, rank)] for rank in ranks]  # each a first-level guess
-        self.coverage[True] = self.config.policy.update(self.coverage[True], observed)
+        greedy = seq.params.greedy
+        self.coverage[greedy] = self.config.policy.update(self.coverage[greedy], observed)
         seq.drafted_at = self.steps
         return True
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from multiguess.engine.acceptance import Acceptance
-from multiguess.engine.drafter import Drafter, DraftRequest, Proposal
+from multiguess.engine.drafter import Drafter, DraftRequest, Proposal, SampleSpec
 from multiguess.engine.tree import TokenTree
 
 log = logging.getLogger(__name__)
@@ -217,12 +217,14 @@ class GuardedDrafter:
             self.release(src)
             self.release(dst)
 
-    def observe(self, slot: int, token_ids: list[int], width: int, since: int) -> list[int | None] | None:
+    def observe(
+        self, slot: int, token_ids: list[int], width: int, since: int, sample: SampleSpec | None = None
+    ) -> list[int | None] | None:
         """Nothing while paused; a failure trips the guard and drops the slot's state."""
         if self.clock() < self._paused_until:
             return None
         try:
-            return self.inner.observe(slot, token_ids, width, since)
+            return self.inner.observe(slot, token_ids, width, since, sample)
         except Exception as exc:
             self._trip(f"observe failed: {type(exc).__name__}: {exc}")
             self.release(slot)

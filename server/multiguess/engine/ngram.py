@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from multiguess.engine.acceptance import Acceptance
-from multiguess.engine.drafter import DraftRequest, Proposal
+from multiguess.engine.drafter import DraftRequest, Proposal, SampleSpec
 from multiguess.engine.tree import TokenTree
 
 
@@ -125,6 +125,8 @@ class NgramDrafter:
     def move(self, src: int, dst: int) -> None:
         """Nothing to move."""
 
-    def observe(self, slot: int, token_ids: list[int], width: int, since: int) -> None:
+    def observe(
+        self, slot: int, token_ids: list[int], width: int, since: int, sample: SampleSpec | None = None
+    ) -> None:
         """A lookup ranks nothing: what it would have guessed depends on where the sequence
         repeated itself, so probe trees measure it."""

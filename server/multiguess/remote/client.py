@@ -35,7 +35,7 @@ from websockets.exceptions import ConnectionClosed, WebSocketException
 from websockets.sync.client import ClientConnection, connect
 
 from multiguess.engine.acceptance import Acceptance
-from multiguess.engine.drafter import DraftRequest, Proposal
+from multiguess.engine.drafter import DraftRequest, Proposal, SampleSpec
 from multiguess.engine.tree import TokenTree
 from multiguess.errors import IncompatibleDraftError
 from multiguess.remote import handshake
@@ -280,7 +280,9 @@ class RemoteDrafter:
         if dst in self._sent:
             self._origin[dst] = self._origin.pop(src, src)
 
-    def observe(self, slot: int, token_ids: list[int], width: int, since: int) -> None:
+    def observe(
+        self, slot: int, token_ids: list[int], width: int, since: int, sample: SampleSpec | None = None
+    ) -> None:
         """The protocol has no message for it: probe trees measure a remote draft."""
 
     def connect(self) -> bool:
