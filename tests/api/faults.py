@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 
 from multiguess.engine.acceptance import Acceptance
-from multiguess.engine.drafter import Drafter, DraftRequest, Proposal
+from multiguess.engine.drafter import Drafter, DraftRequest, Proposal, SampleSpec
 
 
 @dataclass
@@ -50,7 +50,9 @@ class FaultyDrafter:
     def move(self, src: int, dst: int) -> None:
         self.inner.move(src, dst)
 
-    def observe(self, slot: int, token_ids: list[int], width: int, since: int) -> list[int | None] | None:
+    def observe(
+        self, slot: int, token_ids: list[int], width: int, since: int, sample: SampleSpec | None = None
+    ) -> list[int | None] | None:
         if self.faults.fail:
             raise RuntimeError("injected draft failure")
-        return self.inner.observe(slot, token_ids, width, since)
+        return self.inner.observe(slot, token_ids, width, since, sample)

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 from multiguess.engine.acceptance import Acceptance
-from multiguess.engine.drafter import DraftRequest, Proposal, TreeBudget
+from multiguess.engine.drafter import DraftRequest, Proposal, SampleSpec, TreeBudget
 from multiguess.engine.guard import DrafterUnavailable, GuardedDrafter, InvalidDraft, proposal_problem
 from multiguess.engine.tree import TokenTree
 
@@ -50,7 +50,9 @@ class ChainDrafter:
     def move(self, src: int, dst: int) -> None:
         self.released.append(src)
 
-    def observe(self, slot: int, token_ids: list[int], width: int, since: int) -> list[int | None]:
+    def observe(
+        self, slot: int, token_ids: list[int], width: int, since: int, sample: SampleSpec | None = None
+    ) -> list[int | None]:
         if self.fail:
             raise RuntimeError("boom")
         return [0 if t == 7 else None for t in token_ids[max(1, since) :]]
