@@ -84,6 +84,12 @@ static inline void store_row(const __m256 acc[8], const uint16_t *residual, uint
   }
 }
 
+/* The four cache lines of one packed pair of a panel (64 outputs x 2 inputs, 256 bytes) into L2:
+ * every line, not one in two (docs/ENGINE.md). */
+static inline void prefetch_pair(const uint16_t *at) {
+  for (int line = 0; line < 4; line++) _mm_prefetch((const char *)(at + 32 * line), _MM_HINT_T1);
+}
+
 /* Rows r and r + 1 of x against half a panel (outputs 32 * half ... + 31): four accumulators
  * per row, so that each widened weight feeds two rows' FMAs (the widening costs as much as an
  * FMA, and a tree's rows are what make a product compute-bound). */
@@ -95,7 +101,10 @@ static void pair_of_rows(const uint16_t *panel, const uint16_t *x, const __m256 
   for (int j = 0; j < 4; j++) a0[j] = a1[j] = start[4 * half + j];
   const uint16_t *w = panel + 64 * half; /* four 8-output loads of 16 bf16 each */
   for (int64_t p = 0; p < pairs; p++, w += 2 * PANEL) {
-    _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T1);
+    /* The first half's pass requests all four lines of a pair into L2, where the second finds
+     * them; meanwhile the second requests the next panel, so the memory never waits. */
+    const uint16_t *ahead = half == 0 ? w + PREFETCH : w - 64 + pairs * 2 * PANEL;
+    prefetch_pair(ahead);
     const __m256 even0 = _mm256_set1_ps(widen(x0[2 * p])), odd0 = _mm256_set1_ps(widen(x0[2 * p + 1]));
     const __m256 even1 = _mm256_set1_ps(widen(x1[2 * p])), odd1 = _mm256_set1_ps(widen(x1[2 * p + 1]));
     for (int j = 0; j < 4; j++) {
@@ -121,8 +130,7 @@ static void one_row(const uint16_t *panel, const uint16_t *x, const __m256 start
   for (int j = 0; j < 8; j++) acc[j] = start[j];
   const uint16_t *w = panel;
   for (int64_t p = 0; p < pairs; p++, w += 2 * PANEL) {
-    _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T1);
-    _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T1);
+    prefetch_pair(w + PREFETCH);
     const __m256 even = _mm256_set1_ps(widen(xr[2 * p]));
     const __m256 odd = _mm256_set1_ps(widen(xr[2 * p + 1]));
     for (int j = 0; j < 8; j++) {
@@ -147,8 +155,7 @@ static void widen_slice(const uint16_t *panel, int64_t from, int64_t count, floa
   const __m256i odd_half = _mm256_set1_epi32((int)0xffff0000u);
   for (int64_t p = 0; p < count; p++) {
     const uint16_t *w = panel + (from + p) * 2 * PANEL;
-    _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T1);
-    _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T1);
+    prefetch_pair(w + PREFETCH);
     for (int j = 0; j < 8; j++) {
       const __m256i both = _mm256_loadu_si256((const __m256i *)(w + 16 * j));
       float *at = slice + (j / 2) * SLICE * 16 + 2 * p * 16 + (j % 2) * 8;
