@@ -31,6 +31,10 @@ class Processing:
     top_p: float = 1.0
     top_k: int = 0
 
+    def truncates(self, vocab: int) -> bool:
+        """Whether top-k or top-p cut a row of ``vocab`` tokens at all."""
+        return 0 < self.top_k < vocab or self.top_p < 1.0
+
 
 def processed_probs(logits: torch.Tensor, rows: list[Processing]) -> torch.Tensor:
     """Float64 probabilities ``[N, V]`` after temperature, then top-k, then top-p, per row.
@@ -101,12 +105,11 @@ class NodeDistributions:
     def seeded_choice(self, node: int, seed: int, position: int) -> int:
         """The token a seeded sample takes after ``node`` at ``position``: the race over the
         processed row when its processing truncates, else straight from its logits."""
-        p = self.processing
-        if 0 < p.top_k < self.logits.shape[-1] or p.top_p < 1.0:
+        if self.processing.truncates(self.logits.shape[-1]):
             row = self[node]
             vocab = torch.arange(len(row), device=row.device)
             return int(race_top(row[None], seed, [position], vocab, 1)[0, 0])
-        return seeded_choice(self.logits[node], p.temperature, seed, position)
+        return seeded_choice(self.logits[node], self.processing.temperature, seed, position)
 
 
 def _prefix(
@@ -164,7 +167,7 @@ def _settings(
     temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float64, device=device)[:, None]
     top_k = torch.tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows], device=device)
     top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float64, device=device)[:, None]
-    truncated = [0 < r.top_k < vocab or r.top_p < 1.0 for r in rows]
+    truncated = [r.truncates(vocab) for r in rows]
     return temperature, top_k, top_p, truncated
 
 
