@@ -324,7 +324,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs per level and setup (median)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--setups", default=None, help="which setups to run (letters; default: all)")
+    parser.add_argument(
+        "--setups", default=None, help="which setups to run, by letter: ab or a,b (default: all)"
+    )
     parser.add_argument("--chunk", type=int, default=256, help="--max-prefill-tokens of the chunked setups")
     parser.add_argument(
         "--serve-args", default="", help="more flags for every server, e.g. '--dtype float32'"
@@ -339,7 +341,12 @@ def main() -> int:
     conversations = [messages_for(p["text"], system) for p in load_prompts()[1]]
     levels = [int(c) for c in (args.concurrency or ("1,4,8" if shared else "1,2,4,8,16")).split(",")]
     every = shared_setups(args.chunk) if shared else SETUPS
-    chosen = set(args.setups.split(",")) if args.setups else {name[0] for name in every}
+    letters = {name[0] for name in every}
+    chosen = set(args.setups.replace(",", "")) if args.setups else letters
+    if not chosen <= letters:
+        parser.error(
+            f"--setups: no setup {', '.join(sorted(chosen - letters))} (setups: {''.join(sorted(letters))})"
+        )
     setups = {name: flags for name, flags in every.items() if name[0] in chosen}
     report = {**bench_docs.provenance(), "workload": args.workload, "max_tokens": args.max_tokens}
     report |= {"rounds": args.rounds, "min_requests": args.min_requests, "repeats": args.repeats}
