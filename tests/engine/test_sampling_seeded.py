@@ -17,6 +17,7 @@ from multiguess.engine.sampling import (
     position_key,
     position_noise,
     race_top,
+    scored_seeded_choice,
     seeded_choice,
     sorted_processed_probs,
 )
@@ -102,12 +103,6 @@ def test_the_noise_is_exponential() -> None:
     assert kstest(1 - torch.exp(-noise).numpy(), "uniform").pvalue > 1e-3
 
 
-def gumbel_reference(logits: torch.Tensor, temperature: float, seed: int, position: int) -> int:
-    """The race over a whole row, every token scored: argmax of logits / T - log(noise)."""
-    noise = position_noise(seed, [position], torch.arange(len(logits)))[0]
-    return int((logits.double() / temperature - torch.log(noise)).argmax())
-
-
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
 def test_the_race_from_logits_is_the_race_over_probabilities(temperature: float) -> None:
     """An untruncated row's seeded choice, straight from its logits, is the winner of
@@ -119,7 +114,7 @@ def test_the_race_from_logits_is_the_race_over_probabilities(temperature: float)
     probs = torch.softmax(logits.double() / temperature, -1)
     kernel = bf16_kernel.library() is not None
     for position in range(120):
-        expected = gumbel_reference(logits, temperature, 11, position)
+        expected = scored_seeded_choice(logits, temperature, 11, position)
         assert seeded_choice(logits, temperature, 11, position) == expected
         if position < 20:
             assert int(race_top(probs[None], 11, [position], torch.arange(49152), 1)[0, 0]) == expected

@@ -241,10 +241,13 @@ def seeded_choice(logits: torch.Tensor, temperature: float, seed: int, position:
     ``[V]``: the largest p / noise is the largest ``logits / temperature - log(noise)`` (the
     Gumbel-max trick; the softmax's normaliser drops out). On CPUs a kernel scores only the
     tokens that can still win (``kernels/seeded_race.c``); elsewhere the whole row is scored."""
-    key = position_key(seed, position)
-    winner = seeded_argmax(logits, temperature, key)
-    if winner is not None:
-        return winner
+    winner = seeded_argmax(logits, temperature, position_key(seed, position))
+    return scored_seeded_choice(logits, temperature, seed, position) if winner is None else winner
+
+
+def scored_seeded_choice(logits: torch.Tensor, temperature: float, seed: int, position: int) -> int:
+    """``seeded_choice`` with every token of the row scored: what devices without the kernel
+    run, and the reference the kernel must equal."""
     noise = position_noise(seed, [position], torch.arange(len(logits), device=logits.device))[0]
     return int((logits.double() / temperature - torch.log(noise)).argmax())
 
