@@ -348,6 +348,7 @@ def test_a_seeded_sample_observes_the_winners_of_its_race(tiny_llama: Path) -> N
     seeded = SampleSpec(Processing(1.0), Generators(11), coupled=True)
     drafter = ModelDrafter(NativeRunner(model, 2, 64))
     assert drafter.observe(0, tokens, 3, 7, seeded) == [0] * 14
+    assert drafter.observe(0, [*tokens, 5], 3, 7, seeded) == []  # a new token, nothing to rank yet
     other = SampleSpec(Processing(1.0), Generators(12), coupled=True)  # another seed's noise
     ranks = ModelDrafter(NativeRunner(model, 2, 64)).observe(0, tokens, 1, 7, other)
     assert ranks.count(0) < 10

@@ -540,6 +540,8 @@ class ModelDrafter:
         """The rank of each ``token_ids[first + i]`` among row i's ``width`` guesses: its top
         ``width`` (greedy), or the winners of a seeded sample's race at that token's position,
         as drafting would choose them (None: not among them)."""
+        if not len(rows):  # the catch-up fed only a token whose successor is not known yet
+            return []
         if sample is None:
             columns = torch.topk(rows, min(width, rows.shape[-1])).indices
             hits = self._tokens(columns).cpu() == torch.tensor(token_ids[first:])[:, None]
