@@ -3,6 +3,7 @@
 import torch
 from multiguess.engine.acceptance import accept_greedy, accept_sampled
 from multiguess.engine.drafter import _Candidate, select_nodes
+from multiguess.engine.sampling import NodeDistributions, Processing
 from multiguess.engine.tree import TokenTree
 
 #        0 (root, token 9)
@@ -30,12 +31,14 @@ def test_greedy_root_only_tree_is_plain_decoding() -> None:
 
 
 def test_sampled_with_point_mass_target_is_deterministic() -> None:
-    vocab = 10
-    probs = torch.zeros(5, vocab)
+    logits = torch.full((5, 10), float("-inf"))
     for node, token in enumerate([6, 0, 8, 0, 3]):
-        probs[node, token] = 1.0
-    result = accept_sampled(TREE, probs, {}, torch.Generator().manual_seed(0))
-    assert result.tokens == [6, 8, 3]
+        logits[node, token] = 0.0
+    for processing in (Processing(1.0), Processing(0.7, top_p=0.9)):  # raced and kept-set draws
+        result = accept_sampled(
+            TREE, NodeDistributions(logits, processing), {}, torch.Generator().manual_seed(0)
+        )
+        assert result.tokens == [6, 8, 3]
 
 
 def test_select_nodes_keeps_tree_connected_and_sibling_prefixes() -> None:

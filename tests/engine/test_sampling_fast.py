@@ -12,6 +12,7 @@ from multiguess.engine.sampling import (
     Processing,
     draw,
     draw_without_replacement,
+    kept_tokens,
     processed_probs,
     sorted_processed_probs,
 )
@@ -83,21 +84,84 @@ def test_draw_without_replacement_matches_sequential_draws() -> None:
     assert draw_without_replacement(torch.tensor([0.0, 1.0, 0.0]), 3, generator) == [1]
 
 
-def test_node_distributions_process_the_rows_read_and_only_those(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("scale", [8.0, 0.1])  # peaked (a prefix settles), flat (the sort)
+def test_node_distributions_process_the_rows_read_and_only_those(
+    scale: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A sampled tree's rows are processed as acceptance reads them, once each, and equal the
-    rows of processing the whole tree at once."""
-    logits = peaked_logits(6, 4, 8.0)
+    rows of processing the whole tree at once, whether a prefix settles them or not."""
+    logits = peaked_logits(6, 4, scale)
     setting = Processing(0.7, 0.9)
     whole = processed_probs(logits, [setting] * 6)
-    processed = []
+    processed, kept = [], []
 
     def counted(x: torch.Tensor, rows: list[Processing]) -> torch.Tensor:
         processed.append(len(x))
         return processed_probs(x, rows)
 
+    def counted_kept(x: torch.Tensor, row: Processing) -> tuple[torch.Tensor, torch.Tensor] | None:
+        kept.append(x)
+        return kept_tokens(x, row)
+
     monkeypatch.setattr(sampling, "processed_probs", counted)
+    monkeypatch.setattr(sampling, "kept_tokens", counted_kept)
     nodes = sampling.NodeDistributions(logits, setting)
     for node in (0, 3, 3, 5):
-        torch.testing.assert_close(nodes[node], whole[node], rtol=0, atol=0)
-    torch.testing.assert_close(nodes.stacked([5, 0]), whole[[5, 0]], rtol=0, atol=0)
-    assert processed == [1, 1, 1]  # rows 0, 3 and 5, each once
+        torch.testing.assert_close(nodes[node], whole[node], rtol=1e-12, atol=0)
+    torch.testing.assert_close(nodes.stacked([5, 0]), whole[[5, 0]], rtol=1e-12, atol=0)
+    assert len(kept) == 3  # rows 0, 3 and 5, each once
+    assert not processed  # a truncating row is its kept tokens, scattered
+    sampling.NodeDistributions(logits, Processing(0.7))[2]
+    assert processed == [1]  # an untruncated one its softmax
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "framework"])
+@pytest.mark.parametrize("scale", [8.0, 3.0, 0.1])
+def test_kept_tokens_are_the_processed_row_without_its_zeros(
+    scale: float, kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same tokens in rank order and the same probabilities up to rounding (bit for bit
+    without the CPU kernel), from a prefix or the whole sort; None for a row that does not
+    truncate."""
+    if kernel and sampling.library() is None:
+        pytest.skip("the CPU kernels do not build here")
+    if not kernel:
+        monkeypatch.setattr(sampling, "library", lambda: None)
+    logits = peaked_logits(len(ROWS), seed=5, scale=scale)
+    expected = processed_probs(logits, ROWS)
+    for row, setting, dense in zip(logits, ROWS, expected, strict=True):
+        kept = kept_tokens(row, setting)
+        if not setting.truncates(VOCAB):
+            assert kept is None
+            continue
+        assert kept is not None
+        ids, probs = kept
+        assert int((dense > 0).sum()) == len(ids)
+        torch.testing.assert_close(probs, dense[ids], rtol=1e-12 if kernel else 0, atol=0)
+        assert torch.equal(probs, probs.sort(descending=True).values)
+
+
+@pytest.mark.parametrize(
+    ("setting", "scale"),
+    [(Processing(0.7, 0.9), 3.0), (Processing(1.0), 1.0), (Processing(1.0, 0.95), 0.1)],
+    ids=["prefix", "raced-logits", "sorted"],
+)
+def test_a_node_draw_samples_its_processed_row(setting: Processing, scale: float) -> None:
+    """``NodeDistributions.draw`` by each of its ways (inverse CDF over the kept tokens of a
+    prefix or of the sort, the race from the logits under a drawn key) samples the processed
+    distribution (chi-square over the likeliest tokens and the rest together)."""
+    logits = peaked_logits(1, seed=6, scale=scale)
+    nodes = sampling.NodeDistributions(logits, setting)
+    probs = processed_probs(logits, [setting])[0]
+    top = torch.topk(probs, 8).indices
+    bucket = torch.full((VOCAB,), 8, dtype=torch.long)
+    bucket[top] = torch.arange(8)
+    generator = torch.Generator().manual_seed(7)
+    draws = 4000
+    counts = torch.bincount(
+        torch.tensor([bucket[nodes.draw(0, generator)] for _ in range(draws)]), minlength=9
+    )
+    expected = torch.zeros(9, dtype=torch.float64).index_add_(0, bucket, probs) * draws
+    keep = expected > 0
+    assert counts[~keep].sum() == 0
+    assert chisquare(counts[keep].double().numpy(), expected[keep].numpy()).pvalue > 1e-3

@@ -17,7 +17,7 @@ from multiguess.engine.sampling import (
     position_key,
     position_noise,
     race_top,
-    scored_seeded_choice,
+    scored_choice,
     seeded_choice,
     sorted_processed_probs,
 )
@@ -64,9 +64,10 @@ def test_seeded_output_does_not_depend_on_the_policy_or_the_batch(
 @pytest.mark.parametrize(
     "processing", [Processing(1.0), Processing(0.8, top_p=0.9), Processing(1.3, top_k=3)]
 )
-def test_a_node_draws_with_the_noise_of_its_position(processing: Processing) -> None:
-    vocab = torch.arange(6)
-    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("size", [6, 4096])  # at 4096 truncated rows race over their kept tokens
+def test_a_node_draws_with_the_noise_of_its_position(processing: Processing, size: int) -> None:
+    vocab = torch.arange(size)
+    logits = torch.randn(3, size, generator=torch.Generator().manual_seed(0)) * (3 if size > 6 else 1)
     probs = sorted_processed_probs(logits, [processing] * 3)
     tree = TokenTree((0, 1, 4), (-1, 0, 0))  # two children of the root: both choose position 11
     noise = position_noise(3, [10, 11], vocab)
@@ -114,7 +115,7 @@ def test_the_race_from_logits_is_the_race_over_probabilities(temperature: float)
     probs = torch.softmax(logits.double() / temperature, -1)
     kernel = bf16_kernel.library() is not None
     for position in range(120):
-        expected = scored_seeded_choice(logits, temperature, 11, position)
+        expected = scored_choice(logits, temperature, position_key(11, position))
         assert seeded_choice(logits, temperature, 11, position) == expected
         if position < 20:
             assert int(race_top(probs[None], 11, [position], torch.arange(49152), 1)[0, 0]) == expected

@@ -51,9 +51,9 @@ def accept_greedy(tree: TokenTree, target_argmax: ByNode) -> Acceptance:
 
 def accept_sampled(
     tree: TokenTree,
-    target_probs: torch.Tensor | NodeDistributions,
+    target_probs: NodeDistributions,
     draft_probs: dict[int, torch.Tensor],
-    generator: torch.Generator | None,
+    generator: torch.Generator,
 ) -> Acceptance:
     """Multi-draft speculative sampling on a tree (SpecInfer / MCSD style); exact in distribution.
 
@@ -63,11 +63,16 @@ def accept_sampled(
     tried in order: child token x is accepted with probability min(1, p(x) / q(x)); on rejection
     p becomes norm(max(p - q, 0)), and q is renormalised after removing the rejected token,
     because sampled siblings are drawn without replacement: the next child was drawn from what
-    was left. If all children are rejected, the bonus token is drawn from the residual p.
+    was left. If all children are rejected, the bonus token is drawn from the residual p; at a
+    node without children, from its row as it is (``NodeDistributions.draw``, which a plain
+    step's row never leaves).
     """
     children = tree.children()
     node, path = 0, [0]
     while True:
+        if not children[node]:
+            bonus = target_probs.draw(node, generator)
+            return Acceptance(path, [tree.tokens[i] for i in path[1:]] + [bonus])
         p = target_probs[node].double()
         sampled_q = draft_probs.get(node)
         q = sampled_q.to(p.device, torch.float64, copy=True) if sampled_q is not None else None

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from multiguess.engine.backends.cpu.bf16_kernel import seeded_argmax
+from multiguess.engine.backends.cpu.bf16_kernel import kept_race, kept_set, library, seeded_argmax
 
 # Prefix widths a row's truncation tries, in turn, before it sorts the whole row.
 PREFIXES = (64, 2048)
@@ -81,35 +81,89 @@ def _truncated(
     return out
 
 
+def kept_tokens(logits: torch.Tensor, processing: Processing) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The tokens a truncating row of ``logits`` ``[V]`` keeps, in rank order, and their
+    processed probabilities (float64, summing to 1): the row of ``processed_probs`` without its
+    zeros, by the same prefixes and, where none holds the kept set, the same sort. On CPUs one
+    kernel call (``bf16_kernel.kept_set``: the same rule, its own rounding) settles most rows
+    first. None when the processing does not truncate."""
+    vocab = logits.shape[-1]
+    if not processing.truncates(vocab):
+        return None
+    widest_k = processing.top_k if 0 < processing.top_k < vocab else 0
+    widths = [w for w in (max(w, widest_k) for w in PREFIXES) if w < vocab]
+    if widths and logits.device.type == "cpu" and library() is not None:
+        kept = kept_set(logits, processing.temperature, widest_k, processing.top_p, PREFIXES[-1])
+        if kept is not None:
+            return kept
+    temperature, top_k, top_p, _ = _settings(logits[None], [processing])
+    for width in widths:
+        probs, order, settled = _prefix(logits[None], temperature, top_k, top_p, width)
+        if bool(settled[0]):
+            break
+    else:
+        probs, order = _sorted_kept(logits[None].double() / temperature, top_k, top_p)
+    kept = probs[0] > 0
+    return order[0][kept], probs[0][kept]
+
+
 class NodeDistributions:
     """One sampled sequence's processed target distribution after each tree node, each row
     processed when first read: acceptance walks one path of the tree, so most rows of a wide
     tree are never needed, and processing a row over the whole vocabulary costs a fair part of
-    a CPU step. A row depends on its own logits and settings alone."""
+    a CPU step. A row depends on its own logits and settings alone. A row only drawn from (a
+    plain step, a leaf's bonus) or raced over never becomes a ``[V]`` tensor: a truncated row
+    is its kept tokens, an untruncated one its logits (``draw``, ``seeded_choice``)."""
 
     def __init__(self, logits: torch.Tensor, processing: Processing) -> None:
         self.logits = logits
         self.processing = processing
         self._rows: dict[int, torch.Tensor] = {}
+        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
     def __getitem__(self, node: int) -> torch.Tensor:
         row = self._rows.get(node)
         if row is None:
-            row = self._rows[node] = processed_probs(self.logits[node : node + 1], [self.processing])[0]
+            kept = self.kept(node)
+            if kept is None:
+                row = processed_probs(self.logits[node : node + 1], [self.processing])[0]
+            else:
+                ids, probs = kept
+                row = probs.new_zeros(self.logits.shape[-1]).scatter_(0, ids, probs)
+            self._rows[node] = row
         return row
+
+    def kept(self, node: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``kept_tokens`` of ``node``'s row, computed once."""
+        if node not in self._kept:
+            self._kept[node] = kept_tokens(self.logits[node], self.processing)
+        return self._kept[node]
 
     def stacked(self, nodes: list[int]) -> torch.Tensor:
         """The rows of ``nodes`` as one ``[len(nodes), V]`` tensor."""
         return torch.stack([self[node] for node in nodes])
 
+    def draw(self, node: int, generator: torch.Generator) -> int:
+        """A token drawn from ``node``'s row: by the inverse CDF over its kept tokens, or, for
+        an untruncated row, by the race of ``raced_choice`` under a key drawn from
+        ``generator`` (exact in distribution, like any Gumbel-max draw)."""
+        kept = self.kept(node)
+        if kept is not None:
+            ids, probs = kept
+            return int(ids[draw(probs, generator)])
+        key = int(torch.randint(-(2**63), 2**63 - 1, (), generator=generator, device=self.logits.device))
+        return raced_choice(self.logits[node], self.processing.temperature, key)
+
     def seeded_choice(self, node: int, seed: int, position: int) -> int:
         """The token a seeded sample takes after ``node`` at ``position``: the race over the
-        processed row when its processing truncates, else straight from its logits."""
-        if self.processing.truncates(self.logits.shape[-1]):
-            row = self[node]
-            vocab = torch.arange(len(row), device=row.device)
-            return int(race_top(row[None], seed, [position], vocab, 1)[0, 0])
-        return seeded_choice(self.logits[node], self.processing.temperature, seed, position)
+        processed row's kept tokens when its processing truncates, else straight from its logits."""
+        kept = self.kept(node)
+        if kept is None:
+            return seeded_choice(self.logits[node], self.processing.temperature, seed, position)
+        ids, probs = kept
+        if ids.device.type == "cpu" and library() is not None:
+            return int(ids[kept_race(ids, probs, position_key(seed, position))])
+        return int(ids[race_top(probs[None], seed, [position], ids, 1)[0, 0]])
 
 
 def _prefix(
@@ -172,11 +226,20 @@ def _settings(
 
 
 def _sorted(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    probs, order = _sorted_kept(scores, top_k, top_p)
+    return torch.zeros_like(probs).scatter(-1, order, probs)
+
+
+def _sorted_kept(
+    scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole rows of tempered ``scores`` processed by sorting: probabilities in rank order (0
+    past the kept set) and the token id of each rank."""
     vocab = scores.shape[-1]
     sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
     ranks = torch.arange(vocab, device=scores.device)[None, :]
     sorted_probs = torch.softmax(sorted_scores.masked_fill(ranks >= top_k[:, None], float("-inf")), dim=-1)
-    return torch.zeros_like(sorted_probs).scatter(-1, order, _nucleus(sorted_probs, top_p))
+    return _nucleus(sorted_probs, top_p), order
 
 
 def _nucleus(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -228,7 +291,12 @@ def position_noise(seed: int, positions: list[int], tokens: torch.Tensor) -> tor
     """Exponential(1) noise ``[len(positions), len(tokens)]`` for the given token ids at each
     position of a seeded sample: a function of seed, position and token alone (splitmix64 of a
     per-position key), so every device and every tree shape sees the same values."""
-    keys = [position_key(seed, position) for position in positions]
+    return key_noise([position_key(seed, position) for position in positions], tokens)
+
+
+def key_noise(keys: list[int], tokens: torch.Tensor) -> torch.Tensor:
+    """Exponential(1) noise ``[len(keys), len(tokens)]``: splitmix64 of each 64-bit key (as a
+    signed integer) and token id, a function of the two alone."""
     z = torch.tensor(keys, dtype=torch.long, device=tokens.device)[:, None] + tokens.long()[None, :] * _GOLDEN
     z = (z ^ _shift(z, 30)) * _MIX1
     z = (z ^ _shift(z, 27)) * _MIX2
@@ -237,18 +305,24 @@ def position_noise(seed: int, positions: list[int], tokens: torch.Tensor) -> tor
 
 
 def seeded_choice(logits: torch.Tensor, temperature: float, seed: int, position: int) -> int:
-    """The winner of ``race_top``'s race over a whole row (no top-k, no top-p), from its logits
-    ``[V]``: the largest p / noise is the largest ``logits / temperature - log(noise)`` (the
-    Gumbel-max trick; the softmax's normaliser drops out). On CPUs a kernel scores only the
-    tokens that can still win (``kernels/seeded_race.c``); elsewhere the whole row is scored."""
-    winner = seeded_argmax(logits, temperature, position_key(seed, position))
-    return scored_seeded_choice(logits, temperature, seed, position) if winner is None else winner
+    """The winner of ``race_top``'s race over a whole row (no top-k, no top-p) under the noise
+    of a seeded sample's ``position``, from its logits ``[V]`` (``raced_choice``)."""
+    return raced_choice(logits, temperature, position_key(seed, position))
 
 
-def scored_seeded_choice(logits: torch.Tensor, temperature: float, seed: int, position: int) -> int:
-    """``seeded_choice`` with every token of the row scored: what devices without the kernel
+def raced_choice(logits: torch.Tensor, temperature: float, key: int) -> int:
+    """The winner of the race over a whole row under the noise of ``key`` (``key_noise``): the
+    largest p / noise is the largest ``logits / temperature - log(noise)`` (the Gumbel-max
+    trick; the softmax's normaliser drops out). On CPUs a kernel scores only the tokens that
+    can still win (``kernels/seeded_race.c``); elsewhere the whole row is scored."""
+    winner = seeded_argmax(logits, temperature, key)
+    return scored_choice(logits, temperature, key) if winner is None else winner
+
+
+def scored_choice(logits: torch.Tensor, temperature: float, key: int) -> int:
+    """``raced_choice`` with every token of the row scored: what devices without the kernel
     run, and the reference the kernel must equal."""
-    noise = position_noise(seed, [position], torch.arange(len(logits), device=logits.device))[0]
+    noise = key_noise([key], torch.arange(len(logits), device=logits.device))[0]
     return int((logits.double() / temperature - torch.log(noise)).argmax())
 
 

@@ -20,8 +20,8 @@ They are built with the system C compiler into the cache folder (keyed by the so
 variant and its flags) the first time a model loads, in about a second, or ahead of time, every
 variant, by ``python -m multiguess.engine.backends.cpu.bf16_kernel`` (the server image does, so
 it needs no compiler); without a compiler, on other CPUs, or with ``MULTIGUESS_BF16_KERNEL=0``
-the forward uses oneDNN and torch. The same library holds seeded sampling's race over a row of
-logits (``kernels/seeded_race.c``, ``seeded_argmax``).
+the forward uses oneDNN and torch. The same library holds sampling's work over a row of logits
+(``kernels/seeded_race.c``: ``seeded_argmax``, ``kept_set``, ``kept_race``).
 """
 
 from __future__ import annotations
@@ -202,6 +202,19 @@ def library() -> ctypes.CDLL | None:
         ctypes.c_uint64,
     ]
     lib.multiguess_seeded_argmax.restype = ctypes.c_int64
+    lib.multiguess_kept.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_double,
+        ctypes.c_int64,
+        ctypes.c_double,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ]
+    lib.multiguess_kept.restype = ctypes.c_int64
+    lib.multiguess_kept_race.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64]
+    lib.multiguess_kept_race.restype = ctypes.c_int64
     log.info("bf16 kernels (%s) loaded from %s", variant, path)
     return lib
 
@@ -418,6 +431,30 @@ def seeded_argmax(logits: torch.Tensor, temperature: float, key: int) -> int | N
         return None
     row = logits.float().contiguous()
     return lib.multiguess_seeded_argmax(row.data_ptr(), row.numel(), temperature, key % 2**64)
+
+
+def kept_set(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A truncated CPU row's kept tokens in rank order and their probabilities, by
+    ``sampling.kept_tokens``'s rule (top_k 0: off), from the tokens within a few tempered
+    logits of the best; None when those do not hold the kept set or number over ``capacity``
+    (a flat row). Sums are taken in order and the row's normaliser in fp32 lanes, so
+    probabilities may differ from the framework's in the last bits."""
+    row = logits.float().contiguous()
+    ids = torch.empty(capacity, dtype=torch.int64)
+    probs = torch.empty(capacity, dtype=torch.float64)
+    count = loaded().multiguess_kept(
+        row.data_ptr(), row.numel(), temperature, top_k, top_p, capacity, ids.data_ptr(), probs.data_ptr()
+    )
+    if count == -2:
+        raise MemoryError("kept-set kernel: no memory for the candidates")
+    return None if count < 0 else (ids[:count], probs[:count])
+
+
+def kept_race(ids: torch.Tensor, probs: torch.Tensor, key: int) -> int:
+    """The rank of the winner of a kept set's seeded race under ``key`` (``sampling.race_top``)."""
+    return loaded().multiguess_kept_race(ids.data_ptr(), probs.data_ptr(), len(ids), key % 2**64)
 
 
 def run_layer(layer: LayerWeights, step: StepPlaces, x: torch.Tensor) -> None:
