@@ -25,6 +25,7 @@ def test_bench_writes_results_table_and_plot(
         "transformers generate",
         "transformers assisted",
         "multiguess plain",
+        "multiguess plain, sampled",
         "multiguess chain",
         "multiguess tree",
         "multiguess tree, sampled",

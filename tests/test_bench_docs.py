@@ -49,14 +49,20 @@ def test_write_replaces_the_page_and_only_the_readme_headline(tmp_path: Path) ->
     report = json.loads((docs / "bench" / "results-bfloat16.json").read_text())
     tree = next(r for r in report["methods"] if r["method"] == "multiguess tree")
     tree["speedup_vs_generate"] = 9.876
+    plain = next(r for r in report["methods"] if r["method"] == "multiguess plain")
+    tree["tokens_per_second"] = round(1.25 * plain["tokens_per_second"], 2)
+    sampled = {"method": "multiguess plain, sampled", "tokens_per_second": plain["tokens_per_second"] / 2}
+    report["methods"] = [r for r in report["methods"] if r["method"] != sampled["method"]] + [sampled]
     report["commit"] = "abc1234"
     (docs / "bench" / "results-bfloat16.json").write_text(json.dumps(report))
     bench_docs.write(docs)
     page = (docs / "BENCHMARKS.md").read_text()
     assert "Commit `abc1234`" in page and f"| multiguess tree | {tree['tokens_per_second']} | 9.88 |" in page
+    assert "| multiguess plain, sampled | " in page and " |  |  | 0.50 | " in page  # × multiguess plain
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text
     assert "tree 9.88× `generate`" in text and "`abc1234`" in text
+    assert "1.25× multiguess plain; sampled plain decoding 0.50× greedy" in text
 
 
 def test_shared_prompt_results_render_with_their_ratios(tmp_path: Path) -> None:

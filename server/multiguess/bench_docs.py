@@ -138,12 +138,14 @@ def engine_section(report: Report | None, dtype: str) -> list[str]:
         f"target `{Path(report['target']).name}`, draft `{Path(report['draft']).name}`.",
         "",
     ]
+    plain = method(report, "multiguess plain").get("tokens_per_second")
     rows = [
         [
             r["method"],
             r["tokens_per_second"],
             r.get("speedup_vs_generate"),
             r.get("speedup_vs_assisted"),
+            round(r["tokens_per_second"] / plain, 3) if plain else None,
             r.get("mean_accepted_length"),
             r.get("acceptance_rate"),
             r.get("identical_to_generate"),
@@ -153,14 +155,16 @@ def engine_section(report: Report | None, dtype: str) -> list[str]:
         ]
         for r in report["methods"]
     ]
-    header = ["method", "tokens/s (median)", "× generate", "× assisted", "mean accepted length"]
+    header = ["method", "tokens/s (median)", "× generate", "× assisted", "× multiguess plain"]
+    header += ["mean accepted length"]
     header += ["acceptance", "identical to generate", "identical to multiguess plain"]
     header += ["acceptance by depth", "draft ms per level"]
     lines += table(header, rows)
     lines += [
         "",
-        "*Identical* is the fraction of prompts whose greedy output equals that method's, token for "
-        "token. *Mean accepted length* is tokens emitted per target forward. *Acceptance by depth*: "
+        "*× multiguess plain* is against plain greedy decoding, sampled rows included (their "
+        "temperature is the run's `--temperature`, seeded). *Identical* is the fraction of prompts "
+        "whose greedy output equals that method's, token for token. *Mean accepted length* is tokens emitted per target forward. *Acceptance by depth*: "
         "of the verifications that reached depth 1, 2, ..., the fraction in which the target "
         "accepted a drafted child there. *Draft ms per level*: the drafter's time per tree level "
         "(compare with the plain decode step below).",
@@ -490,12 +494,18 @@ def headline_rows(bench: Path) -> list[list[Any]]:
         same = tree.get("identical_to_plain" if dtype != "float32" else "identical_to_generate")
         against = "multiguess plain" if dtype != "float32" else "transformers `generate`"
         identical = round((same or 0) * report["prompts"])
+        sampled = method(report, "multiguess plain, sampled")
+        rate = plain.get("tokens_per_second")
+        sampling = (
+            f"; sampled plain decoding {fmt(sampled['tokens_per_second'] / rate)}× greedy" if sampled else ""
+        )
         rows.append(
             [
                 f"engine, {dtype}, batch 1",
                 f"plain {fmt(plain.get('speedup_vs_generate'))}×, tree {fmt(tree.get('speedup_vs_generate'))}× "
-                f"`generate` (tree {fmt(tree.get('speedup_vs_assisted'))}× assisted generation); greedy "
-                f"output identical to {against} for {identical} of {report['prompts']} prompts",
+                f"`generate` (tree {fmt(tree.get('speedup_vs_assisted'))}× assisted generation and "
+                f"{fmt(tree['tokens_per_second'] / rate)}× multiguess plain{sampling}); greedy output "
+                f"identical to {against} for {identical} of {report['prompts']} prompts",
                 f"`{report.get('commit')}`",
             ]
         )

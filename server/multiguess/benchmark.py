@@ -3,8 +3,8 @@
 One run measures, in turn and interleaved over repeats so machine noise hits all alike:
 (1) transformers ``generate`` (plain greedy), (2) transformers assisted generation with the
 same draft, (3) multiguess plain (no draft), (4) multiguess chain (``num_candidates=1``) and
-(5) multiguess tree (the defaults), each also sampled, and (6) the same tree drafted by an
-EAGLE-3 head when one is given. Ratios are taken within the run; tokens/s are medians over
+(5) multiguess tree (the defaults), plain and tree also sampled (seeded), and (6) the same tree
+drafted by an EAGLE-3 head when one is given. Ratios are taken within the run; tokens/s are medians over
 repeats; speculative methods also report acceptance by tree depth and the draft's time per
 level against a plain target step. It also measures memory bandwidth and the target's verification cost by tree size,
 which bound what speculation can gain on the machine.
@@ -32,6 +32,7 @@ METHODS = (
     "transformers generate",
     "transformers assisted",
     "multiguess plain",
+    "multiguess plain, sampled",
     "multiguess chain",
     "multiguess tree",
     "multiguess tree, sampled",

@@ -19,7 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prompts", type=int, default=0, help="use only the first N prompts (0: all)")
     parser.add_argument("--chain-depth", type=int, default=None, help="depth for the chain run")
     parser.add_argument("--skip-assisted", action="store_true", help="leave out HF assisted generation")
-    parser.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled run")
+    parser.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled runs")
     parser.add_argument(
         "--head",
         type=Path,
@@ -87,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
         "transformers generate": bm.hf_generator(target, n),
         "transformers assisted": bm.hf_generator(target, n, draft),
         "multiguess plain": bm.engine_generator(plain_engine, n, results["multiguess plain"]),
+        "multiguess plain, sampled": bm.engine_generator(
+            plain_engine, n, results["multiguess plain, sampled"], args.temperature
+        ),
         "multiguess chain": bm.engine_generator(
             Engine(target, draft, chain_cfg), n, results["multiguess chain"]
         ),
