@@ -123,6 +123,12 @@ def method(report: Report, name: str) -> Report:
     return next((r for r in report["methods"] if r["method"] == name), {})
 
 
+def over_plain(report: Report, row: Report) -> float | None:
+    """A method's tokens/s against multiguess plain greedy decoding's, in the same run."""
+    plain = method(report, "multiguess plain").get("tokens_per_second")
+    return round(row["tokens_per_second"] / plain, 3) if plain and row else None
+
+
 def engine_section(report: Report | None, dtype: str) -> list[str]:
     lines = [f"## Engine, {dtype} (`multiguess bench`)", ""]
     if report is None:
@@ -138,14 +144,13 @@ def engine_section(report: Report | None, dtype: str) -> list[str]:
         f"target `{Path(report['target']).name}`, draft `{Path(report['draft']).name}`.",
         "",
     ]
-    plain = method(report, "multiguess plain").get("tokens_per_second")
     rows = [
         [
             r["method"],
             r["tokens_per_second"],
             r.get("speedup_vs_generate"),
             r.get("speedup_vs_assisted"),
-            round(r["tokens_per_second"] / plain, 3) if plain else None,
+            over_plain(report, r),
             r.get("mean_accepted_length"),
             r.get("acceptance_rate"),
             r.get("identical_to_generate"),
@@ -164,10 +169,11 @@ def engine_section(report: Report | None, dtype: str) -> list[str]:
         "",
         "*× multiguess plain* is against plain greedy decoding, sampled rows included (their "
         "temperature is the run's `--temperature`, seeded). *Identical* is the fraction of prompts "
-        "whose greedy output equals that method's, token for token. *Mean accepted length* is tokens emitted per target forward. *Acceptance by depth*: "
-        "of the verifications that reached depth 1, 2, ..., the fraction in which the target "
-        "accepted a drafted child there. *Draft ms per level*: the drafter's time per tree level "
-        "(compare with the plain decode step below).",
+        "whose greedy output equals that method's, token for token. *Mean accepted length* is "
+        "tokens emitted per target forward. *Acceptance by depth*: of the verifications that "
+        "reached depth 1, 2, ..., the fraction in which the target accepted a drafted child "
+        "there. *Draft ms per level*: the drafter's time per tree level (compare with the plain "
+        "decode step below).",
         "",
     ]
     if "plain_step_ms" in report:
@@ -494,17 +500,14 @@ def headline_rows(bench: Path) -> list[list[Any]]:
         same = tree.get("identical_to_plain" if dtype != "float32" else "identical_to_generate")
         against = "multiguess plain" if dtype != "float32" else "transformers `generate`"
         identical = round((same or 0) * report["prompts"])
-        sampled = method(report, "multiguess plain, sampled")
-        rate = plain.get("tokens_per_second")
-        sampling = (
-            f"; sampled plain decoding {fmt(sampled['tokens_per_second'] / rate)}× greedy" if sampled else ""
-        )
+        sampled = over_plain(report, method(report, "multiguess plain, sampled"))
+        sampling = f"; sampled plain decoding {fmt(sampled)}× greedy" if sampled else ""
         rows.append(
             [
                 f"engine, {dtype}, batch 1",
                 f"plain {fmt(plain.get('speedup_vs_generate'))}×, tree {fmt(tree.get('speedup_vs_generate'))}× "
                 f"`generate` (tree {fmt(tree.get('speedup_vs_assisted'))}× assisted generation and "
-                f"{fmt(tree['tokens_per_second'] / rate)}× multiguess plain{sampling}); greedy output "
+                f"{fmt(over_plain(report, tree))}× multiguess plain{sampling}); greedy output "
                 f"identical to {against} for {identical} of {report['prompts']} prompts",
                 f"`{report.get('commit')}`",
             ]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from multiguess.engine.backends.cpu.bf16_kernel import kept_race, kept_set, library, seeded_argmax
+from multiguess.engine.backends.cpu.bf16_kernel import kept_race, kept_set, seeded_argmax
 
 # Prefix widths a row's truncation tries, in turn, before it sorts the whole row.
 PREFIXES = (64, 2048)
@@ -92,10 +92,11 @@ def kept_tokens(logits: torch.Tensor, processing: Processing) -> tuple[torch.Ten
         return None
     widest_k = processing.top_k if 0 < processing.top_k < vocab else 0
     widths = [w for w in (max(w, widest_k) for w in PREFIXES) if w < vocab]
-    if widths and logits.device.type == "cpu" and library() is not None:
-        kept = kept_set(logits, processing.temperature, widest_k, processing.top_p, PREFIXES[-1])
-        if kept is not None:
-            return kept
+    kept = (
+        kept_set(logits, processing.temperature, widest_k, processing.top_p, PREFIXES[-1]) if widths else None
+    )
+    if kept is not None:
+        return kept
     temperature, top_k, top_p, _ = _settings(logits[None], [processing])
     for width in widths:
         probs, order, settled = _prefix(logits[None], temperature, top_k, top_p, width)
@@ -161,9 +162,8 @@ class NodeDistributions:
         if kept is None:
             return seeded_choice(self.logits[node], self.processing.temperature, seed, position)
         ids, probs = kept
-        if ids.device.type == "cpu" and library() is not None:
-            return int(ids[kept_race(ids, probs, position_key(seed, position))])
-        return int(ids[race_top(probs[None], seed, [position], ids, 1)[0, 0]])
+        rank = kept_race(ids, probs, position_key(seed, position))
+        return int(ids[race_top(probs[None], seed, [position], ids, 1)[0, 0] if rank is None else rank])
 
 
 def _prefix(

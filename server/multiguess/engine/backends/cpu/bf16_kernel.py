@@ -439,12 +439,15 @@ def kept_set(
     """A truncated CPU row's kept tokens in rank order and their probabilities, by
     ``sampling.kept_tokens``'s rule (top_k 0: off), from the tokens within a few tempered
     logits of the best; None when those do not hold the kept set or number over ``capacity``
-    (a flat row). Sums are taken in order and the row's normaliser in fp32 lanes, so
-    probabilities may differ from the framework's in the last bits."""
+    (a flat row), or where the library is not available. Sums are taken in order and the row's
+    normaliser in fp32 lanes, so probabilities may differ from the framework's in the last bits."""
+    lib = library()
+    if lib is None or logits.device.type != "cpu":
+        return None
     row = logits.float().contiguous()
     ids = torch.empty(capacity, dtype=torch.int64)
     probs = torch.empty(capacity, dtype=torch.float64)
-    count = loaded().multiguess_kept(
+    count = lib.multiguess_kept(
         row.data_ptr(), row.numel(), temperature, top_k, top_p, capacity, ids.data_ptr(), probs.data_ptr()
     )
     if count == -2:
@@ -452,9 +455,13 @@ def kept_set(
     return None if count < 0 else (ids[:count], probs[:count])
 
 
-def kept_race(ids: torch.Tensor, probs: torch.Tensor, key: int) -> int:
-    """The rank of the winner of a kept set's seeded race under ``key`` (``sampling.race_top``)."""
-    return loaded().multiguess_kept_race(ids.data_ptr(), probs.data_ptr(), len(ids), key % 2**64)
+def kept_race(ids: torch.Tensor, probs: torch.Tensor, key: int) -> int | None:
+    """The rank of the winner of a kept set's seeded race under ``key`` (``sampling.race_top``),
+    or None where the library is not available."""
+    lib = library()
+    if lib is None or ids.device.type != "cpu":
+        return None
+    return lib.multiguess_kept_race(ids.data_ptr(), probs.data_ptr(), len(ids), key % 2**64)
 
 
 def run_layer(layer: LayerWeights, step: StepPlaces, x: torch.Tensor) -> None:

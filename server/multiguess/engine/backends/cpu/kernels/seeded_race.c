@@ -28,11 +28,11 @@ static inline uint64_t splitmix(uint64_t key, uint64_t token) {
   return z ^ (z >> 31);
 }
 
-/* s - log(E) with E = -log(u), u = (k + 0.5) 2^-53 for the top 53 bits k of the hash. */
-static inline double score(double s, uint64_t bits) {
-  double u = ((double)(bits >> 11) + 0.5) * 0x1p-53;
-  return s - log(-log(u));
-}
+/* The uniform u = (k + 0.5) 2^-53 in (0, 1) of the top 53 bits k of a hash. */
+static inline double uniform(uint64_t bits) { return ((double)(bits >> 11) + 0.5) * 0x1p-53; }
+
+/* s - log(E) with E = -log(u). */
+static inline double score(double s, uint64_t bits) { return s - log(-log(uniform(bits))); }
 
 /* An upper bound of score(s, bits): 1 - u = (m - 0.5) 2^-53 >= m 2^-54 with m = 2^53 - k >= 1,
  * so -log(1 - u) <= (54 - floor(log2 m)) log 2. */
@@ -229,8 +229,7 @@ int64_t multiguess_kept_race(const int64_t *ids, const double *probs, int64_t co
   int64_t best_r = 0;
   double best = -1.0;
   for (int64_t r = 0; r < count; r++) {
-    double u = ((double)(splitmix(key, (uint64_t)ids[r]) >> 11) + 0.5) * 0x1p-53;
-    double value = probs[r] / -log(u);
+    double value = probs[r] / -log(uniform(splitmix(key, (uint64_t)ids[r])));
     if (value > best) best = value, best_r = r;
   }
   return best_r;
