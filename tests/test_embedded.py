@@ -6,16 +6,16 @@ import json
 from pathlib import Path
 
 import pytest
-from multiguess import cli
+from multiguess import cache_dirs, cli
 from multiguess.models import embedded
 
 
 def test_cache_root_follows_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("MULTIGUESS_CACHE", str(tmp_path / "c"))
-    assert embedded.cache_root() == tmp_path / "c"
+    assert cache_dirs.cache_roots()[0] == tmp_path / "c"
     monkeypatch.delenv("MULTIGUESS_CACHE")
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert embedded.cache_root() == tmp_path / ".cache" / "multiguess"
+    assert cache_dirs.cache_roots()[0] == tmp_path / ".cache" / "multiguess"
 
 
 def test_target_gguf_is_found_without_importing_its_package() -> None:
@@ -65,8 +65,8 @@ def test_a_pod_finds_the_baked_pair_behind_its_cache_volume(
     converted again, and new files would go to the volume."""
     monkeypatch.setenv("MULTIGUESS_CACHE_DIR", str(tmp_path / "volume"))
     monkeypatch.setenv("MULTIGUESS_CACHE", str(tmp_path / "baked"))
-    assert embedded.cache_roots() == [tmp_path / "volume", tmp_path / "baked"]
-    assert embedded.cache_root() == tmp_path / "volume"
+    assert cache_dirs.cache_roots() == [tmp_path / "volume", tmp_path / "baked"]
+    assert cache_dirs.cache_roots()[0] == tmp_path / "volume"
     fake_model_dir(tmp_path / "baked" / embedded.TARGET_DIRNAME)
     assert embedded.prepare_target() == tmp_path / "baked" / embedded.TARGET_DIRNAME
     assert not (tmp_path / "volume").exists()

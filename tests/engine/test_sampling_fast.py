@@ -127,7 +127,7 @@ def test_kept_tokens_are_the_processed_row_without_its_zeros(
     if kernel and bf16_kernel.library() is None:
         pytest.skip("the CPU kernels do not build here")
     if not kernel:
-        monkeypatch.setattr(sampling, "kept_set", lambda *args: None)
+        monkeypatch.setattr(bf16_kernel, "kept_set", lambda *args: None)
     logits = peaked_logits(len(ROWS), seed=5, scale=scale)
     expected = processed_probs(logits, ROWS)
     for row, setting, dense in zip(logits, ROWS, expected, strict=True):

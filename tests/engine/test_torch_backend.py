@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from multiguess import SamplingParams
-from multiguess.engine.backends.cuda.backend import attention
+from multiguess.engine.backends.cuda.attention import attention
 from multiguess.engine.engine import Engine, EngineConfig
 from multiguess.engine.placement import region_attention_mask, sees_only_its_own
 from multiguess.models.loading import auto_dtype, load_model

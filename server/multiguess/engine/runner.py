@@ -16,7 +16,6 @@ from typing import NamedTuple
 import torch
 
 from multiguess.engine.backends import backend_for
-from multiguess.engine.backends.cuda.graphs import StaticForward
 from multiguess.engine.kv_cache import StaticKVCache
 from multiguess.engine.linear import rms_norm
 from multiguess.engine.placement import Placement, region_attention_mask, rotary_tables, sees_only_its_own
@@ -93,9 +92,7 @@ class NativeRunner:
         if head_vocab is not None and (subset := projection.rows(self.lm_head, head_vocab)):
             self.head, self.head_vocab = subset, head_vocab.to(self.device)
         self.backend.attach(self)
-        if cuda_graphs and self.backend.name != "torch":
-            raise ValueError("CUDA graphs run on the torch backend (GPUs); this runner uses the CPU's")
-        self.static = StaticForward(self) if cuda_graphs else None
+        self.static = self.backend.static_forward(self) if cuda_graphs else None
 
     def attention_scale(self, i: int) -> float:
         return getattr(self.layers[i].self_attn, "scaling", None) or self.head_dim**-0.5

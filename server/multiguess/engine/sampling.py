@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from multiguess.engine.backends.cpu.bf16_kernel import kept_race, kept_set, seeded_argmax
+from multiguess.engine.backends import sampling_kernels
 
 # Prefix widths a row's truncation tries, in turn, before it sorts the whole row.
 PREFIXES = (64, 2048)
@@ -92,8 +92,11 @@ def kept_tokens(logits: torch.Tensor, processing: Processing) -> tuple[torch.Ten
         return None
     widest_k = processing.top_k if 0 < processing.top_k < vocab else 0
     widths = [w for w in (max(w, widest_k) for w in PREFIXES) if w < vocab]
+    kernels = sampling_kernels(logits.device)
     kept = (
-        kept_set(logits, processing.temperature, widest_k, processing.top_p, PREFIXES[-1]) if widths else None
+        kernels.kept_set(logits, processing.temperature, widest_k, processing.top_p, PREFIXES[-1])
+        if kernels and widths
+        else None
     )
     if kept is not None:
         return kept
@@ -162,7 +165,8 @@ class NodeDistributions:
         if kept is None:
             return seeded_choice(self.logits[node], self.processing.temperature, seed, position)
         ids, probs = kept
-        rank = kept_race(ids, probs, position_key(seed, position))
+        kernels = sampling_kernels(ids.device)
+        rank = kernels.kept_race(ids, probs, position_key(seed, position)) if kernels else None
         return int(ids[race_top(probs[None], seed, [position], ids, 1)[0, 0] if rank is None else rank])
 
 
@@ -315,7 +319,8 @@ def raced_choice(logits: torch.Tensor, temperature: float, key: int) -> int:
     largest p / noise is the largest ``logits / temperature - log(noise)`` (the Gumbel-max
     trick; the softmax's normaliser drops out). On CPUs a kernel scores only the tokens that
     can still win (``kernels/seeded_race.c``); elsewhere the whole row is scored."""
-    winner = seeded_argmax(logits, temperature, key)
+    kernels = sampling_kernels(logits.device)
+    winner = kernels.seeded_argmax(logits, temperature, key) if kernels else None
     return scored_choice(logits, temperature, key) if winner is None else winner
 
 

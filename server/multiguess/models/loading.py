@@ -20,15 +20,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True where bf16 beats fp32 on this CPU: where multiguess's bf16 kernels run (AVX512-BF16,
-    AMX, or AVX2 with FMA: they stream half the bytes fp32 does) or oneDNN has bf16 instructions."""
-    from multiguess.engine.backends.cpu import bf16_kernel
-    from multiguess.engine.backends.cpu.packed import onednn_bf16
-
-    return bf16_kernel.library() is not None or onednn_bf16()
-
-
 def resolve_device(name: str) -> str:
     """``auto``: the first GPU when one is visible, else the CPU."""
     if name == "auto":
@@ -44,6 +35,8 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
         return DTYPES[name]
     if device.startswith("cuda"):
         return auto_dtype("cuda", cuda_capability=torch.cuda.get_device_capability(torch.device(device)))
+    from multiguess.engine.backends import cpu_has_fast_bf16
+
     return auto_dtype("cpu", cpu_bf16=cpu_has_fast_bf16())
 
 

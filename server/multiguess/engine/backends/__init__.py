@@ -23,7 +23,8 @@ from multiguess.engine.linear import Projection
 from multiguess.engine.placement import Placement
 
 if TYPE_CHECKING:
-    from multiguess.engine.runner import NativeRunner
+    from multiguess.engine.backends.cuda.graphs import StaticForward
+    from multiguess.engine.backends.parts import ModelParts
 
 BACKENDS = ("auto", "cpu", "torch")
 
@@ -36,15 +37,19 @@ class Backend(Protocol):
     cost_tokens: int  # how many tokens the forward-cost curve is measured up to, at least
     attends_unmasked: bool  # whether forwards that see only their own prefix go without a mask
 
-    def attach(self, runner: NativeRunner) -> None:
+    def attach(self, runner: ModelParts) -> None:
         """Prepare per-model state once the runner has built its projections and cache."""
 
     def mask(self, visible: torch.Tensor, plain: bool) -> torch.Tensor | None:
         """The attention mask from the bool region mask ``[B, 1, T, L]``; ``plain`` when every row
         sees exactly its own prefix and itself (one token per sequence, or a chain from 0)."""
 
-    def run_layers(self, runner: NativeRunner, x: torch.Tensor, at: Placement) -> torch.Tensor:
+    def run_layers(self, runner: ModelParts, x: torch.Tensor, at: Placement) -> torch.Tensor:
         """Every decoder layer on ``x`` ``[B, T, D]``, writing keys and values into the cache."""
+
+    def static_forward(self, runner: ModelParts) -> StaticForward:
+        """Decode and verification forwards over bucketed static shapes (CUDA graphs where
+        captured); a family without them refuses with a ValueError."""
 
 
 def backend_for(device: torch.device, dtype: torch.dtype, eager: bool, name: str = "auto") -> Backend:
@@ -58,3 +63,36 @@ def backend_for(device: torch.device, dtype: torch.dtype, eager: bool, name: str
     from multiguess.engine.backends.cuda.backend import TorchBackend
 
     return TorchBackend(dtype)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True where bf16 beats fp32 on this CPU: where multiguess's bf16 kernels run (AVX512-BF16,
+    AMX, or AVX2 with FMA: they stream half the bytes fp32 does) or oneDNN has bf16 instructions."""
+    from multiguess.engine.backends.cpu import bf16_kernel
+    from multiguess.engine.backends.cpu.packed import onednn_bf16
+
+    return bf16_kernel.library() is not None or onednn_bf16()
+
+
+class SamplingKernels(Protocol):
+    """A device family's own kernels for drawing from rows of logits (``engine/sampling.py``
+    names the rule each follows); each answers None where it cannot serve the row."""
+
+    def seeded_argmax(self, logits: torch.Tensor, temperature: float, key: int) -> int | None: ...
+
+    def kept_set(
+        self, logits: torch.Tensor, temperature: float, top_k: int, top_p: float, capacity: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    def kept_race(self, ids: torch.Tensor, probs: torch.Tensor, key: int) -> int | None: ...
+
+
+def sampling_kernels(device: torch.device) -> SamplingKernels | None:
+    """The device family's own kernels for drawing from a row of logits, or None where it has
+    none (``engine/sampling.py`` then scores rows with torch). The CPU family's are C kernels
+    that still answer None where their library did not build."""
+    if device.type != "cpu":
+        return None
+    from multiguess.engine.backends.cpu import bf16_kernel
+
+    return bf16_kernel

@@ -16,12 +16,12 @@ from multiguess.engine.linear import rms_norm
 from multiguess.engine.placement import Placement, apply_rotary
 
 if TYPE_CHECKING:
-    from multiguess.engine.runner import NativeRunner
+    from multiguess.engine.backends.parts import ModelParts
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float], torch.Tensor]
 
 
-def run_layers(runner: NativeRunner, x: torch.Tensor, at: Placement, attend: Attend) -> torch.Tensor:
+def run_layers(runner: ModelParts, x: torch.Tensor, at: Placement, attend: Attend) -> torch.Tensor:
     """Every layer on ``x`` ``[B, T, D]``: projections, rotary, cache write, attention, MLP."""
     where = runner.cache.locate(at.slots, at.write_from, x.shape[1])
     selector = StaticKVCache.selector(at.slots)
@@ -38,7 +38,7 @@ def run_layers(runner: NativeRunner, x: torch.Tensor, at: Placement, attend: Att
 
 
 def queries_writing_cache(
-    runner: NativeRunner, i: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], where: tuple
+    runner: ModelParts, i: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], where: tuple
 ) -> torch.Tensor:
     """Layer i's rotated queries ``[B, T, heads, D]``; its keys and values go to the cache."""
     heads = runner.num_heads
@@ -48,7 +48,7 @@ def queries_writing_cache(
 
 
 def rotated_qkv(
-    runner: NativeRunner, i: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    runner: ModelParts, i: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
 ) -> torch.Tensor:
     """Queries, keys and values of the normed ``x`` ``[B, T, heads + 2 * kv_heads, D]`` in the
     attention dtype, rotary applied to queries and keys together (the same math, half the ops)."""
@@ -72,7 +72,7 @@ def rotated_qkv(
     return torch.cat([qk, qkv[:, :, heads + kv_heads :]], 2).to(runner.attn_dtype)
 
 
-def mlp(runner: NativeRunner, i: int, x: torch.Tensor) -> torch.Tensor:
+def mlp(runner: ModelParts, i: int, x: torch.Tensor) -> torch.Tensor:
     """``x`` plus the MLP of its normed self; SiLU-gated ones as two projection calls."""
     layer = runner.layers[i]
     module, norm = layer.mlp, layer.post_attention_layernorm

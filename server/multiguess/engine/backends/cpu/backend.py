@@ -22,7 +22,8 @@ from multiguess.engine.linear import Projection
 from multiguess.engine.placement import Placement
 
 if TYPE_CHECKING:
-    from multiguess.engine.runner import NativeRunner
+    from multiguess.engine.backends.cuda.graphs import StaticForward
+    from multiguess.engine.backends.parts import ModelParts
 
 
 def attention(
@@ -78,7 +79,7 @@ class CpuBackend:
         self.projection: type[Projection] = PackedProjection if self.packed else Projection
         self.layer_weights: list[bf16_kernel.LayerWeights] = []
 
-    def attach(self, runner: NativeRunner) -> None:
+    def attach(self, runner: ModelParts) -> None:
         """Panels onto huge pages; whole layers in the bf16 kernels where every part of a layer
         has them: pre-norm SiLU-gated layers with bf16 norms and panels, without q/k norms."""
         projections = [*runner.qkv, *runner.o, *runner.gate_up, *runner.down, runner.head]
@@ -116,14 +117,17 @@ class CpuBackend:
         mask = torch.zeros(visible.shape, dtype=self.attn_dtype, device=visible.device)
         return mask.masked_fill_(~visible, float("-inf"))
 
-    def run_layers(self, runner: NativeRunner, x: torch.Tensor, at: Placement) -> torch.Tensor:
+    def static_forward(self, runner: ModelParts) -> StaticForward:
+        raise ValueError("CUDA graphs run on the torch backend (GPUs); this runner uses the CPU's")
+
+    def run_layers(self, runner: ModelParts, x: torch.Tensor, at: Placement) -> torch.Tensor:
         if self.layer_kernels:
             return self._layers_in_kernels(runner, x, at)
         at = at._replace(mask=fold_mask(at.mask, runner.num_heads // runner.num_kv_heads))
         return torch_layers.run_layers(runner, x, at, attention)
 
     @staticmethod
-    def _layer_weights(runner: NativeRunner, i: int) -> bf16_kernel.LayerWeights:
+    def _layer_weights(runner: ModelParts, i: int) -> bf16_kernel.LayerWeights:
         """Layer i's packed weights, norms and cache, as the layer kernel reads them."""
         layer = runner.layers[i]
         qkv, o, gate_up, down = runner.qkv[i], runner.o[i], runner.gate_up[i], runner.down[i]
@@ -147,7 +151,7 @@ class CpuBackend:
             scale=runner.attention_scale(i),
         )
 
-    def _layers_in_kernels(self, runner: NativeRunner, x: torch.Tensor, at: Placement) -> torch.Tensor:
+    def _layers_in_kernels(self, runner: ModelParts, x: torch.Tensor, at: Placement) -> torch.Tensor:
         """Every layer on bf16 ``x`` ``[B, T, D]`` (updated in place), one kernel call each; the
         kernels take ``[B, T, D]`` rotary tables, a ``[B, T, L]`` mask and slot/start tensors."""
         x = x.contiguous()

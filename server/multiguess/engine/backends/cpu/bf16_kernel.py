@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from multiguess.models.embedded import cache_roots
+from multiguess.cache_dirs import cache_roots
 
 log = logging.getLogger(__name__)
 

@@ -13,37 +13,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from multiguess.engine.backends import torch_layers
+from multiguess.engine.backends.cuda.attention import attention
+from multiguess.engine.backends.cuda.graphs import StaticForward
 from multiguess.engine.linear import Projection
 from multiguess.engine.placement import Placement
 
 if TYPE_CHECKING:
-    from multiguess.engine.runner import NativeRunner
-
-
-def attention(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
-    """Queries ``[B, T, H, D]`` over cached ``[B, KV, L, D]``: ``[B, T, H * D]``.
-
-    ``mask`` None means every row sees its prefix and itself: one query per sequence sees every
-    cached key, a chain from position 0 is causal (L == T)."""
-    batch, width, heads, dim = q.shape
-    kv_heads = keys.shape[1]
-    if mask is None and width == 1:
-        folded = q.view(batch, kv_heads, heads // kv_heads, dim)
-        out = F.scaled_dot_product_attention(folded, keys, values, scale=scale)
-        return out.reshape(batch, 1, heads * dim)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-    )
-    return out.transpose(1, 2).reshape(batch, width, heads * dim)
+    from multiguess.engine.backends.parts import ModelParts
 
 
 class TorchBackend:
@@ -55,11 +33,14 @@ class TorchBackend:
     def __init__(self, dtype: torch.dtype) -> None:
         self.attn_dtype = dtype
 
-    def attach(self, runner: NativeRunner) -> None:
+    def attach(self, runner: ModelParts) -> None:
         """Nothing to prepare: the projections are plain fused products."""
 
     def mask(self, visible: torch.Tensor, plain: bool) -> torch.Tensor | None:
         return None if plain else visible
 
-    def run_layers(self, runner: NativeRunner, x: torch.Tensor, at: Placement) -> torch.Tensor:
+    def run_layers(self, runner: ModelParts, x: torch.Tensor, at: Placement) -> torch.Tensor:
         return torch_layers.run_layers(runner, x, at, attention)
+
+    def static_forward(self, runner: ModelParts) -> StaticForward:
+        return StaticForward(runner)

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from multiguess.engine.backends import torch_layers
-from multiguess.engine.backends.cuda.backend import attention
+from multiguess.engine.backends.cuda.attention import attention
 from multiguess.engine.linear import rms_norm
 from multiguess.engine.placement import Placement, region_attention_mask, rotary_tables
 
 if TYPE_CHECKING:
-    from multiguess.engine.runner import NativeRunner
+    from multiguess.engine.backends.parts import ModelParts
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_WIDTH = 128
@@ -45,7 +45,7 @@ def powers_of_two(start: int, limit: int) -> tuple[int, ...]:
 class _Graph:
     """One bucket's static inputs, outputs and (on CUDA) its captured graph."""
 
-    def __init__(self, runner: NativeRunner, batch: int, width: int, span: int, last_only: bool) -> None:
+    def __init__(self, runner: ModelParts, batch: int, width: int, span: int, last_only: bool) -> None:
         device = runner.device
         self.tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, width, dtype=torch.long, device=device)
@@ -105,7 +105,7 @@ class _Graph:
 class StaticForward:
     """The runner's forwards through bucketed static shapes, captured as CUDA graphs on CUDA."""
 
-    def __init__(self, runner: NativeRunner, max_width: int = MAX_WIDTH) -> None:
+    def __init__(self, runner: ModelParts, max_width: int = MAX_WIDTH) -> None:
         self.runner = runner
         self.widths = powers_of_two(1, max_width)
         self.spans = powers_of_two(MIN_SPAN, runner.capacity)
