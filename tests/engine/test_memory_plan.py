@@ -44,6 +44,13 @@ def test_sequences_are_what_the_budget_leaves_for_kv() -> None:
     assert capped.sequences == 8 and capped.devices[0].fits == 53
 
 
+def test_scratch_slots_come_out_of_the_sequences() -> None:
+    """CUDA graphs' padding rows write into a scratch slot: it takes a sequence's room."""
+    devices = {"cuda:0": DeviceMemory(80 * GIB, 1 * GIB)}
+    plan = plan_memory([model()], devices, 0.9, 256, 8192 - 18, 8192, scratch_slots=1)
+    assert plan.sequences == plan.devices[0].fits == 52
+
+
 def test_models_on_one_device_share_it_and_activations_do_not_add() -> None:
     devices = {"cuda:0": DeviceMemory(80 * GIB, 0)}
     pair = [model(), model("draft", weights=2, act=1, per_token=131072)]

@@ -101,6 +101,37 @@ def test_static_graph_forward_equals_the_eager_forward(pair: tuple, num_candidat
     assert outputs[0] == outputs[1]
 
 
+@pytest.mark.parametrize("drafted", [False, True], ids=["plain", "draft"])
+def test_graph_padding_leaves_a_kept_prefix_intact(pair: tuple, drafted: bool) -> None:
+    """A finishes and its prefix is kept in a free slot; three sequences decode on, padded to a
+    graph bucket of four, so a padding row runs beside them; then E resends A's prompt and more.
+    E reuses A's kept prefix, and decodes what it decodes eagerly: padding rows write only to
+    the scratch slot, never into a free slot that keeps a prefix."""
+    target, draft = pair
+    first, *others = random_prompts(35, (20, 6, 9, 11))
+    resent = [*first, *random_prompts(36, (5,))[0]]
+    outputs, reused = [], []
+    for graphs in (False, True):
+        config = EngineConfig(
+            1, 3, max_batch=4, max_model_len=96, adaptive=False, backend="torch", cuda_graphs=graphs
+        )
+        engine = Engine(target, draft if drafted else None, config)
+        a = engine.add_request("a", first, SamplingParams(max_tokens=2, ignore_eos=True))
+        for i, prompt in enumerate(others):
+            engine.add_request(f"o{i}", prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+        while not a.finished:
+            engine.step()
+        for _ in range(4):
+            engine.step()
+        e = engine.add_request("e", resent, GREEDY)
+        while engine.has_unfinished():
+            engine.step()
+        outputs.append(e.output_ids)
+        reused.append(e.cached_tokens)
+    assert reused[0] == reused[1] >= 16
+    assert outputs[0] == outputs[1]
+
+
 def test_cuda_graphs_are_refused_on_the_cpu_backend(pair: tuple) -> None:
     with pytest.raises(ValueError, match="torch backend"):
         Engine(pair[0], None, EngineConfig(max_model_len=64, adaptive=False, backend="cpu", cuda_graphs=True))

@@ -4,7 +4,8 @@ Layout ``[layers, slots, 2 * kv_heads, capacity, head_dim]``: keys in the first 
 values in the rest, so one write and one compaction cover both. Verification
 writes a whole tree after a sequence's prefix; compaction then moves the accepted path's
 entries down to sit right after the prefix, in place, for every layer in one indexing op.
-Nothing is reallocated per step and accepted tokens are never recomputed.
+Nothing is reallocated per step and accepted tokens are never recomputed. Scratch slots, past
+the sequences' own, take writes that nothing may keep (a padded batch's padding rows).
 """
 
 from __future__ import annotations
@@ -22,16 +23,21 @@ class StaticKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        scratch_slots: int = 0,
     ) -> None:
-        shape = (num_layers, num_slots, 2 * num_kv_heads, capacity, head_dim)
+        shape = (num_layers, num_slots + scratch_slots, 2 * num_kv_heads, capacity, head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots = num_slots  # the sequences' slots; scratch slots follow them
         self.num_kv_heads = num_kv_heads
         self.capacity = capacity
         self._heads = torch.arange(2 * num_kv_heads, device=device)
 
     @property
-    def num_slots(self) -> int:
-        return self.kv.shape[1]
+    def scratch_slot(self) -> int:
+        """The first scratch slot (an IndexError to write where none was reserved)."""
+        if self.kv.shape[1] == self.num_slots:
+            raise IndexError("this cache reserved no scratch slot")
+        return self.num_slots
 
     def locate(self, slots: list[int], starts: torch.Tensor, width: int) -> tuple:
         """Where a forward's ``width`` rows go (sequence b at ``starts[b] + 0..width-1``), found once

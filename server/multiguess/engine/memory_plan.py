@@ -122,8 +122,10 @@ def plan_memory(
     max_batch: int,
     max_model_len: int,
     capacity: int,
+    scratch_slots: int = 0,
 ) -> MemoryPlan:
-    """KV slots for ``models`` (each on one of ``devices``) at ``capacity`` tokens a sequence.
+    """KV slots for ``models`` (each on one of ``devices``) at ``capacity`` tokens a sequence,
+    besides ``scratch_slots`` more of them that hold no sequence (CUDA graphs' padding rows).
 
     Raises ``InsufficientMemoryError`` when not one sequence fits on some device, saying what
     would: a shorter context, a higher utilization, or less on the device.
@@ -134,7 +136,7 @@ def plan_memory(
     plans = []
     for name, memory in devices.items():
         here = [m for m in models if m.device == name]
-        plan = device_plan(name, memory, here, utilization, capacity)
+        plan = device_plan(name, memory, here, utilization, capacity, scratch_slots)
         if plan.fits < 1:
             per_token = sum(m.kv_bytes_per_token for m in here)
             raise InsufficientMemoryError(not_fitting(plan, per_token, capacity, max_model_len, utilization))
@@ -144,14 +146,19 @@ def plan_memory(
 
 
 def device_plan(
-    name: str, memory: DeviceMemory, models: list[ModelMemory], utilization: float, capacity: int
+    name: str,
+    memory: DeviceMemory,
+    models: list[ModelMemory],
+    utilization: float,
+    capacity: int,
+    scratch_slots: int = 0,
 ) -> DevicePlan:
     budget = round(memory.total * utilization)
     weights = sum(m.weights for m in models)
     activations = max((m.activation_peak for m in models), default=0)
     kv_room = budget - memory.elsewhere - weights - activations
     per_sequence = capacity * sum(m.kv_bytes_per_token for m in models)
-    fits = max(0, kv_room) // per_sequence if per_sequence else 0
+    fits = max(0, max(0, kv_room) // per_sequence - scratch_slots) if per_sequence else 0
     return DevicePlan(name, memory.total, budget, memory.elsewhere, weights, activations, kv_room, fits)
 
 

@@ -176,6 +176,7 @@ def fit_to_memory(
         config.max_batch,
         config.max_model_len,
         config.max_model_len + config.tree_slack,
+        scratch_slots=1 if config.cuda_graphs else 0,
     )
     for line in plan.lines():
         log.info(line)

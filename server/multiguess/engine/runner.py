@@ -76,6 +76,7 @@ class NativeRunner:
             self.head_dim,
             self.attn_dtype,
             self.device,
+            scratch_slots=1 if cuda_graphs else 0,  # where a padded graph batch's padding rows write
         )
         projection = self.backend.projection
         self.qkv = [

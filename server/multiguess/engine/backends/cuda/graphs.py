@@ -5,8 +5,9 @@ A graph records one forward over static buffers and replays it with one launch. 
 bucketed: the batch to the next of ``BATCHES`` (rows placed at their cache slots, so the batch
 must hold slots 0..n-1, as the engine keeps them), the node count to the next power of two, and
 the attended cache span to the next power of two from ``MIN_SPAN`` (a bool mask hides what lies
-past each sequence), so a handful of graphs serves every context length. Padding rows write into free slots and see only themselves; padding nodes of a
-real row write past its tree, where nothing reads before it is written again.
+past each sequence), so a handful of graphs serves every context length. Padding rows write into the cache's scratch slot (never into a free slot:
+those keep finished sequences' prefixes for reuse) and see only their own position; padding
+nodes of a real row write past its tree, where nothing reads before it is written again.
 
 ``StaticForward.run`` returns None where a forward does not fit a bucket (a long prefill, slots
 that are not 0..n-1): the runner then runs it eagerly. On devices without CUDA graphs the same
@@ -50,6 +51,7 @@ class _Graph:
         self.tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, width, dtype=torch.long, device=device)
         self.starts = torch.zeros(batch, dtype=torch.long, device=device)
+        self.write_slots = torch.zeros(batch, dtype=torch.long, device=device)
         self.mask = torch.zeros(batch, 1, width, span, dtype=torch.bool, device=device)
         self.logits_at = torch.zeros(batch, dtype=torch.long, device=device) if last_only else None
         self.runner = runner
@@ -64,7 +66,7 @@ class _Graph:
         rows = torch.arange(batch, device=r.device)
         heads = torch.arange(2 * r.num_kv_heads, device=r.device)
         where = (
-            rows[:, None, None],
+            self.write_slots[:, None, None],
             heads[None, :, None],
             (self.starts[:, None] + torch.arange(width, device=r.device))[:, None, :],
         )
@@ -170,6 +172,8 @@ class StaticForward:
         tokens, positions, write_from, visible = (t.cpu() for t in (tokens, positions, write_from, visible))
         starts = torch.zeros(batch, dtype=torch.long)
         starts[:n] = write_from[order]
+        write_slots = torch.full((batch,), self.runner.cache.scratch_slot, dtype=torch.long)
+        write_slots[:n] = torch.arange(n)
         mask = torch.zeros(batch, 1, padded, span, dtype=torch.bool)
         lens = torch.tensor(prefix_lens)[order]
         mask[:n, :, :width, :length] = region_attention_mask(lens, visible[order], length)
@@ -185,6 +189,7 @@ class StaticForward:
         graph.tokens.copy_(host_tokens)
         graph.positions.copy_(host_positions)
         graph.starts.copy_(starts)
+        graph.write_slots.copy_(write_slots)
         graph.mask.copy_(mask)
         if graph.logits_at is not None and logits_at is not None:
             at = torch.zeros(batch, dtype=torch.long)
