@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 from multiguess.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
+
+# Who may reuse whose KV: a request reuses cached prefixes only of requests with an equal scope.
+CacheScope: TypeAlias = tuple[str | None, str | None]  # (tenant, cache_salt)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,10 @@ class SamplingParams:
     that many alternatives. ``structured_outputs`` constrains the output to a grammar.
     ``prompt_logprobs`` (vLLM's; None: off) records the log-probability of every prompt token
     after the first, under the target's raw distribution, and that many alternatives.
+    ``tenant`` (the server sets it from the API key) and ``cache_salt`` (vLLM's, per request)
+    scope the prefix cache: a request reuses KV only of requests with the same pair
+    (``cache_scope``), so neither its output's timing nor ``cached_tokens`` tells anything
+    about prompts sent under another scope. None and None: the one shared scope.
     """
 
     max_tokens: int = 16
@@ -76,6 +83,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    tenant: str | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -124,6 +133,10 @@ class SamplingParams:
                 self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
             ),
+            (
+                self.cache_salt is None or (isinstance(self.cache_salt, str) and bool(self.cache_salt)),
+                "cache_salt must be a non-empty string if given",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -132,6 +145,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def cache_scope(self) -> CacheScope:
+        """The prefix cache's sharing key: requests reuse each other's KV only when it is equal
+        (also the key for anything else shared across requests, such as a suffix index)."""
+        return (self.tenant, self.cache_salt)
 
     @property
     def adjusts_logits(self) -> bool:

@@ -5,6 +5,7 @@ bf16 kernels), for target and draft, while the caches really are hit."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -55,9 +56,9 @@ def test_the_plan_takes_the_longest_prefix_from_wherever_it_is() -> None:
     index.keep(3, [1, 2, 3, 4, 5])  # kept in another free slot: swapped in, keeping slot 2's
     assert plan_reuse([1, 2, 3, 7], 2, range(2, 5), {}, index) == Reuse(2, 3, swap_with=3)
     # its own slot's entry, in place; a whole prompt leaves its last token to compute
-    assert plan_reuse([9, 9, 9], 2, range(2, 5), {0: [9, 9]}, index) == Reuse(2, 2)
+    assert plan_reuse([9, 9, 9], 2, range(2, 5), {0: (None, [9, 9])}, index) == Reuse(2, 2)
     # a running sequence's, copied: slot 2's entry moves to the empty slot 4 first
-    plan = plan_reuse([5, 6, 7, 8], 2, range(2, 5), {0: [5, 6, 7], 1: [5]}, index)
+    plan = plan_reuse([5, 6, 7, 8], 2, range(2, 5), {0: (None, [5, 6, 7]), 1: (None, [5])}, index)
     assert plan == Reuse(2, 3, swap_with=4, copy_from=0) and plan.source == 0
     # nothing matches: slot 2's entry still moves out of the way
     assert plan_reuse([8], 2, range(2, 5), {}, index) == Reuse(2, 0, swap_with=4)
@@ -68,12 +69,37 @@ def test_the_plan_takes_the_longest_prefix_from_wherever_it_is() -> None:
     assert plan_reuse([8, 8], 2, range(2, 5), {}, index) == Reuse(2, 0, swap_with=3)
 
 
+def test_the_plan_reuses_only_prefixes_of_the_same_scope() -> None:
+    alice, bob, salted = ("alice", None), ("bob", None), ("alice", "s1")
+    index = PrefixIndex()
+    index.keep(2, [1, 2, 3, 4], alice)
+    index.keep(3, [1, 2, 3], bob)
+    assert index.reusable(2, alice) == (1, 2, 3, 4) and index.reusable(2, bob) == ()
+    prompt = [1, 2, 3, 4, 5]
+    assert plan_reuse(prompt, 2, range(2, 5), {}, index, alice) == Reuse(2, 4)
+    assert plan_reuse(prompt, 2, range(2, 5), {}, index, bob) == Reuse(2, 3, swap_with=3)
+    # another scope's entry in the slot is no match, but is kept elsewhere all the same
+    assert plan_reuse(prompt, 2, range(2, 5), {}, index, salted) == Reuse(2, 0, swap_with=4)
+    running = {0: (salted, [1, 2, 3, 4, 5, 6]), 1: (bob, [1, 2, 3, 4, 5])}
+    assert plan_reuse(prompt, 2, range(2, 5), running, index, salted) == Reuse(2, 4, swap_with=4, copy_from=0)
+    assert plan_reuse(prompt, 2, range(2, 5), running, index, ("carol", None)).length == 0
+    index.swap(2, 4)  # the scope travels with the entry
+    assert index.reusable(4, alice) == (1, 2, 3, 4) and index.reusable(2, alice) == ()
+    index.keep(4, [7], bob)  # and is replaced with it
+    assert index.reusable(4, alice) == () and index.reusable(4, bob) == (7,)
+
+
 # -- the engine ---------------------------------------------------------------------------------
 def serve(engine: Engine, waves: list[list[list[int]]], params: SamplingParams = GREEDY) -> list[Sequence]:
     """Each wave's prompts added together, served until all finish, then the next wave."""
+    return serve_each(engine, [[(p, params) for p in wave] for wave in waves])
+
+
+def serve_each(engine: Engine, waves: list[list[tuple[list[int], SamplingParams]]]) -> list[Sequence]:
+    """``serve`` with parameters of its own for each prompt."""
     seqs: list[Sequence] = []
     for wave in waves:
-        added = [engine.add_request(f"{len(seqs)}-{i}", p, params) for i, p in enumerate(wave)]
+        added = [engine.add_request(f"{len(seqs)}-{i}", p, params) for i, (p, params) in enumerate(wave)]
         while engine.has_unfinished():
             engine.step()
         seqs += added
@@ -133,6 +159,36 @@ def test_seeded_sampling_with_reuse_is_sampling_without(pair: tuple) -> None:
     seqs = serve(engine_for(target, draft, True), waves_of(prompts), params)
     assert [s.output_ids for s in seqs] == [s.output_ids for s in without]
     assert sum(s.cached_tokens for s in seqs) > 0
+
+
+def test_scoped_reuse_shares_only_within_a_scope_and_output_is_plain(pair: tuple) -> None:
+    """Tenants and cache salts (``SamplingParams.cache_scope``): a prompt another scope sent is
+    computed afresh (``cached_tokens`` 0), the same scope reuses it, kept or running, and every
+    output is the one plain decoding gives."""
+    target, draft = pair
+    prompt, other = shared_prompts(9)[0], shared_prompts(9)[2]
+    alice, bob = replace(GREEDY, tenant="alice"), replace(GREEDY, tenant="bob")
+    salted = replace(alice, cache_salt="s1")
+    order = [alice, bob, salted, alice, bob, salted, replace(alice, cache_salt="s2"), GREEDY]
+    waves = [[(prompt, params)] for params in order] + [[(other, bob), (other, GREEDY)]]
+    plain = serve(engine_for(target, None, False), [[p for p, _ in wave] for wave in waves])
+    engine = engine_for(target, draft, True, max_batch=8)
+    seqs = serve_each(engine, waves)
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in plain]
+    n = len(prompt) - 1
+    assert [s.cached_tokens for s in seqs[:8]] == [0, 0, 0, n, n, n, 0, 0]
+    assert seqs[8].cached_tokens >= 40 and seqs[9].cached_tokens >= 40  # each from its own scope's
+    # a running sequence's KV is shared within its scope only
+    carol = replace(GREEDY, tenant="carol", max_tokens=32)
+    first = engine.add_request("carol-1", other, carol)
+    for _ in range(3):
+        engine.step()
+    dave = engine.add_request("dave", other, replace(carol, tenant="dave"))
+    again = engine.add_request("carol-2", other, carol)
+    while engine.has_unfinished():
+        engine.step()
+    assert first.cached_tokens == dave.cached_tokens == 0 and again.cached_tokens == len(other) - 1
+    assert first.output_ids == dave.output_ids == again.output_ids
 
 
 def test_an_evicted_prefix_is_prefilled_again(pair: tuple) -> None:

@@ -406,12 +406,13 @@ class Engine:
         then starts after it."""
         if not self.config.prefix_caching:
             return
-        slot = seq.slot
-        running = {s.slot: s.token_ids[: s.cache_len] for s in others}
+        slot, scope = seq.slot, seq.params.cache_scope
+        running = {s.slot: (s.params.cache_scope, s.token_ids[: s.cache_len]) for s in others}
         # A request for its prompt's log-probabilities computes the whole prompt (reused KV has
         # no logits): it matches nothing, and the slot's kept entry is handled as on a miss.
         prompt = seq.prompt_ids if seq.params.prompt_logprobs is None else seq.prompt_ids[:1]
-        plan = plan_reuse(prompt, slot, range(slot, self.config.max_batch), running, self.prefixes)
+        free = range(slot, self.config.max_batch)
+        plan = plan_reuse(prompt, slot, free, running, self.prefixes, scope)
         if plan.swap_with is not None:
             incoming = plan.length if plan.copy_from is None else 0  # a victim's entry is not needed
             self.target.cache.exchange(slot, plan.swap_with, len(self.prefixes.kept(slot)), incoming)
@@ -598,7 +599,7 @@ class Engine:
         the slot the moved sequence leaves."""
         self.running.remove(seq)
         kept = seq.token_ids[: seq.cache_len] if self.config.prefix_caching else []
-        self.prefixes.keep(seq.slot, kept)
+        self.prefixes.keep(seq.slot, kept, seq.params.cache_scope)
         if self.drafter is not None:
             self.drafter.retain(seq.slot, len(kept))
         last = max(self.running, key=lambda s: s.slot, default=None)

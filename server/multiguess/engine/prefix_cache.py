@@ -16,6 +16,12 @@ its slot without recomputing it:
 At most ``len(prompt) - 1`` tokens are reused: the last prompt token is the root of the first
 tree and gets its logits from the first verification, as without reuse.
 
+Every entry and running sequence carries its request's *cache scope* (``SamplingParams.
+cache_scope``: tenant and ``cache_salt``), and a prompt matches only those of an equal scope.
+A hit is faster and shows in ``cached_tokens``, so sharing across scopes would tell one tenant
+what another sent; vLLM gets the same effect by hashing ``cache_salt`` into the first block's
+hash. Eviction stays global: a slot is a slot, whoever filled it.
+
 With a handful of slots, matching every entry is cheaper than keeping a hash of token blocks
 (vLLM) or a radix tree (SGLang): those pay off over thousands of paged blocks; this store has
 one entry per free slot.
@@ -24,7 +30,7 @@ one entry per free slot.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
 
@@ -53,26 +59,34 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._kept: dict[int, tuple[int, ...]] = {}
         self._used: dict[int, int] = {}
+        self._scope: dict[int, Hashable] = {}
         self._clock = itertools.count()
 
     def kept(self, slot: int) -> tuple[int, ...]:
         return self._kept.get(slot, ())
 
-    def keep(self, slot: int, tokens: Tokens[int]) -> None:
-        """``slot`` now holds the KV of ``tokens`` (none: the slot keeps nothing)."""
+    def reusable(self, slot: int, scope: Hashable) -> tuple[int, ...]:
+        """What ``slot`` keeps, if it was kept under ``scope``; nothing otherwise."""
+        return self.kept(slot) if slot in self._kept and self._scope[slot] == scope else ()
+
+    def keep(self, slot: int, tokens: Tokens[int], scope: Hashable = None) -> None:
+        """``slot`` now holds the KV of ``tokens`` (none: the slot keeps nothing), reusable
+        under ``scope`` only."""
         self.drop(slot)
         if tokens:
             self._kept[slot] = tuple(tokens)
             self._used[slot] = next(self._clock)
+            self._scope[slot] = scope
 
     def drop(self, slot: int) -> None:
         self._kept.pop(slot, None)
         self._used.pop(slot, None)
+        self._scope.pop(slot, None)
 
     def swap(self, a: int, b: int) -> None:
         """Slots ``a`` and ``b`` exchanged their contents."""
-        swap_keys(self._kept, a, b)
-        swap_keys(self._used, a, b)
+        for state in (self._kept, self._used, self._scope):
+            swap_keys(state, a, b)
 
     def oldest(self, slots: Iterable[int]) -> int | None:
         """Of ``slots``, one that keeps nothing, else the least recently used; None if none."""
@@ -120,17 +134,20 @@ def plan_reuse(
     prompt: Tokens[int],
     slot: int,
     free: Iterable[int],
-    running: Mapping[int, Tokens[int]],
+    running: Mapping[int, tuple[Hashable, Tokens[int]]],
     index: PrefixIndex,
+    scope: Hashable = None,
 ) -> Reuse:
-    """The longest reuse for ``prompt`` starting in free ``slot``, from the prefixes kept in the
-    ``free`` slots (``slot`` and those above it) or the ``running`` sequences' cached tokens (by
-    slot). Ties go to the slot's own entry (no copy), then to kept entries (a swap keeps both)."""
+    """The longest reuse for ``prompt`` (a request of cache ``scope``) starting in free ``slot``,
+    from the prefixes kept in the ``free`` slots (``slot`` and those above it) or the ``running``
+    sequences' cached tokens (by slot: their scope and tokens), of ``scope`` only. Ties go to
+    the slot's own entry (no copy), then to kept entries (a swap keeps both)."""
     free = [s for s in free if s != slot]
     limit = len(prompt) - 1
-    candidates = [(slot, index.kept(slot)), *((s, index.kept(s)) for s in free), *running.items()]
+    kept = [(s, index.reusable(s, scope)) for s in (slot, *free)]
+    shared = [(s, tokens) for s, (owner, tokens) in running.items() if owner == scope]
     best, length = slot, 0
-    for source, tokens in candidates:
+    for source, tokens in [*kept, *shared]:
         matched = min(common_prefix(prompt, tokens), limit)
         if matched > length:
             best, length = source, matched
