@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from multiguess.api import errors
 from multiguess.api.gate import OPEN_PATHS, RequestGate
 from multiguess.api.generation import router as generation_router
+from multiguess.api.keys import DEFAULT_TENANT
 from multiguess.api.schemas import ModelCard, ModelList
 from multiguess.engine.engine import Engine
 from multiguess.metrics import Metrics
@@ -31,7 +32,13 @@ class ServerSettings:
     warmup: bool = True
     max_body: int = MAX_BODY  # bytes of one request body at most (413 beyond)
     api_key: str | None = field(default=None, repr=False)  # Bearer key for all but health (and metrics)
+    api_keys: Mapping[str, str] = field(default_factory=dict, repr=False)  # more keys: key -> tenant
     protect_metrics: bool = False  # /metrics needs the API key too
+
+    def tenants(self) -> dict[str, str]:
+        """Every accepted key and its tenant; ``api_key`` is tenant ``default``'s."""
+        single = {self.api_key: DEFAULT_TENANT} if self.api_key else {}
+        return {**self.api_keys, **single}
 
 
 def readiness(scheduler: Scheduler) -> tuple[int, dict[str, str]]:
@@ -81,7 +88,7 @@ def create_app(load: Callable[[], Engine], settings: ServerSettings | None = Non
     errors.install(app)
     open_paths = OPEN_PATHS if settings.protect_metrics else OPEN_PATHS | {"/metrics"}
     app.add_middleware(
-        RequestGate, max_body=settings.max_body, api_key=settings.api_key, open_paths=open_paths
+        RequestGate, max_body=settings.max_body, api_keys=settings.tenants(), open_paths=open_paths
     )
     app.include_router(generation_router, responses=errors.GENERATION_ERRORS)
     app.openapi = without_validation_status(app.openapi)

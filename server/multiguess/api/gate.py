@@ -1,7 +1,8 @@
 """What every request passes before a route sees it: the API key, the content type, the body size.
 
 A pure ASGI middleware, so a refused request costs no parsing: a missing or wrong
-``Authorization: Bearer <key>`` is a 401 (compared in constant time), a POST that is not
+``Authorization: Bearer <key>`` is a 401 (compared in constant time with every key), and a
+right one tags the request with the key's tenant (``tenant_of``), a POST that is not
 ``application/json`` a 415 (a cross-site form or ``text/plain`` POST never runs), a body
 over ``max_body`` bytes a 413, whether it announces its length or streams it, and JSON text
 that is not valid Unicode (a lone surrogate escape such as ``"\\ud800"``, which no tokenizer or
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from multiguess.api.errors import error_body
@@ -24,6 +25,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/health/live", "/health/ready"})
+TENANT = "multiguess.tenant"  # the ASGI scope's entry naming the request's tenant (None: no keys)
 DISCARD_LIMIT = 16  # a refused body is read and dropped up to this many times the limit
 
 
@@ -37,6 +39,22 @@ def bearer_matches(headers: dict[bytes, bytes], key: bytes) -> bool:
     """``Authorization: Bearer <key>``, as OpenAI clients send it; constant-time compare."""
     scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
     return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
+
+
+def bearer_tenant(headers: dict[bytes, bytes], keys: Mapping[bytes, str]) -> str | None:
+    """The tenant of the key the request carries (None: no valid key). Every key is compared,
+    whichever matches, so the time taken does not tell which key, or how many, came first."""
+    tenant = None
+    for key, owner in keys.items():
+        if bearer_matches(headers, key):
+            tenant = owner
+    return tenant
+
+
+def tenant_of(scope: Scope) -> str | None:
+    """The tenant the gate tagged a request with: its key's, or None when the server has no keys."""
+    tenant: str | None = scope.get(TENANT)
+    return tenant
 
 
 def has_lone_surrogate(body: bytes) -> bool:
@@ -71,13 +89,19 @@ def is_json(content_type: bytes) -> bool:
 
 
 class RequestGate:
+    """``api_keys``: key -> tenant (none: no key is asked for, and every request is tenant None)."""
+
     def __init__(
-        self, app: Any, max_body: int, api_key: str | None = None, open_paths: frozenset[str] = OPEN_PATHS
+        self,
+        app: Any,
+        max_body: int,
+        api_keys: Mapping[str, str] | None = None,
+        open_paths: frozenset[str] = OPEN_PATHS,
     ) -> None:
         if max_body < 1:
             raise ValueError("max_body must be >= 1 byte")
         self.app, self.max_body, self.open_paths = app, max_body, open_paths
-        self.key = api_key.encode() if api_key else None
+        self.keys = {key.encode(): tenant for key, tenant in (api_keys or {}).items()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -95,17 +119,15 @@ class RequestGate:
 
     def check_headers(self, scope: Scope) -> None:
         headers = dict(scope["headers"])
-        if (
-            self.key is not None
-            and scope["path"] not in self.open_paths
-            and not bearer_matches(headers, self.key)
-        ):
-            raise Refused(
-                401,
-                "a valid API key is required: send 'Authorization: Bearer <key>'",
-                "invalid_api_key",
-                [("www-authenticate", "Bearer")],
-            )
+        if self.keys and scope["path"] not in self.open_paths:
+            scope[TENANT] = bearer_tenant(headers, self.keys)
+            if scope[TENANT] is None:
+                raise Refused(
+                    401,
+                    "a valid API key is required: send 'Authorization: Bearer <key>'",
+                    "invalid_api_key",
+                    [("www-authenticate", "Bearer")],
+                )
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return
         if not is_json(headers.get(b"content-type", b"")):

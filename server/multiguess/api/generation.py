@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 
 from multiguess.api import sse
 from multiguess.api.errors import APIError, error_body, from_exception
+from multiguess.api.gate import tenant_of
 from multiguess.api.schemas import (
     ChatChoice,
     ChatCompletionRequest,
@@ -96,9 +97,11 @@ def build_samples(
     n: int,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    tenant: str | None = None,
 ) -> list[Sample]:
     """``max_tokens=None`` means whatever context the longest prompt leaves; ``logprobs``,
-    ``prompt_logprobs``: alternatives to record per generated and prompt token (None: none)."""
+    ``prompt_logprobs``: alternatives to record per generated and prompt token (None: none);
+    ``tenant``: the API key's (``gate.tenant_of``)."""
     refuse_unsupported(body)
     structure = requested_structure(body)
     if structure is not None:
@@ -109,7 +112,7 @@ def build_samples(
         check_prompt_ids(prompt, scheduler.engine.target.vocab_size)  # type: ignore[union-attr]
     if max_tokens is None:
         max_tokens = max(1, config.max_model_len - max(len(p) for p in prompts))
-    params = sampling_params(body, max_tokens, n, config, logprobs, prompt_logprobs)
+    params = sampling_params(body, max_tokens, n, config, logprobs, prompt_logprobs, tenant)
     if structure is not None:
         params = replace(params, structured_outputs=structure.spec)
     return make_samples(prompts, params)
@@ -202,7 +205,16 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     prompts = await off_loop(completion_prompts, body, scheduler.engine.tokenizer)  # type: ignore[union-attr]
     tokenizer = scheduler.engine.tokenizer  # type: ignore[union-attr]
     logprobs, prompt_logprobs, best_of = completion_options(body)
-    samples = build_samples(scheduler, body, prompts, body.max_tokens, best_of, logprobs, prompt_logprobs)
+    samples = build_samples(
+        scheduler,
+        body,
+        prompts,
+        body.max_tokens,
+        best_of,
+        logprobs,
+        prompt_logprobs,
+        tenant=tenant_of(request.scope),
+    )
     echoed = [tokenizer.decode(s.prompt_ids) if body.echo else "" for s in samples]
     top = body.logprobs or 0
 
@@ -269,7 +281,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     prompt = await off_loop(chat_prompt, body.messages, scheduler.engine.tokenizer, body.tools)  # type: ignore[union-attr]
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     top = chat_logprobs(body)
-    samples = build_samples(scheduler, body, [prompt], max_tokens, body.n, top)
+    samples = build_samples(
+        scheduler, body, [prompt], max_tokens, body.n, top, tenant=tenant_of(request.scope)
+    )
     reply = Reply.of(body, len(samples))
     tokenizer = scheduler.engine.tokenizer  # type: ignore[union-attr]
     head = header("chatcmpl", model)
@@ -350,7 +364,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         prompt = await off_loop(chat_prompt, [ChatMessage(role="user", content=body.prompt)], tokenizer)
     else:
         prompt = await off_loop(tokenizer.encode, body.prompt)
-    samples = build_samples(scheduler, body, [prompt], body.max_tokens, 1)
+    samples = build_samples(scheduler, body, [prompt], body.max_tokens, 1, tenant=tenant_of(request.scope))
     try:
         outcome = await run_collected(request, scheduler, samples, 1)
     except ClientGone:

@@ -84,6 +84,12 @@ class SamplingFields(_Body):
     user: str | None = Field(None, description="an end-user identifier; not used for generation")
     num_candidates: int | None = Field(None, description="tree width for this request (<= the server's)")
     depth: int | None = Field(None, description="tree depth for this request (<= the server's; 0: off)")
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description="vLLM's: the prompt reuses cached KV only of requests of the same tenant and salt",
+    )
     # Structured output (api/structured.py): OpenAI's response_format, or vLLM's fields.
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's: a JSON schema")

@@ -40,10 +40,12 @@ def sampling_params(
     config: EngineConfig,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    tenant: str | None = None,
 ) -> SamplingParams:
     """The engine's parameters for a body; tree overrides may only shrink the server's budget,
     whose KV-cache room was sized for it. ``logprobs``, ``prompt_logprobs``: alternatives to
-    record per generated and per prompt token (None: no records)."""
+    record per generated and per prompt token (None: no records). ``tenant`` (the API key's)
+    and the body's ``cache_salt`` scope the prefix cache."""
     for name, value, limit in (
         ("num_candidates", body.num_candidates, config.num_candidates),
         ("depth", body.depth, config.depth),
@@ -70,6 +72,8 @@ def sampling_params(
         min_tokens=body.min_tokens,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        tenant=tenant,
+        cache_salt=body.cache_salt,
     )
 
 

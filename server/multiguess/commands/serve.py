@@ -93,15 +93,25 @@ def build_engine(args: argparse.Namespace, registry: Any = None) -> Any:
     return engine
 
 
-def api_key(args: argparse.Namespace) -> str | None:
-    """``--api-key`` or the contents of ``--api-key-file`` (one trailing newline dropped)."""
-    from multiguess.remote.handshake import load_secret
+def api_keys(args: argparse.Namespace) -> dict[str, str]:
+    """Key -> tenant: ``--api-key`` (tenant ``default``) or the key file ``--api-key-file``
+    (``api/keys.py``: one key and its tenant per line; a file holding one bare key is that
+    key, tenant ``default``); none: the API is open."""
+    from multiguess.api.keys import DEFAULT_TENANT, load_keys, readable_by_others
 
+    if args.api_key and args.api_key_file:
+        raise SystemExit("multiguess serve: give --api-key or --api-key-file, not both")
+    if not args.api_key_file:
+        return {args.api_key: DEFAULT_TENANT} if args.api_key else {}
     try:
-        key = load_secret(args.api_key, args.api_key_file, flag="--api-key")
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"multiguess serve: {exc}") from None
-    return key.decode() if key is not None else None
+        keys = load_keys(args.api_key_file)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise SystemExit(f"multiguess serve: --api-key-file: {exc}") from None
+    if readable_by_others(args.api_key_file):
+        logging.getLogger(__name__).warning(
+            "the API key file %s is readable by every user; chmod o-r it", args.api_key_file
+        )
+    return keys
 
 
 def make_server(args: argparse.Namespace) -> Any:
@@ -114,7 +124,7 @@ def make_server(args: argparse.Namespace) -> Any:
         args.max_queue,
         args.request_timeout,
         max_body=args.max_body_size,
-        api_key=api_key(args),
+        api_keys=api_keys(args),
         protect_metrics=args.protect_metrics,
     )
     app = create_app(lambda: build_engine(args, app.state.metrics.registry), settings)
@@ -213,7 +223,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_draft_secret_flags(parser)
     add_flag(parser, "--api-key", None, str, help="clients must send 'Authorization: Bearer <key>'")
-    add_flag(parser, "--api-key-file", None, str, help="file holding the API key (a mounted Secret)")
+    add_flag(
+        parser,
+        "--api-key-file",
+        None,
+        str,
+        help="file of API keys, one 'KEY [TENANT]' a line (# comments); the prefix cache is per tenant",
+    )
     add_switch(parser, "--protect-metrics", "/metrics needs the API key too (health checks stay open)")
     add_flag(
         parser, "--max-body-size", MAX_BODY, positive_int, help="bytes one request body may have (413 beyond)"
