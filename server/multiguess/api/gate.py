@@ -3,9 +3,9 @@
 A pure ASGI middleware, so a refused request costs no parsing: a missing or wrong
 ``Authorization: Bearer <key>`` is a 401 (compared in constant time), a POST that is not
 ``application/json`` a 415 (a cross-site form or ``text/plain`` POST never runs), a body
-over ``max_body`` bytes a 413, whether it announces its length or streams it, and JSON text
-that is not valid Unicode (a lone surrogate escape such as ``"\\ud800"``, which no tokenizer or
-UTF-8 encoder takes) a 400. The body is read here, up to the limit, and replayed to the app.
+over ``max_body`` bytes a 413, whether it announces its length or streams it, and a body that
+is not UTF-8 JSON text (other encodings, raw surrogate bytes, a lone surrogate escape such as
+``"\\ud800"``: text no tokenizer or UTF-8 encoder takes) a 400. The body is read here, up to the limit, and replayed to the app.
 Every refusal has the API's JSON error body.
 """
 
@@ -39,16 +39,36 @@ def bearer_matches(headers: dict[bytes, bytes], key: bytes) -> bool:
     return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
 
 
-def has_lone_surrogate(body: bytes) -> bool:
-    """Whether the JSON text holds a string that is not valid Unicode. Only ``\\uD800``-``\\uDFFF``
-    escapes can make one (raw bytes that are not UTF-8 fail JSON parsing anyway), so bodies
-    without such an escape, nearly all of them, are not parsed here."""
-    if b"\\ud" not in body.lower():
+def text_problem(body: bytes) -> str | None:
+    """Why a body is not UTF-8 JSON text that every part of the server can take, or None.
+
+    ``json.loads`` reads bytes leniently: it guesses UTF-16 or UTF-32 from NUL bytes and decodes
+    UTF-8 with ``surrogatepass``, so raw surrogate bytes become lone surrogates that no tokenizer
+    or UTF-8 encoder takes. Here the bytes must be strict UTF-8 (which refuses encoded
+    surrogates) without NUL bytes (JSON text never holds one raw; UTF-16 and UTF-32 always do),
+    and no string, key or value, may decode to a lone surrogate (an escape such as
+    ``"\\ud800"``). Only bodies holding a ``\\uD800``-``\\uDFFF`` escape, nearly none, are parsed here.
+    """
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"the request body is not valid UTF-8 (byte {exc.start}): send JSON as UTF-8 text"
+    if "\x00" in text:
+        return "the request body holds NUL bytes (UTF-16 or UTF-32?): send JSON as UTF-8 text"
+    if has_lone_surrogate(text):
+        return "the request holds text that is not valid Unicode (a lone surrogate)"
+    return None
+
+
+def has_lone_surrogate(text: str) -> bool:
+    """Whether the JSON text holds a string (a key or a value, at any depth) that escapes a
+    lone surrogate."""
+    if "\\ud" not in text.lower():
         return False
     try:
-        value = json.loads(body)
-    except ValueError:
-        return False  # the app reports invalid JSON itself
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return False  # the app reports invalid (or too deep) JSON itself
     stack = [value]
     while stack:
         item = stack.pop()
@@ -131,12 +151,9 @@ class RequestGate:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 body = b"".join(chunks)
-                if has_lone_surrogate(body):
-                    raise Refused(
-                        400,
-                        "the request holds text that is not valid Unicode (a lone surrogate)",
-                        "invalid_unicode",
-                    )
+                problem = text_problem(body)
+                if problem is not None:
+                    raise Refused(400, problem, "invalid_unicode")
                 return body
 
     def too_large(self) -> str:
