@@ -117,6 +117,11 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="alternatives per token")
     suffix: str | None = Field(None, description="not supported: a non-empty suffix is a 400")
+    split_special_tokens: bool = Field(
+        True,
+        description="special-token strings in text prompts are plain text; false: they are control "
+        "tokens (vLLM's and transformers' default)",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
 
