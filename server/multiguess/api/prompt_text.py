@@ -47,7 +47,9 @@ def text_ids(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: 
         literal = copy.deepcopy(backend)
         literal.encode_special_tokens = True
         _LITERAL[tokenizer] = literal
-    return list(literal.encode(text, add_special_tokens=add_special_tokens).ids)
+    # encode_batch, not encode: only the batch call lets go of the GIL, and a long prompt takes
+    # seconds, which the event loop (health checks, streams) must not wait for.
+    return list(literal.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
 
 def mark_strings(value: Any, replace: Callable[[str], str]) -> Any:
