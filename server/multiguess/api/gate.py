@@ -1,16 +1,18 @@
-"""What every request passes before a route sees it: the API key, the content type, the body size.
+"""What every request passes before a route sees it: the API key, the content type, the body.
 
 A pure ASGI middleware, so a refused request costs no parsing: a missing or wrong
 ``Authorization: Bearer <key>`` is a 401 (compared in constant time), a POST that is not
 ``application/json`` a 415 (a cross-site form or ``text/plain`` POST never runs), a body
-over ``max_body`` bytes a 413, whether it announces its length or streams it, and a body that
+over ``max_body`` bytes a 413, whether it announces its length or streams it, a body that does
+not arrive within ``body_timeout`` seconds a 408 (the connection is closed), and a body that
 is not UTF-8 JSON text (other encodings, raw surrogate bytes, a lone surrogate escape such as
-``"\\ud800"``: text no tokenizer or UTF-8 encoder takes) a 400. The body is read here, up to the limit, and replayed to the app.
-Every refusal has the API's JSON error body.
+``"\\ud800"``: text no tokenizer or UTF-8 encoder takes) a 400. The body is read here, up to
+the limit, and replayed to the app. Every refusal has the API's JSON error body.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from collections.abc import Awaitable, Callable, Iterable
@@ -24,6 +26,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/health/live", "/health/ready"})
+BODY_TIMEOUT = 30.0  # seconds a request body may take to arrive, from the end of its head
 DISCARD_LIMIT = 16  # a refused body is read and dropped up to this many times the limit
 
 
@@ -92,11 +95,17 @@ def is_json(content_type: bytes) -> bool:
 
 class RequestGate:
     def __init__(
-        self, app: Any, max_body: int, api_key: str | None = None, open_paths: frozenset[str] = OPEN_PATHS
+        self,
+        app: Any,
+        max_body: int,
+        api_key: str | None = None,
+        open_paths: frozenset[str] = OPEN_PATHS,
+        body_timeout: float = BODY_TIMEOUT,
     ) -> None:
-        if max_body < 1:
-            raise ValueError("max_body must be >= 1 byte")
+        if max_body < 1 or not body_timeout > 0:
+            raise ValueError("max_body must be >= 1 byte and body_timeout > 0 s")
         self.app, self.max_body, self.open_paths = app, max_body, open_paths
+        self.body_timeout = body_timeout
         self.key = api_key.encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -139,6 +148,15 @@ class RequestGate:
             raise Refused(413, self.too_large(), "body_too_large")
 
     async def read_body(self, receive: Receive) -> bytes:
+        """The whole body, within ``body_timeout`` seconds of the request head (408 past it)."""
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                return await self.read_chunks(receive)
+        except TimeoutError:
+            message = f"the request body did not arrive within {self.body_timeout:g} s (--timeout-body)"
+            raise Refused(408, message, "body_timeout") from None
+
+    async def read_chunks(self, receive: Receive) -> bytes:
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -191,12 +209,13 @@ async def respond(send: Send, refused: Refused, receive: Receive, discard_limit:
     """The refusal, sent at once. A 413's response is held open while the rest of the body is
     drained: a server that closes a connection with unread data in it makes the kernel reset
     it, and the reset can destroy the 413 on its way; the server hands out no more of the
-    body once a response is complete, so the drain happens before the response ends."""
+    body once a response is complete, so the drain happens before the response ends. A 408's
+    body never came: its connection is closed at once."""
     payload = json.dumps(error_body(refused.status, refused.message, code=refused.code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
     headers += [(k.encode(), v.encode()) for k, v in refused.headers]
-    if refused.status == 413:
-        headers.append((b"connection", b"close"))  # drained up to a limit only: never reused
+    if refused.status in (408, 413):
+        headers.append((b"connection", b"close"))  # a body unread (or drained up to a limit only)
     await send({"type": "http.response.start", "status": refused.status, "headers": headers})
     await send({"type": "http.response.body", "body": payload, "more_body": True})
     if refused.status == 413:
