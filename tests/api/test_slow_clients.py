@@ -118,7 +118,9 @@ def test_a_body_that_stops_short_is_408_within_the_deadline(guarded: LiveServer,
 
 def test_a_kept_alive_connection_gets_the_head_deadline_again(guarded: LiveServer) -> None:
     with connection(guarded, b"GET /health/live HTTP/1.1\r\nhost: x\r\n\r\n") as conn:
-        first = conn.recv(65536)
+        first = b""
+        while not first.endswith(b'{"status":"alive"}'):  # the whole first response
+            first += conn.recv(65536)
         assert first.startswith(b"HTTP/1.1 200 OK"), first
         started = time.monotonic()
         conn.sendall(b"GET /health/live HTTP/1.1\r\n")  # the next request's head stops here
@@ -135,7 +137,7 @@ def test_slow_clients_in_numbers_are_all_closed_and_others_are_served(guarded: L
         slow = [stack.enter_context(connection(guarded, kinds[i % 3])) for i in range(CAP - 2)]
         served = time.monotonic()
         assert_serves(guarded)
-        assert time.monotonic() - served < 1.0
+        assert time.monotonic() - served < HEADER_TIMEOUT  # before any slow one was cut off
         answers = [answer(conn) for conn in slow]
     assert time.monotonic() - started < max(HEADER_TIMEOUT, BODY_TIMEOUT_S) + SLACK
     assert all(a.startswith(b"HTTP/1.1 408 Request Timeout") for a in answers), answers
