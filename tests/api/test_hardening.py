@@ -1,7 +1,7 @@
 """Hostile bodies and authentication against a real server on 127.0.0.1.
 
-Body size (413, announced or streamed, a 10 MB body included), content type (415), text that
-is not valid Unicode (400, the connection survives), the API key (Bearer, as the ``openai``
+Body size (413, announced or streamed, a 10 MB body included), content type (415), bodies that
+are not UTF-8 JSON text, raw bytes or escapes (400, the connection survives), the API key (Bearer, as the ``openai``
 client sends it), liveness while a long prompt is tokenized, and the gauges right after an
 abort.
 """
@@ -203,7 +203,7 @@ def test_a_body_that_is_not_utf8_json_text_is_400_and_the_connection_survives(
         assert again.status_code == 200, again.text
 
 
-def test_text_problems_are_named_without_parsing_ordinary_bodies() -> None:
+def test_valid_text_passes_and_lone_surrogates_are_found_at_any_depth() -> None:
     assert text_problem('{"prompt": "w1 \U0001f600 \\u00e9 \\ud83d\\ude00"}'.encode()) is None
     assert text_problem(b'{"prompt": "\\\\ud800"}') is None  # an escaped backslash, then text
     assert text_problem(b"[" * 100_000 + b'"\\ud800"') is None  # too deep: the app says so
