@@ -14,6 +14,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 from multiguess.api import ServerSettings, create_app
+from multiguess.api.connections import ConnectionLimits, server_config
 from multiguess.engine.engine import Engine, EngineConfig
 from multiguess.engine.guard import GuardedDrafter
 from multiguess.llm import load_pair
@@ -74,11 +75,14 @@ def start_server() -> Iterator[Callable[..., LiveServer]]:
     """Starts servers on demand; all are stopped at the end of the session."""
     running: list[tuple[uvicorn.Server, threading.Thread]] = []
 
-    def start(load: Callable[[], Engine], **settings: object) -> LiveServer:
+    def start(
+        load: Callable[[], Engine], limits: ConnectionLimits | None = None, **settings: object
+    ) -> LiveServer:
+        """``limits``: the connection limits of the HTTP protocol ``serve`` runs (its defaults)."""
         app = create_app(load, ServerSettings(model_name=MODEL, **settings))  # type: ignore[arg-type]
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        server = uvicorn.Server(server_config(app, limits, log_level="warning", timeout_graceful_shutdown=5))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         running.append((server, thread))

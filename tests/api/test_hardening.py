@@ -1,7 +1,7 @@
 """Hostile bodies and authentication against a real server on 127.0.0.1.
 
-Body size (413, announced or streamed, a 10 MB body included), content type (415), text that
-is not valid Unicode (400, the connection survives), the API key (Bearer, as the ``openai``
+Body size (413, announced or streamed, a 10 MB body included), content type (415), bodies that
+are not UTF-8 JSON text, raw bytes or escapes (400, the connection survives), the API key (Bearer, as the ``openai``
 client sends it), liveness while a long prompt is tokenized, and the gauges right after an
 abort.
 """
@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from multiguess.api.gate import text_problem
 from multiguess.engine.engine import EngineConfig
 
 from tests.api.conftest import MODEL, LiveServer, tiny_loader
@@ -144,24 +145,69 @@ def test_liveness_answers_while_a_long_prompt_is_tokenized(server: LiveServer) -
     assert len(latencies) > 5 and max(latencies) < 0.5, (len(latencies), max(latencies))
 
 
+SURROGATE = b"\xed\xa0\x80"  # U+D800 as UTF-8 would spell it: json.loads(bytes) lets it through
+
+
 @pytest.mark.parametrize(
-    ("path", "body"),
+    ("path", "body", "words"),
     [
-        ("/v1/completions", '{"prompt": "\\ud800x", "max_tokens": 2}'),
-        ("/v1/completions", '{"prompt": ["ok", "\\udc00"], "max_tokens": 2}'),
-        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800x"}], "max_tokens": 2}'),
-        ("/v1/completions", '{"prompt": "w1", "stop": ["\\ud800"], "max_tokens": 2}'),
-        ("/generate", '{"prompt": "\\ud800x"}'),
+        ("/v1/completions", b'{"prompt": "\\ud800x", "max_tokens": 2}', "not valid Unicode"),
+        ("/v1/completions", b'{"prompt": ["ok", "\\udc00"], "max_tokens": 2}', "not valid Unicode"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "\\ud800x"}], "max_tokens": 2}',
+            "not valid Unicode",
+        ),
+        ("/v1/completions", b'{"prompt": "w1", "stop": ["\\ud800"], "max_tokens": 2}', "not valid Unicode"),
+        ("/generate", b'{"prompt": "\\ud800x"}', "not valid Unicode"),
+        ("/v1/completions", b'{"prompt": "w1", "logit_bias": {"\\uDBFF": 1}}', "not valid Unicode"),
+        (
+            "/v1/completions",
+            b'{"prompt": "w1", "response_format": {"type": "json_schema", "json_schema": '
+            b'{"name": "x", "schema": {"properties": {"a": {"enum": [["\\udfff"]]}}}}}}',
+            "not valid Unicode",
+        ),
+        ("/v1/completions", b'{"prompt": "hi' + SURROGATE + b'", "max_tokens": 4}', "not valid UTF-8"),
+        (
+            "/v1/completions",
+            b'{"prompt": "hi' + SURROGATE + b'", "max_tokens": 4, "stream": true}',
+            "not valid UTF-8",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "hi' + SURROGATE + b'"}]}',
+            "not valid UTF-8",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "hi' + SURROGATE + b'"}], "stream": true}',
+            "not valid UTF-8",
+        ),
+        ("/generate", b'{"prompt": "hi' + SURROGATE + b'"}', "not valid UTF-8"),
+        ("/v1/completions", b'{"prompt": "w1", "guided_regex": "a' + SURROGATE + b'"}', "not valid UTF-8"),
+        ("/v1/completions", b'{"prompt": "w1", "max_tokens": 2, "stop": ["\xff"]}', "not valid UTF-8"),
+        ("/v1/completions", b'{"prompt": "caf\xe9", "max_tokens": 2}', "not valid UTF-8"),  # Latin-1
+        ("/v1/completions", '{"prompt": "w1", "max_tokens": 2}'.encode("utf-16"), "not valid UTF-8"),
+        ("/v1/completions", '{"prompt": "w1", "max_tokens": 2}'.encode("utf-16-le"), "NUL bytes"),
+        ("/generate", '{"prompt": "w1", "max_tokens": 2}'.encode("utf-32-be"), "NUL bytes"),
     ],
 )
-def test_text_that_is_not_unicode_is_400_and_the_connection_survives(
-    server: LiveServer, path: str, body: str
+def test_a_body_that_is_not_utf8_json_text_is_400_and_the_connection_survives(
+    server: LiveServer, path: str, body: bytes, words: str
 ) -> None:
     with server.client() as client:
-        assert_error(client.post(path, content=body, headers={"content-type": "application/json"}),
-                     400, "not valid Unicode")  # fmt: skip
+        assert_error(
+            client.post(path, content=body, headers={"content-type": "application/json"}), 400, words
+        )
         again = client.post("/generate", json={"prompt": "w1 \U0001f600 w2", "max_tokens": 2})
         assert again.status_code == 200, again.text
+
+
+def test_valid_text_passes_and_lone_surrogates_are_found_at_any_depth() -> None:
+    assert text_problem('{"prompt": "w1 \U0001f600 \\u00e9 \\ud83d\\ude00"}'.encode()) is None
+    assert text_problem(b'{"prompt": "\\\\ud800"}') is None  # an escaped backslash, then text
+    assert text_problem(b"[" * 100_000 + b'"\\ud800"') is None  # too deep: the app says so
+    assert "lone surrogate" in str(text_problem(b'{"a": {"b": ["\\udabc"]}}'))
 
 
 @pytest.mark.parametrize(

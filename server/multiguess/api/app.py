@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from multiguess.api import errors
-from multiguess.api.gate import OPEN_PATHS, RequestGate
+from multiguess.api.gate import BODY_TIMEOUT, OPEN_PATHS, RequestGate
 from multiguess.api.generation import router as generation_router
 from multiguess.api.keys import DEFAULT_TENANT
 from multiguess.api.schemas import ModelCard, ModelList
@@ -31,6 +31,7 @@ class ServerSettings:
     request_timeout: float = 600.0
     warmup: bool = True
     max_body: int = MAX_BODY  # bytes of one request body at most (413 beyond)
+    body_timeout: float = BODY_TIMEOUT  # seconds a body may take to arrive after its head (408 beyond)
     api_key: str | None = field(default=None, repr=False)  # Bearer key for all but health (and metrics)
     api_keys: Mapping[str, str] = field(default_factory=dict, repr=False)  # more keys: key -> tenant
     protect_metrics: bool = False  # /metrics needs the API key too
@@ -88,7 +89,11 @@ def create_app(load: Callable[[], Engine], settings: ServerSettings | None = Non
     errors.install(app)
     open_paths = OPEN_PATHS if settings.protect_metrics else OPEN_PATHS | {"/metrics"}
     app.add_middleware(
-        RequestGate, max_body=settings.max_body, api_keys=settings.tenants(), open_paths=open_paths
+        RequestGate,
+        max_body=settings.max_body,
+        api_keys=settings.tenants(),
+        open_paths=open_paths,
+        body_timeout=settings.body_timeout,
     )
     app.include_router(generation_router, responses=errors.GENERATION_ERRORS)
     app.openapi = without_validation_status(app.openapi)

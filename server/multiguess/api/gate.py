@@ -1,17 +1,19 @@
-"""What every request passes before a route sees it: the API key, the content type, the body size.
+"""What every request passes before a route sees it: the API key, the content type, the body.
 
 A pure ASGI middleware, so a refused request costs no parsing: a missing or wrong
 ``Authorization: Bearer <key>`` is a 401 (compared in constant time with every key), and a
 right one tags the request with the key's tenant (``tenant_of``), a POST that is not
 ``application/json`` a 415 (a cross-site form or ``text/plain`` POST never runs), a body
-over ``max_body`` bytes a 413, whether it announces its length or streams it, and JSON text
-that is not valid Unicode (a lone surrogate escape such as ``"\\ud800"``, which no tokenizer or
-UTF-8 encoder takes) a 400. The body is read here, up to the limit, and replayed to the app.
-Every refusal has the API's JSON error body.
+over ``max_body`` bytes a 413, whether it announces its length or streams it, a body that does
+not arrive within ``body_timeout`` seconds a 408 (the connection is closed), and a body that
+is not UTF-8 JSON text (other encodings, raw surrogate bytes, a lone surrogate escape such as
+``"\\ud800"``: text no tokenizer or UTF-8 encoder takes) a 400. The body is read here, up to
+the limit, and replayed to the app. Every refusal has the API's JSON error body.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -26,6 +28,7 @@ Send = Callable[[Message], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/health/live", "/health/ready"})
 TENANT = "multiguess.tenant"  # the ASGI scope's entry naming the request's tenant (None: no keys)
+BODY_TIMEOUT = 30.0  # seconds a request body may take to arrive, from the end of its head
 DISCARD_LIMIT = 16  # a refused body is read and dropped up to this many times the limit
 
 
@@ -57,16 +60,36 @@ def tenant_of(scope: Scope) -> str | None:
     return tenant
 
 
-def has_lone_surrogate(body: bytes) -> bool:
-    """Whether the JSON text holds a string that is not valid Unicode. Only ``\\uD800``-``\\uDFFF``
-    escapes can make one (raw bytes that are not UTF-8 fail JSON parsing anyway), so bodies
-    without such an escape, nearly all of them, are not parsed here."""
-    if b"\\ud" not in body.lower():
+def text_problem(body: bytes) -> str | None:
+    """Why a body is not UTF-8 JSON text that every part of the server can take, or None.
+
+    ``json.loads`` reads bytes leniently: it guesses UTF-16 or UTF-32 from NUL bytes and decodes
+    UTF-8 with ``surrogatepass``, so raw surrogate bytes become lone surrogates that no tokenizer
+    or UTF-8 encoder takes. Here the bytes must be strict UTF-8 (which refuses encoded
+    surrogates) without NUL bytes (JSON text never holds one raw; UTF-16 and UTF-32 always do),
+    and no string, key or value, may decode to a lone surrogate (an escape such as
+    ``"\\ud800"``). Only bodies holding a ``\\uD800``-``\\uDFFF`` escape, nearly none, are parsed here.
+    """
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"the request body is not valid UTF-8 (byte {exc.start}): send JSON as UTF-8 text"
+    if "\x00" in text:
+        return "the request body holds NUL bytes (UTF-16 or UTF-32?): send JSON as UTF-8 text"
+    if has_lone_surrogate(text):
+        return "the request holds text that is not valid Unicode (a lone surrogate)"
+    return None
+
+
+def has_lone_surrogate(text: str) -> bool:
+    """Whether the JSON text holds a string (a key or a value, at any depth) that escapes a
+    lone surrogate."""
+    if "\\ud" not in text.lower():
         return False
     try:
-        value = json.loads(body)
-    except ValueError:
-        return False  # the app reports invalid JSON itself
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return False  # the app reports invalid (or too deep) JSON itself
     stack = [value]
     while stack:
         item = stack.pop()
@@ -97,11 +120,13 @@ class RequestGate:
         max_body: int,
         api_keys: Mapping[str, str] | None = None,
         open_paths: frozenset[str] = OPEN_PATHS,
+        body_timeout: float = BODY_TIMEOUT,
     ) -> None:
-        if max_body < 1:
-            raise ValueError("max_body must be >= 1 byte")
+        if max_body < 1 or not body_timeout > 0:
+            raise ValueError("max_body must be >= 1 byte and body_timeout > 0 s")
         self.app, self.max_body, self.open_paths = app, max_body, open_paths
         self.keys = {key.encode(): tenant for key, tenant in (api_keys or {}).items()}
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -141,6 +166,15 @@ class RequestGate:
             raise Refused(413, self.too_large(), "body_too_large")
 
     async def read_body(self, receive: Receive) -> bytes:
+        """The whole body, within ``body_timeout`` seconds of the request head (408 past it)."""
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                return await self.read_chunks(receive)
+        except TimeoutError:
+            message = f"the request body did not arrive within {self.body_timeout:g} s (--timeout-body)"
+            raise Refused(408, message, "body_timeout") from None
+
+    async def read_chunks(self, receive: Receive) -> bytes:
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -153,12 +187,9 @@ class RequestGate:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 body = b"".join(chunks)
-                if has_lone_surrogate(body):
-                    raise Refused(
-                        400,
-                        "the request holds text that is not valid Unicode (a lone surrogate)",
-                        "invalid_unicode",
-                    )
+                problem = text_problem(body)
+                if problem is not None:
+                    raise Refused(400, problem, "invalid_unicode")
                 return body
 
     def too_large(self) -> str:
@@ -196,12 +227,13 @@ async def respond(send: Send, refused: Refused, receive: Receive, discard_limit:
     """The refusal, sent at once. A 413's response is held open while the rest of the body is
     drained: a server that closes a connection with unread data in it makes the kernel reset
     it, and the reset can destroy the 413 on its way; the server hands out no more of the
-    body once a response is complete, so the drain happens before the response ends."""
+    body once a response is complete, so the drain happens before the response ends. A 408's
+    body never came: its connection is closed at once."""
     payload = json.dumps(error_body(refused.status, refused.message, code=refused.code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
     headers += [(k.encode(), v.encode()) for k, v in refused.headers]
-    if refused.status == 413:
-        headers.append((b"connection", b"close"))  # drained up to a limit only: never reused
+    if refused.status in (408, 413):
+        headers.append((b"connection", b"close"))  # a body unread (or drained up to a limit only)
     await send({"type": "http.response.start", "status": refused.status, "headers": headers})
     await send({"type": "http.response.body", "body": payload, "more_body": True})
     if refused.status == 413:

@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from multiguess.api import sse
 from multiguess.api.errors import APIError, error_body, from_exception
 from multiguess.api.gate import tenant_of
+from multiguess.api.prompt_text import text_ids
 from multiguess.api.schemas import (
     ChatChoice,
     ChatCompletionRequest,
@@ -363,7 +364,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     if body.chat:
         prompt = await off_loop(chat_prompt, [ChatMessage(role="user", content=body.prompt)], tokenizer)
     else:
-        prompt = await off_loop(tokenizer.encode, body.prompt)
+        prompt = await off_loop(text_ids, tokenizer, body.prompt)
     samples = build_samples(scheduler, body, [prompt], body.max_tokens, 1, tenant=tenant_of(request.scope))
     try:
         outcome = await run_collected(request, scheduler, samples, 1)

@@ -3,20 +3,35 @@
 Types are checked here; value ranges are checked once, by ``SamplingParams`` and the engine,
 so the HTTP layer cannot drift from the offline API. Nothing is ignored silently: an unknown
 field is a 400 naming it, and OpenAI fields the server cannot honour are declared here and
-refused with the reason (``translate.refuse_unsupported``).
+refused with the reason (``translate.refuse_unsupported``). Types are strict, as JSON spells
+them: a boolean is not an integer, a string is not a number, and a ``logit_bias`` key is a token
+id in canonical decimal (``"05"``, ``"+5"``, ``" 5"`` and ``"٥"`` are not token 5).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from multiguess.params import MAX_LOGPROBS
 
 
+def token_id_key(key: str) -> str:
+    """A token id as OpenAI's ``logit_bias`` keys spell it: ASCII digits, no sign, no spaces, no
+    leading zero; anything else would name a token the caller did not write."""
+    if not (key.isascii() and key.isdigit() and (key == "0" or not key.startswith("0"))):
+        raise ValueError(
+            "keys must be token ids in decimal (0, 1, 2, ...), without sign, spaces or leading zeros"
+        )
+    return key
+
+
+TokenIdKey = Annotated[str, AfterValidator(token_id_key)]
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Body):
@@ -79,7 +94,7 @@ class SamplingFields(_Body):
     presence_penalty: float = Field(0.0, description="[-2, 2]: subtracted once from every generated token")
     frequency_penalty: float = Field(0.0, description="[-2, 2]: subtracted per occurrence in the output")
     repetition_penalty: float = Field(1.0, description="vLLM's: > 0, 1 is off; prompt and output tokens")
-    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100]")
+    logit_bias: dict[TokenIdKey, float] | None = Field(None, description="token id -> bias in [-100, 100]")
     min_tokens: int = Field(0, description="vLLM's: no end-of-sequence or stop token before this many")
     user: str | None = Field(None, description="an end-user identifier; not used for generation")
     num_candidates: int | None = Field(None, description="tree width for this request (<= the server's)")
@@ -108,6 +123,11 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="alternatives per token")
     suffix: str | None = Field(None, description="not supported: a non-empty suffix is a 400")
+    split_special_tokens: bool = Field(
+        True,
+        description="special-token strings in text prompts are plain text; false: they are control "
+        "tokens (vLLM's and transformers' default)",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
 

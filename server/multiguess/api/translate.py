@@ -9,6 +9,7 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from multiguess.api.errors import APIError
+from multiguess.api.prompt_text import templated_ids, text_ids
 from multiguess.api.schemas import (
     ChatCompletionRequest,
     ChatLogprobs,
@@ -78,16 +79,9 @@ def sampling_params(
 
 
 def token_bias(bias: dict[str, float] | None) -> dict[int, float]:
-    """OpenAI's ``logit_bias`` keys are token ids written as strings."""
-    out = {}
-    for key, value in (bias or {}).items():
-        try:
-            out[int(key)] = value
-        except ValueError:
-            raise APIError(
-                400, f"logit_bias keys must be token ids; got {key!r}", param="logit_bias"
-            ) from None
-    return out
+    """OpenAI's ``logit_bias`` keys are token ids written as strings (the schema checks their
+    spelling)."""
+    return {int(key): value for key, value in (bias or {}).items()}
 
 
 # OpenAI fields the server declares but cannot honour: (field, whether a value asks for
@@ -135,22 +129,29 @@ def completion_options(body: CompletionRequest) -> tuple[int | None, int | None,
 
 
 def completion_prompts(body: CompletionRequest, tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
-    """A string, a list of strings, a list of token ids, or a list of such lists."""
+    """A string, a list of strings, a list of token ids, or a list of such lists. Text is text:
+    a special-token string in it is ordinary tokens unless ``split_special_tokens`` is false."""
     prompt = body.prompt
-    if isinstance(prompt, str):
-        return [tokenizer.encode(prompt)]
-    if not prompt:
+    if not prompt and not isinstance(prompt, str):
         raise APIError(400, "prompt must not be an empty list", param="prompt")
-    if isinstance(prompt[0], int):
+    if isinstance(prompt, list) and isinstance(prompt[0], int):
         return [list(prompt)]  # type: ignore[arg-type]
-    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+
+    def encode(text: str) -> list[int]:
+        if body.split_special_tokens:
+            return text_ids(tokenizer, text)
+        return list(tokenizer.encode(text))
+
+    texts = [prompt] if isinstance(prompt, str) else prompt
+    return [encode(p) if isinstance(p, str) else list(p) for p in texts]
 
 
 def chat_prompt(
     messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase, tools: list[Tool] | None = None
 ) -> list[int]:
     """The target's own chat template over the messages (and the tools offered, for templates
-    that show them), ready for the assistant's turn."""
+    that show them), ready for the assistant's turn. Only the template makes control tokens: a
+    special-token string in a message or a tool is ordinary text (``prompt_text``)."""
     if not messages:
         raise APIError(400, "messages must not be empty", param="messages")
     plain = [
@@ -162,13 +163,19 @@ def chat_prompt(
         for m in messages
     ]
     offered = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+    def render(callers: tuple[list[dict[str, Any]], list[dict[str, Any]] | None]) -> str:
+        chat, shown = callers
+        return str(
+            tokenizer.apply_chat_template(chat, tools=shown, add_generation_prompt=True, tokenize=False)
+        )
+
     try:
-        text = tokenizer.apply_chat_template(plain, tools=offered, add_generation_prompt=True, tokenize=False)
+        return templated_ids(tokenizer, render, (plain, offered))
     except (TemplateError, ValueError) as exc:
         raise APIError(
             400, f"the model's chat template rejected the messages: {exc}", param="messages"
         ) from exc
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def check_sample_count(prompts: int, n: int, limit: int) -> None:

@@ -30,6 +30,8 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ANSWER_SECONDS = 5  # after the grace: time for the 503s and error events to reach the clients
 MAX_BODY = 4 * 1024 * 1024  # the API's default (multiguess.api.app.MAX_BODY), without importing it
+# The HTTP limits' defaults (api.connections.ConnectionLimits, api.gate.BODY_TIMEOUT), likewise.
+TIMEOUT_HEADER, TIMEOUT_BODY, TIMEOUT_KEEP_ALIVE, LIMIT_CONCURRENCY = 10.0, 30.0, 5.0, 512
 
 
 def log_level(text: str) -> str:
@@ -118,6 +120,7 @@ def make_server(args: argparse.Namespace) -> Any:
     import uvicorn
 
     from multiguess.api import ServerSettings, create_app
+    from multiguess.api.connections import ConnectionLimits, server_config
 
     settings = ServerSettings(
         served_name(args),
@@ -125,6 +128,7 @@ def make_server(args: argparse.Namespace) -> Any:
         args.request_timeout,
         max_body=args.max_body_size,
         api_keys=api_keys(args),
+        body_timeout=args.timeout_body,
         protect_metrics=args.protect_metrics,
     )
     app = create_app(lambda: build_engine(args, app.state.metrics.registry), settings)
@@ -167,8 +171,10 @@ def make_server(args: argparse.Namespace) -> Any:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
-    config = uvicorn.Config(
+    limits = ConnectionLimits(args.timeout_header, args.timeout_keep_alive, args.limit_concurrency)
+    config = server_config(
         app,
+        limits,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
@@ -233,6 +239,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_switch(parser, "--protect-metrics", "/metrics needs the API key too (health checks stay open)")
     add_flag(
         parser, "--max-body-size", MAX_BODY, positive_int, help="bytes one request body may have (413 beyond)"
+    )
+    add_flag(
+        parser,
+        "--timeout-header",
+        TIMEOUT_HEADER,
+        positive_float,
+        help="seconds a request head may take, from connect or the last response (408 beyond)",
+    )
+    add_flag(
+        parser,
+        "--timeout-body",
+        TIMEOUT_BODY,
+        positive_float,
+        help="seconds a request body may take (408 beyond)",
+    )
+    add_flag(
+        parser,
+        "--timeout-keep-alive",
+        TIMEOUT_KEEP_ALIVE,
+        positive_float,
+        help="seconds an idle connection stays open",
+    )
+    add_flag(
+        parser,
+        "--limit-concurrency",
+        LIMIT_CONCURRENCY,
+        positive_int,
+        help="connections open at once; a request on one more gets 503",
     )
     add_flag(parser, "--host", "0.0.0.0", str, help="address to listen on")
     add_flag(parser, "--port", 8000, int, help="port to listen on")
