@@ -81,8 +81,10 @@ if __name__ == "__main__" and version_problems(INSTALLED):
     print("gpu-check: " + "; ".join(version_problems(INSTALLED)), file=sys.stderr)
     sys.exit(2)
 
+from multiguess.engine.backends import backend_for  # noqa: E402
 from multiguess.engine.engine import Engine, EngineConfig  # noqa: E402
 from multiguess.engine.ngram import NgramDrafter  # noqa: E402
+from multiguess.engine.placement import region_attention_mask  # noqa: E402
 from multiguess.engine.sampling import Processing, processed_probs  # noqa: E402
 from multiguess.errors import EngineConfigError, InsufficientMemoryError  # noqa: E402
 from multiguess.models.loading import LoadedModel, resolve_dtype  # noqa: E402
@@ -410,6 +412,59 @@ def identical(a: list[list[int]], b: list[list[int]]) -> str:
 
 def engine_config(k: int, depth: int, max_batch: int, max_model_len: int, **kw: object) -> EngineConfig:
     return EngineConfig(k, depth, 16, max_batch, max_model_len, adaptive=False, **kw)
+
+
+# -- (0) fused attention ----------------------------------------------------------------------
+def attention_cases(length: int) -> dict[str, tuple]:
+    """Each path of the torch backend's attention over ``length`` cached positions: name:
+    (the queries' width, each sequence's prefix length, which nodes each node sees, masked)."""
+    tree = torch.eye(8, dtype=torch.bool)
+    for child, parent in enumerate((-1, 0, 0, 1, 1, 2, 3, 5)):
+        if parent >= 0:
+            tree[child] |= tree[parent]
+    ragged = [length - 9, length // 2, length // 3, 17]
+    return {
+        "plain decode": (1, [length - 1] * 4, torch.ones(1, 1, dtype=torch.bool), False),
+        "causal prefill": (length, [0] * 4, torch.ones(length, length, dtype=torch.bool).tril(), False),
+        "tree after ragged prefixes": (8, [p - 8 for p in ragged], tree, True),
+        "ragged decode": (1, [p - 1 for p in ragged], torch.ones(1, 1, dtype=torch.bool), True),
+    }
+
+
+def fused_attention(p: Profile, section: Section, budget: Budget) -> None:
+    """Every path of the torch backend's attention against float64 SDPA on the CPU, in float32
+    (TF32 off) and the benchmark dtype, with an 8B's grouped heads; on CUDA under
+    ``sdpa_kernel`` without the math kernel, so a call that would fall back to it fails."""
+    exact_float32()
+    on_cuda = p.device.startswith("cuda")
+    heads, kv_heads, dim, length = (32, 8, 128, 1024) if on_cuda else (8, 2, 16, 40)
+    tolerances = {p.dtype: 3e-2} | {torch.float32: 1e-4}
+    attention = backend_for(torch.device(p.device), p.dtype, eager=False, name="torch").attention
+    for name, (width, prefix, visible, masked) in attention_cases(length).items():
+        generator = torch.Generator().manual_seed(9)
+        q = torch.randn(4, width, heads, dim, generator=generator, dtype=torch.float64)
+        keys, values = (
+            torch.randn(4, kv_heads, length, dim, generator=generator, dtype=torch.float64) for _ in "kv"
+        )
+        mask = region_attention_mask(torch.tensor(prefix), visible.expand(4, width, width), length)
+        expected = (
+            torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=mask, scale=dim**-0.5, enable_gqa=True
+            )
+            .transpose(1, 2)
+            .reshape(4, width, heads * dim)
+        )
+        for dtype, tolerance in tolerances.items():
+            budget.check(f"attention {name}")
+            moved = [t.to(p.device, dtype) for t in (q, keys, values)]
+            with no_math_attention(torch.device(p.device)):
+                got = attention(*moved, mask.to(p.device) if masked else None, dim**-0.5)
+            error = float((got.double().cpu() - expected).abs().max())
+            section.row(
+                f"{name}, {str(dtype).removeprefix('torch.')}",
+                "pass" if error <= tolerance else "FAIL",
+                note=f"max error {error:.2e} (tolerance {tolerance:g})",
+            )
 
 
 # -- (a) lossless greedy ----------------------------------------------------------------------
@@ -1016,6 +1071,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else args.out
     models: dict[str, LoadedModel] = {}
     sections: list[Section] = []
+    run_section(sections, "(0) fused attention", budget, lambda s: fused_attention(p, s, budget))
     run_section(sections, "(a) lossless greedy", budget, lambda s: lossless_greedy(p, s, budget))
     run_section(sections, "(a) sampling exactness", budget, lambda s: sampling_exactness(p, s, budget))
     first, *rest = p.targets

@@ -50,6 +50,7 @@ def test_every_section_ran(dry_run) -> None:
     _, report = dry_run
     status = {s["name"]: s["status"] for s in report["sections"]}
     assert status == {
+        "(0) fused attention": "ok",
         "(a) lossless greedy": "ok",
         "(a) sampling exactness": "ok",
         "(b) speed tiny-a": "ok",
@@ -73,6 +74,8 @@ def test_speculation_matched_plain_decoding_token_for_token(dry_run) -> None:
     assert len(graphs) == 5 and all(r["status"] == "pass" for r in graphs)  # identical to eager
     assert all(r["case"].endswith("float32") for r in graphs)  # identity is judged in fp32
     assert "sampled (seeded)" in graphs[-1]["case"]
+    attention = sections["(0) fused attention"]["rows"]
+    assert len(attention) == 4 and all(r["status"] == "pass" for r in attention)  # float32 on the CPU
     long = sections["(e) long context"]["rows"]
     assert [r["status"] for r in long] == ["ok", "pass"]  # trees at long context equal plain
     speed = [r for r in sections["(b) speed tiny-a"]["rows"] if "multiguess" in r["case"]]
