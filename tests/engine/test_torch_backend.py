@@ -98,6 +98,18 @@ def test_masked_attention_equals_sdpa_with_the_mask(case: str, flex_on_cpu: None
     assert torch.allclose(got, expected.reshape(batch, width, heads * 16), atol=2e-6)
 
 
+def test_widths_padded_to_their_bucket_leave_the_real_rows_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's compiled call pads the query width to a power of two (rows that see nothing); run
+    here through the uncompiled function."""
+    monkeypatch.setitem(cuda_attention._compiled, "cuda", masked_attention)
+    torch.manual_seed(4)
+    q, keys, values = torch.randn(3, 8, 5, 16), torch.randn(3, 2, 20, 16), torch.randn(3, 2, 20, 16)
+    visible = tree_visibility([-1, 0, 0, 1, 2]).expand(3, 5, 5)
+    mask = region_attention_mask(torch.tensor([15, 4, 9]), visible, 20)
+    expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=0.25, enable_gqa=True)
+    assert torch.allclose(cuda_attention.bucketed(q, keys, values, mask, 0.25), expected, atol=2e-6)
+
+
 def test_the_causal_mask_of_a_float32_prefill_equals_sdpa_causal() -> None:
     """A float32 prefill on CUDA (no flash kernel in fp32) takes the masked path with ``causal``."""
     torch.manual_seed(3)

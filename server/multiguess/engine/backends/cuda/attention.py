@@ -8,9 +8,10 @@
   are skipped, so a short sequence in a long batch costs its own length), grouped heads are
   read in place (``enable_gqa``), in the queries' dtype. SDPA with a mask and grouped heads
   would fall back to its math kernel there, which repeats keys and values to every query head
-  and upcasts. The masked call is compiled once (``torch.compile``; FlexAttention's fused
-  kernel exists only compiled); dimensions that change between calls become dynamic after
-  their first change, so a few compiles serve every shape.
+  and upcasts. The masked call is compiled (``torch.compile``; FlexAttention's fused kernel
+  exists only compiled) once per query-width bucket (powers of two), with batch and cache
+  length dynamic, so a few compiles serve every shape; each costs seconds the first time
+  its bucket is met.
 - Other devices keep SDPA, whose CPU kernels take masks and grouped heads fused. FlexAttention
   uncompiled computes the same arithmetic there, so the CPU tests check CUDA's path.
 """
@@ -88,13 +89,36 @@ def masked_attention(
     return flex_attention(q, keys, values, block_mask=blocks, scale=scale, enable_gqa=True)
 
 
+# Widths are padded to powers of two and compiled static: up to ~14 buckets, each in a dtype or
+# two, and each batch or length that first changes recompiles once as dynamic.
+RECOMPILE_LIMIT = 64
 _compiled: dict[str, Callable[..., torch.Tensor]] = {}
 
 
 def masked_kernel(device: torch.device) -> Callable[..., torch.Tensor]:
-    """``masked_attention``, compiled once per process on CUDA, as it is elsewhere."""
+    """``masked_attention`` as it is, or on CUDA ``bucketed`` over its compiled form (compiled
+    once per process)."""
     if device.type != "cuda":
         return masked_attention
     if "cuda" not in _compiled:
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch 2.5
+        setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
         _compiled["cuda"] = torch.compile(masked_attention, fullgraph=True)
-    return _compiled["cuda"]
+    return bucketed
+
+
+def bucketed(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The compiled ``masked_attention`` with the query width padded to a power of two (padding
+    rows see nothing and are dropped) and held static, so each width bucket compiles once and
+    picks its own kernel (FlexAttention's decoding kernel for short queries); batch and cache
+    length turn dynamic after their first change."""
+    width = q.shape[2]
+    padded = 1 << (width - 1).bit_length()
+    if padded != width:
+        q = F.pad(q, (0, 0, 0, padded - width))
+        mask = F.pad(mask, (0, 0, 0, padded - width))
+    torch._dynamo.mark_static(q, 2)
+    return _compiled["cuda"](q, keys, values, mask, scale)[:, :, :width]
