@@ -108,6 +108,8 @@ def test_widths_padded_to_their_bucket_leave_the_real_rows_unchanged(monkeypatch
     mask = region_attention_mask(torch.tensor([15, 4, 9]), visible, 20)
     expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=0.25, enable_gqa=True)
     assert torch.allclose(cuda_attention.bucketed(q, keys, values, mask, 0.25), expected, atol=2e-6)
+    buckets = [cuda_attention.width_bucket(w) for w in (1, 16, 17, 128, 900, 1500, 5000)]
+    assert buckets == [16, 16, 128, 128, 1024, 2048, 8192]
 
 
 def test_the_causal_mask_of_a_float32_prefill_equals_sdpa_causal() -> None:

@@ -9,9 +9,9 @@
   read in place (``enable_gqa``), in the queries' dtype. SDPA with a mask and grouped heads
   would fall back to its math kernel there, which repeats keys and values to every query head
   and upcasts. The masked call is compiled (``torch.compile``; FlexAttention's fused kernel
-  exists only compiled) once per query-width bucket (powers of two), with batch and cache
-  length dynamic, so a few compiles serve every shape; each costs seconds the first time
-  its bucket is met.
+  exists only compiled) once per query-width bucket (``WIDTHS``), with batch and cache length
+  dynamic, so a few compiles serve every shape; each costs seconds the first time its bucket
+  is met.
 - Other devices keep SDPA, whose CPU kernels take masks and grouped heads fused. FlexAttention
   uncompiled computes the same arithmetic there, so the CPU tests check CUDA's path.
 """
@@ -89,8 +89,10 @@ def masked_attention(
     return flex_attention(q, keys, values, block_mask=blocks, scale=scale, enable_gqa=True)
 
 
-# Widths are padded to powers of two and compiled static: up to ~14 buckets, each in a dtype or
-# two, and each batch or length that first changes recompiles once as dynamic.
+# Query widths are padded to one of these (then to powers of two) and compiled static: a few
+# buckets, each in a dtype or two. Short queries share one bucket: FlexAttention's decoding
+# kernel reads the cache once for all of them.
+WIDTHS = (16, 128, 1024)
 RECOMPILE_LIMIT = 64
 _compiled: dict[str, Callable[..., torch.Tensor]] = {}
 
@@ -108,17 +110,24 @@ def masked_kernel(device: torch.device) -> Callable[..., torch.Tensor]:
     return bucketed
 
 
+def width_bucket(width: int) -> int:
+    """The first of ``WIDTHS`` that holds ``width``, else the next power of two."""
+    return next((w for w in WIDTHS if width <= w), 1 << (width - 1).bit_length())
+
+
 def bucketed(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """The compiled ``masked_attention`` with the query width padded to a power of two (padding
-    rows see nothing and are dropped) and held static, so each width bucket compiles once and
-    picks its own kernel (FlexAttention's decoding kernel for short queries); batch and cache
-    length turn dynamic after their first change."""
+    """The compiled ``masked_attention`` with the query width padded to its bucket (padding rows
+    see nothing and are dropped) and held static, so each bucket compiles once and picks its own
+    kernel; batch and cache length are dynamic from the start."""
     width = q.shape[2]
-    padded = 1 << (width - 1).bit_length()
+    padded = width_bucket(width)
     if padded != width:
         q = F.pad(q, (0, 0, 0, padded - width))
         mask = F.pad(mask, (0, 0, 0, padded - width))
     torch._dynamo.mark_static(q, 2)
+    for tensor, dims in ((q, (0,)), (keys, (0, 2)), (values, (0, 2)), (mask, (0, 3))):
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
     return _compiled["cuda"](q, keys, values, mask, scale)[:, :, :width]
