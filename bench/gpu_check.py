@@ -22,7 +22,7 @@ that would fall back to it fails its section.
   its arithmetic, not its speed;
 - (d) the memory plan of an engine left to fill the device, checked against what it allocates;
 - (e) long context: an 8B Llama-3.1 shape at ``max_model_len`` 8192, 64 sequences of ragged
-  lengths prefilled in chunks and decoding trees together: the plan holds them, the peak stays
+  lengths, each prefilled whole, decoding trees together: the plan holds them, the peak stays
   inside it, and masked attention at that length runs fused;
 - (f) the versions, ``--dtype auto``'s choice, and that nothing reached the CPU family (whose
   first use compiles C kernels) on a CUDA host.
@@ -149,7 +149,6 @@ class LongContext:
     max_model_len: int
     sequences: int
     new_tokens: int
-    prefill_chunk: int
 
 
 @dataclass(frozen=True)
@@ -199,7 +198,7 @@ def profile(device: str, budget_s: float | None) -> Profile:
             greedy_prompts=3,
             greedy_tokens=8,
             plan_model=TINY_B,
-            long_context=LongContext(TINY_B, TINY_DRAFT, 160, 4, 6, 64),
+            long_context=LongContext(TINY_B, TINY_DRAFT, 160, 4, 6),
             embedded=False,
             budget_s=budget_s or 240,
         )
@@ -223,7 +222,7 @@ def profile(device: str, budget_s: float | None) -> Profile:
         greedy_prompts=6,
         greedy_tokens=32,
         plan_model=LLAMA_8B,
-        long_context=LongContext(LLAMA_8B, SMALL_DRAFT, 8192, 64, 16, 2048),
+        long_context=LongContext(LLAMA_8B, SMALL_DRAFT, 8192, 64, 16),
         embedded=True,
         budget_s=budget_s or 360,  # a section started in time may run on past it
     )
@@ -868,10 +867,11 @@ def memory_plan(p: Profile, section: Section, budget: Budget, models: dict[str, 
 
 # -- (e) long context -------------------------------------------------------------------------
 def long_context(p: Profile, section: Section, budget: Budget, models: dict[str, LoadedModel]) -> None:
-    """``sequences`` prompts of ragged lengths up to ``max_model_len`` prefilled in chunks, decoding
-    trees together: the memory plan must hold them all and the peak while they run stay inside
-    it, and every attention call at that length (ragged chunks, trees, grouped heads) goes
-    through the fused paths. In float32 (the dry run) the tokens must equal plain decoding."""
+    """``sequences`` prompts of ragged lengths up to ``max_model_len``, each prefilled whole,
+    decoding trees together: the memory plan must hold them all and the peak while they run
+    stay inside it, and every attention call at that length (ragged batches, trees, grouped
+    heads) goes through the fused paths. In float32 (the dry run) the tokens must equal plain
+    decoding."""
     lc = p.long_context
     target = models.get(lc.target.name) or random_llama(lc.target, p.device, p.dtype, seed=11)
     models[lc.target.name] = target
@@ -883,7 +883,6 @@ def long_context(p: Profile, section: Section, budget: Budget, models: dict[str,
         max_batch=lc.sequences,
         max_model_len=lc.max_model_len,
         adaptive=False,
-        max_prefill_tokens=lc.prefill_chunk,
         gpu_memory_utilization=0.9,
     )
     engine = Engine(target, draft, config)
@@ -905,8 +904,8 @@ def long_context(p: Profile, section: Section, budget: Budget, models: dict[str,
     tree = engine_decode(engine, prompts, params, together=True)
     sync(p.device)
     row = section.row(
-        f"{lc.target.name}: {lc.sequences} sequences, prompts of {lengths[-1]}..{longest} tokens, tree k=3 depth=4, "
-        f"prefill chunks of {lc.prefill_chunk}",
+        f"{lc.target.name}: {lc.sequences} sequences, prompts of {lengths[-1]}..{longest} tokens, "
+        "tree k=3 depth=4",
         "ok",
         tokens_per_second=round(tree.tokens_per_second, 1),
         mean_accepted_length=tree.mean_accepted_length,
