@@ -1,8 +1,9 @@
 """`make gpu-check`: the CUDA path checked and measured by one prepared command.
 
 Needs one GPU, torch and transformers, and the tree on ``PYTHONPATH`` (``server``): no network,
-no FastAPI, pytest or scipy, nothing installed. Versions older than the code needs stop it
-before anything runs, naming what needs them. It prints one table and writes
+no FastAPI, pytest or scipy, nothing installed. Versions older than the code needs, or a
+missing Triton or C compiler (FlexAttention's CUDA kernels are compiled), stop it before
+anything runs, naming what needs them. It prints one table and writes
 ``gpu_check.json`` (with the commit; the table as ``gpu_check.md``) to ``$OUT`` when set, else
 ``--out``. Identity is judged in float32 with TF32 off; bf16 is used only for speed. On CUDA
 every engine run happens under ``sdpa_kernel`` without the math kernel, so an attention call
@@ -44,6 +45,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -929,6 +931,23 @@ def long_context(p: Profile, section: Section, budget: Budget, models: dict[str,
 
 
 # -- (f) versions and the device boundary -------------------------------------------------------
+def has_triton() -> bool:
+    from torch.utils._triton import has_triton as available
+
+    return available()
+
+
+def toolchain_problems(device: str, triton: bool, compiler: str | None) -> list[str]:
+    """What compiling FlexAttention's CUDA kernels needs and ``device`` lacks: Triton, and a C
+    compiler (Triton builds its launcher with one on first use)."""
+    if not device.startswith("cuda"):
+        return []
+    problems = [] if triton else ["Triton is not installed; FlexAttention's CUDA kernels are compiled by it"]
+    if compiler is None:
+        problems.append("no C compiler (cc or gcc) on PATH; Triton builds its kernel launcher with one")
+    return problems
+
+
 def cpu_modules(loaded: list[str]) -> list[str]:
     """The CPU family's modules among ``loaded`` (its C kernels build on first use)."""
     return sorted(m for m in loaded if m.startswith("multiguess.engine.backends.cpu"))
@@ -1064,6 +1083,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu-check: no CUDA device here; `make gpu-check DEVICE=cpu` is the dry run", file=sys.stderr)
+        return 2
+    missing = toolchain_problems(args.device, has_triton(), shutil.which("cc") or shutil.which("gcc"))
+    if missing:
+        print("gpu-check: " + "; ".join(missing), file=sys.stderr)
         return 2
     p = profile(args.device, args.budget)
     if p.device == "cpu":  # tiny shapes: one thread, no waiting on siblings of a shared machine

@@ -109,3 +109,12 @@ def test_the_device_boundary_check_names_the_cpu_familys_modules() -> None:
     loaded = ["multiguess.engine.engine", "multiguess.engine.backends.cpu.bf16_kernel", "torch"]
     assert gpu_check.cpu_modules(loaded) == ["multiguess.engine.backends.cpu.bf16_kernel"]
     assert gpu_check.cpu_modules(["multiguess.engine.backends.cuda.attention"]) == []
+
+
+def test_a_cuda_host_without_triton_or_a_c_compiler_is_named_before_anything_runs() -> None:
+    assert gpu_check.toolchain_problems("cuda", True, "/usr/bin/cc") == []
+    assert gpu_check.toolchain_problems("cpu", False, None) == []  # the dry run compiles nothing
+    assert gpu_check.toolchain_problems("cuda:0", False, None) == [
+        "Triton is not installed; FlexAttention's CUDA kernels are compiled by it",
+        "no C compiler (cc or gcc) on PATH; Triton builds its kernel launcher with one",
+    ]
