@@ -439,7 +439,7 @@ def fused_attention(p: Profile, section: Section, budget: Budget) -> None:
     exact_float32()
     on_cuda = p.device.startswith("cuda")
     heads, kv_heads, dim, length = (32, 8, 128, 1024) if on_cuda else (8, 2, 16, 40)
-    tolerances = {p.dtype: 3e-2} | {torch.float32: 1e-4}
+    tolerances = {p.dtype: 5e-2} | {torch.float32: 1e-4}  # a wrong mask errs by O(1)
     attention = backend_for(torch.device(p.device), p.dtype, eager=False, name="torch").attention
     for name, (width, prefix, visible, masked) in attention_cases(length).items():
         generator = torch.Generator().manual_seed(9)
