@@ -1,36 +1,51 @@
 """`make gpu-check`: the CUDA path checked and measured by one prepared command.
 
 Needs one GPU, torch and transformers, and the tree on ``PYTHONPATH`` (``server``): no network,
-no FastAPI, nothing installed. It prints one table and writes ``gpu_check.json`` (and the table
-as ``gpu_check.md``) to ``$OUT`` when set, else ``--out``:
+no FastAPI, pytest or scipy, nothing installed. Versions older than the code needs, or a
+missing Triton or C compiler (FlexAttention's CUDA kernels are compiled), stop it before
+anything runs, naming what needs them. It prints one table and writes
+``gpu_check.json`` (with the commit; the table as ``gpu_check.md``) to ``$OUT`` when set, else
+``--out``. Identity is judged in float32 with TF32 off; bf16 is used only for speed. On CUDA
+every engine run happens under ``sdpa_kernel`` without the math kernel, so an attention call
+that would fall back to it fails its section.
 
 - (a) lossless: speculative greedy decoding (tree, chain, n-gram; batch 1 and batched) against
-  plain decoding token for token in float32, and sampled speculation against the exact
-  distribution of a tiny-vocabulary model (chi-square), which must reject the draft's own;
+  plain decoding token for token in float32, and sampled speculation, seeded and unseeded,
+  against the exact distribution of a tiny-vocabulary model (chi-square, its p-value from
+  torch's ``gammaincc``), which must reject the draft's own;
 - (b) speed: transformers ``generate`` and assisted generation against multiguess plain, chain
   and tree, at batch 1 and batched, on random-weight Llama shapes built on the device (a ~1B
   and an ~8B target; a draft equal to the target accepts every guess and shows the pipeline's
   own cost, a small random draft the cost of drafting), and on the embedded pair where present;
-- (c) CUDA graphs against eager (the torch backend's eager forwards), token for token and
-  tokens/s, plain and tree, at batch 1 and batched; on the CPU the static forward runs
-  uncaptured, so the dry run checks its arithmetic, not its speed;
-- (d) the memory plan of an engine left to fill the device, checked against what it allocates.
+- (c) CUDA graphs against eager (the torch backend's eager forwards): identical tokens in
+  float32 (greedy and seeded sampling), tokens/s in the benchmark dtype, plain and tree, at
+  batch 1 and batched; on the CPU the static forward runs uncaptured, so the dry run checks
+  its arithmetic, not its speed;
+- (d) the memory plan of an engine left to fill the device, checked against what it allocates;
+- (e) long context: an 8B Llama-3.1 shape at ``max_model_len`` 8192, 64 sequences of ragged
+  lengths, each prefilled whole, decoding trees together: the plan holds them, the peak stays
+  inside it, and masked attention at that length runs fused;
+- (f) the versions, ``--dtype auto``'s choice, and that nothing reached the CPU family (whose
+  first use compiles C kernels) on a CUDA host.
 
-Every section catches its own failure, records it and goes on; a time budget skips what is
-left once spent. ``--device cpu`` (``make gpu-check DEVICE=cpu``) is a dry run with tiny
-shapes, part of the test suite so the check cannot rot. The exit status is 1 when a check
-failed, else 0. The report names the commit measured: ``$GPU_CHECK_COMMIT`` where the tree
-travels without its git folder, else ``git rev-parse``.
+The CUDA tests in ``tests/gpu`` need pytest; their cases are folded in here. Every section
+catches its own failure, records it and goes on; a time budget skips what is left once spent.
+``--device cpu`` (``make gpu-check DEVICE=cpu``) is a dry run with tiny shapes, part of the
+test suite so the check cannot rot. The exit status is 1 when a check failed, 2 when the
+versions are too old or no GPU is visible, else 0. The report names the commit measured:
+``$GPU_CHECK_COMMIT`` where the tree travels without its git folder, else ``git rev-parse``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import platform
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -45,11 +60,36 @@ sys.path.insert(0, str(ROOT / "server"))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from packaging.version import Version  # noqa: E402
+
+# What the code relies on, and why: checked before anything of multiguess is imported.
+REQUIRED = {
+    "torch": ("2.5", "scaled_dot_product_attention(enable_gqa=) and FlexAttention"),
+    "transformers": ("4.56", "_from_config(dtype=) and from_pretrained(dtype=)"),
+}
+
+
+def version_problems(installed: dict[str, str]) -> list[str]:
+    """One line per package older than ``REQUIRED`` says, naming what needs it."""
+    return [
+        f"{name} {installed[name]} is older than {least}, which {why} need"
+        for name, (least, why) in REQUIRED.items()
+        if Version(Version(installed[name]).base_version) < Version(least)
+    ]
+
+
+INSTALLED = {"torch": torch.__version__, "transformers": transformers.__version__}
+if __name__ == "__main__" and version_problems(INSTALLED):
+    print("gpu-check: " + "; ".join(version_problems(INSTALLED)), file=sys.stderr)
+    sys.exit(2)
+
+from multiguess.engine.backends import backend_for  # noqa: E402
 from multiguess.engine.engine import Engine, EngineConfig  # noqa: E402
 from multiguess.engine.ngram import NgramDrafter  # noqa: E402
+from multiguess.engine.placement import region_attention_mask  # noqa: E402
 from multiguess.engine.sampling import Processing, processed_probs  # noqa: E402
 from multiguess.errors import EngineConfigError, InsufficientMemoryError  # noqa: E402
-from multiguess.models.loading import LoadedModel  # noqa: E402
+from multiguess.models.loading import LoadedModel, resolve_dtype  # noqa: E402
 from multiguess.params import SamplingParams  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
@@ -102,6 +142,18 @@ SAMPLING_MODEL = Shape("sampling-model", 64, 128, 2, 4, 2, len(SPECIALS) + 4, ma
 
 
 @dataclass(frozen=True)
+class LongContext:
+    """Many sequences near ``max_model_len`` decoding trees together: the memory plan and masked
+    attention at long context."""
+
+    target: Shape
+    draft: Shape
+    max_model_len: int
+    sequences: int
+    new_tokens: int
+
+
+@dataclass(frozen=True)
 class Profile:
     """What one run checks and measures: the full check on a GPU, tiny shapes in a dry run."""
 
@@ -115,10 +167,11 @@ class Profile:
     prompts: int  # at batch 1, one after another
     batch: int  # batched: this many prompts at once
     samples: int  # per sampling case
-    sampling_cases: tuple[tuple[str, int, int, str], ...]  # (shape, k, depth, setting)
+    sampling_cases: tuple[tuple[str, int, int, str, bool], ...]  # (shape, k, depth, setting, seeded)
     greedy_prompts: int
     greedy_tokens: int
     plan_model: Shape
+    long_context: LongContext
     embedded: bool
     budget_s: float
 
@@ -143,10 +196,11 @@ def profile(device: str, budget_s: float | None) -> Profile:
             prompts=1,
             batch=2,
             samples=400,
-            sampling_cases=(("tree", 3, 2, "t1"),),
+            sampling_cases=(("tree", 3, 2, "t1", True), ("tree", 3, 2, "t1", False)),
             greedy_prompts=3,
             greedy_tokens=8,
             plan_model=TINY_B,
+            long_context=LongContext(TINY_B, TINY_DRAFT, 160, 4, 6),
             embedded=False,
             budget_s=budget_s or 240,
         )
@@ -162,15 +216,17 @@ def profile(device: str, budget_s: float | None) -> Profile:
         batch=8,
         samples=3000,
         sampling_cases=(
-            ("tree", 3, 2, "t1"),
-            ("tree", 3, 2, "t0.7 top-k 3"),
-            ("chain", 1, 3, "t1 top-p 0.8"),
+            ("tree", 3, 2, "t1", True),
+            ("tree", 3, 2, "t1", False),
+            ("tree", 3, 2, "t0.7 top-k 3", False),
+            ("chain", 1, 3, "t1 top-p 0.8", False),
         ),
         greedy_prompts=6,
         greedy_tokens=32,
         plan_model=LLAMA_8B,
+        long_context=LongContext(LLAMA_8B, SMALL_DRAFT, 8192, 64, 16),
         embedded=True,
-        budget_s=budget_s or 450,
+        budget_s=budget_s or 360,  # a section started in time may run on past it
     )
 
 
@@ -246,6 +302,13 @@ def noisy_copy(source: LoadedModel, noise: float, seed: int) -> LoadedModel:
     return replace(source, model=model, name=f"{source.name} + noise {noise}")
 
 
+def exact_float32() -> None:
+    """Float32 products without TF32, so two attention paths that differ only in summation
+    order agree on every greedy token."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
 def free_device() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -286,17 +349,31 @@ class Decoded:
         return round(1 + self.accepted_tokens / max(1, self.verify_steps), 3)
 
 
+def no_math_attention(device: torch.device) -> contextlib.AbstractContextManager:
+    """On CUDA, ``scaled_dot_product_attention`` may take the flash, memory-efficient or cuDNN
+    kernels but never the math one (which repeats keys and values to every query head and
+    upcasts): a call that would fall back to it raises instead. Elsewhere, nothing changes."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(
+        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    )
+
+
 def engine_decode(
     engine: Engine, prompts: list[list[int]], params: SamplingParams, together: bool
 ) -> Decoded:
     """Every prompt through ``engine``: all at once (``together``) or one after another."""
     groups = [prompts] if together else [[p] for p in prompts]
     seqs, start = [], time.perf_counter()
-    for group in groups:
-        batch = [engine.add_request(f"r{len(seqs) + i}", p, params) for i, p in enumerate(group)]
-        while engine.has_unfinished():
-            engine.step()
-        seqs.extend(batch)
+    with no_math_attention(engine.target.device):
+        for group in groups:
+            batch = [engine.add_request(f"r{len(seqs) + i}", p, params) for i, p in enumerate(group)]
+            while engine.has_unfinished():
+                engine.step()
+            seqs.extend(batch)
     seconds = time.perf_counter() - start
     result = Decoded([s.output_ids for s in seqs], seconds)
     for seq in seqs:
@@ -338,12 +415,65 @@ def engine_config(k: int, depth: int, max_batch: int, max_model_len: int, **kw: 
     return EngineConfig(k, depth, 16, max_batch, max_model_len, adaptive=False, **kw)
 
 
+# -- (0) fused attention ----------------------------------------------------------------------
+def attention_cases(length: int) -> dict[str, tuple]:
+    """Each path of the torch backend's attention over ``length`` cached positions: name:
+    (the queries' width, each sequence's prefix length, which nodes each node sees, masked)."""
+    tree = torch.eye(8, dtype=torch.bool)
+    for child, parent in enumerate((-1, 0, 0, 1, 1, 2, 3, 5)):
+        if parent >= 0:
+            tree[child] |= tree[parent]
+    ragged = [length - 9, length // 2, length // 3, 17]
+    return {
+        "plain decode": (1, [length - 1] * 4, torch.ones(1, 1, dtype=torch.bool), False),
+        "causal prefill": (length, [0] * 4, torch.ones(length, length, dtype=torch.bool).tril(), False),
+        "tree after ragged prefixes": (8, [p - 8 for p in ragged], tree, True),
+        "ragged decode": (1, [p - 1 for p in ragged], torch.ones(1, 1, dtype=torch.bool), True),
+    }
+
+
+def fused_attention(p: Profile, section: Section, budget: Budget) -> None:
+    """Every path of the torch backend's attention against float64 SDPA on the CPU, in float32
+    (TF32 off) and the benchmark dtype, with an 8B's grouped heads; on CUDA under
+    ``sdpa_kernel`` without the math kernel, so a call that would fall back to it fails."""
+    exact_float32()
+    on_cuda = p.device.startswith("cuda")
+    # an 8B's heads; cache lengths that are not a multiple of FlexAttention's 128-key blocks
+    heads, kv_heads, dim, length = (32, 8, 128, 1000) if on_cuda else (8, 2, 16, 40)
+    tolerances = {p.dtype: 5e-2} | {torch.float32: 1e-4}  # a wrong mask errs by O(1)
+    attention = backend_for(torch.device(p.device), p.dtype, eager=False, name="torch").attention
+    for name, (width, prefix, visible, masked) in attention_cases(length).items():
+        generator = torch.Generator().manual_seed(9)
+        q = torch.randn(4, width, heads, dim, generator=generator, dtype=torch.float64)
+        keys, values = (
+            torch.randn(4, kv_heads, length, dim, generator=generator, dtype=torch.float64) for _ in "kv"
+        )
+        mask = region_attention_mask(torch.tensor(prefix), visible.expand(4, width, width), length)
+        expected = (
+            torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=mask, scale=dim**-0.5, enable_gqa=True
+            )
+            .transpose(1, 2)
+            .reshape(4, width, heads * dim)
+        )
+        for dtype, tolerance in tolerances.items():
+            budget.check(f"attention {name}")
+            moved = [t.to(p.device, dtype) for t in (q, keys, values)]
+            with no_math_attention(torch.device(p.device)):
+                got = attention(*moved, mask.to(p.device) if masked else None, dim**-0.5)
+            error = float((got.double().cpu() - expected).abs().max())
+            section.row(
+                f"{name}, {str(dtype).removeprefix('torch.')}",
+                "pass" if error <= tolerance else "FAIL",
+                note=f"max error {error:.2e} (tolerance {tolerance:g})",
+            )
+
+
 # -- (a) lossless greedy ----------------------------------------------------------------------
 def lossless_greedy(p: Profile, section: Section, budget: Budget) -> None:
     """Speculation against plain decoding of the same engine, in float32 (TF32 off): token for
     token, at batch 1 and batched, for tree, chain and n-gram drafting."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    exact_float32()
     shape = p.check_model
     target = random_llama(shape, p.device, torch.float32, seed=1, sharpen=8.0)
     draft = noisy_copy(target, noise=0.3, seed=2)
@@ -443,12 +573,16 @@ def exact_distribution(
     return dist
 
 
-def sample_through(engine: Engine, prompt: list[int], processing: Processing, count: int, length: int):
+def sample_through(
+    engine: Engine, prompt: list[int], processing: Processing, count: int, length: int, seeded: bool
+) -> list[tuple[int, ...]]:
+    """``count`` samples of ``prompt``, decoded together: each with its own seed, or unseeded
+    (the device's own generator)."""
     params = [
         SamplingParams(
             max_tokens=length,
             ignore_eos=True,
-            seed=17 + i,
+            seed=17 + i if seeded else None,
             temperature=processing.temperature,
             top_p=processing.top_p,
             top_k=processing.top_k,
@@ -456,14 +590,15 @@ def sample_through(engine: Engine, prompt: list[int], processing: Processing, co
         for i in range(count)
     ]
     seqs = [engine.add_request(f"s{i}", prompt, q) for i, q in enumerate(params)]
-    while engine.has_unfinished():
-        engine.step()
+    with no_math_attention(engine.target.device):
+        while engine.has_unfinished():
+            engine.step()
     return [tuple(s.output_ids) for s in seqs]
 
 
 def sampling_exactness(p: Profile, section: Section, budget: Budget) -> None:
-    """Sampled speculation on the device against the exact distribution of an 8-token
-    vocabulary model (every 3-token continuation enumerated on the CPU in float64)."""
+    """Sampled speculation on the device, seeded and unseeded, against the exact distribution
+    of an 8-token vocabulary model (every 3-token continuation enumerated on the CPU in float64)."""
     length, prompt = 3, [5, 6, 7, 4]
     host = random_llama(SAMPLING_MODEL, "cpu", torch.float64, seed=5, sharpen=2.0)
     draft_host = noisy_copy(host, noise=1.0, seed=6)
@@ -474,21 +609,22 @@ def sampling_exactness(p: Profile, section: Section, budget: Budget) -> None:
         draft_host, model=copy_to(draft_host.model, p.device), device=target.device, dtype=torch.float32
     )
     config = EngineConfig(3, 3, 16, max_batch=256, max_model_len=16, adaptive=False)
-    for shape, k, depth, setting in p.sampling_cases:
+    for shape, k, depth, setting, seeded in p.sampling_cases:
         budget.check(f"sampling {shape} {setting}")
         processing = SAMPLING_SETTINGS[setting]
         engine = Engine(target, draft, replace(config, num_candidates=k, depth=depth))
-        samples = sample_through(engine, prompt, processing, p.samples, length)
+        samples = sample_through(engine, prompt, processing, p.samples, length, seeded)
         pvalue = chi_square_pvalue(samples, exact_distribution(host.model, prompt, length, processing))
         section.row(
-            f"sampled {shape} k={k} depth={depth}, {setting}: target's distribution",
+            f"sampled {shape} k={k} depth={depth}, {setting}, {'seeded' if seeded else 'unseeded'}: "
+            "target's distribution",
             "pass" if pvalue >= ALPHA else "FAIL",
             p_value=round(pvalue, 4),
             samples=p.samples,
         )
     budget.check("the power check")
     plain_draft = Engine(draft, None, config)
-    samples = sample_through(plain_draft, prompt, SAMPLING_SETTINGS["t1"], p.samples, length)
+    samples = sample_through(plain_draft, prompt, SAMPLING_SETTINGS["t1"], p.samples, length, seeded=False)
     pvalue = chi_square_pvalue(
         samples, exact_distribution(host.model, prompt, length, SAMPLING_SETTINGS["t1"])
     )
@@ -629,38 +765,57 @@ def embedded_pair(p: Profile, section: Section, budget: Budget) -> None:
 def graphs_against_eager(
     p: Profile, shape: Shape, section: Section, budget: Budget, models: dict[str, LoadedModel]
 ) -> None:
-    """The same engine with and without CUDA graphs (both on the torch backend): identical
-    tokens, and the speed of each. On CUDA each engine first decodes the same prompts once,
+    """The same engine with and without CUDA graphs (both on the torch backend). Identity is
+    judged in float32 with TF32 off (greedy, and seeded sampling, token for token): eager
+    decode of equal lengths attends unmasked while the graph body always masks and pads, so in
+    bf16 rounding alone may flip a near-tie. Speed is measured in the benchmark dtype, where
+    identity is only reported. On CUDA each engine first decodes the same prompts once,
     untimed, so every bucket the timed run meets is captured already."""
-    target = models.get(shape.name) or random_llama(shape, p.device, p.dtype, seed=11)
-    models[shape.name] = target
-    draft = random_llama(p.draft, p.device, p.dtype, seed=12)
+    exact_float32()
     batch1 = random_prompts(p.prompts, p.prompt_len, shape.vocab, seed=51)
     batched = random_prompts(p.batch, p.prompt_len, shape.vocab, seed=52)
-    params = SamplingParams(max_tokens=p.new_tokens, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=p.new_tokens, ignore_eos=True)
+    seeded = replace(greedy, temperature=1.0, seed=5)
     config = replace(engine_config(3, 4, p.batch, p.prompt_len + p.new_tokens + 1), backend="torch")
-    for together, prompts in ((False, batch1), (True, batched)):
-        mode = f"batch {len(prompts)}" if together else "batch 1"
-        for name, d in (("plain", None), (f"tree, draft {p.draft.name}", draft)):
-            budget.check(f"graphs {mode} {name}")
+    for dtype in dict.fromkeys((torch.float32, p.dtype)):
+        judged = dtype == torch.float32
+        timed = dtype == p.dtype
+        if dtype == p.dtype:
+            target = models.get(shape.name) or random_llama(shape, p.device, dtype, seed=11)
+            models[shape.name] = target
+        else:
+            target = random_llama(shape, p.device, dtype, seed=11)
+        draft = random_llama(p.draft, p.device, dtype, seed=12)
+        cases = [(False, batch1, "plain", None, greedy), (False, batch1, "tree", draft, greedy)]
+        cases += [(True, batched, "plain", None, greedy), (True, batched, "tree", draft, greedy)]
+        if judged:
+            cases.append((True, batched, "tree, sampled (seeded)", draft, seeded))
+        for together, prompts, name, d, params in cases:
+            mode = f"batch {len(prompts)}" if together else "batch 1"
+            label = f"{shape.name} {mode}: {name}{'' if d is None else f', draft {p.draft.name}'}, graphs"
+            label += f", {str(dtype).removeprefix('torch.')}"
+            budget.check(label)
             runs = {}
             for graphs in (False, True):
                 engine = Engine(target, d, replace(config, cuda_graphs=graphs))
-                if p.device.startswith("cuda"):  # the CPU captures nothing: no warm-up needed
+                if timed and p.device.startswith("cuda"):  # the CPU captures nothing: no warm-up
                     engine_decode(engine, prompts, params, together)
                 runs[graphs] = engine_decode(engine, prompts, params, together)
                 del engine
                 free_device()
             same = identical(runs[True].outputs, runs[False].outputs)
-            section.row(
-                f"{shape.name} {mode}: {name}, graphs",
-                "pass" if same == f"{len(prompts)}/{len(prompts)}" else "FAIL",
-                tokens_per_second=round(runs[True].tokens_per_second, 1),
-                vs_eager=round(runs[True].tokens_per_second / runs[False].tokens_per_second, 3),
+            row = section.row(
+                label,
+                ("pass" if same == f"{len(prompts)}/{len(prompts)}" else "FAIL") if judged else "info",
                 identical_to_eager=same,
                 mean_accepted_length=runs[True].mean_accepted_length,
-                note=f"eager {runs[False].tokens_per_second:.1f} tok/s",
             )
+            if timed:
+                row["tokens_per_second"] = round(runs[True].tokens_per_second, 1)
+                row["vs_eager"] = round(runs[True].tokens_per_second / runs[False].tokens_per_second, 3)
+                row["note"] = f"eager {runs[False].tokens_per_second:.1f} tok/s"
+        del target, draft
+        free_device()
 
 
 # -- (d) memory plan --------------------------------------------------------------------------
@@ -713,6 +868,112 @@ def memory_plan(p: Profile, section: Section, budget: Budget, models: dict[str, 
         section.row("utilization 0.05 (cannot fit)", "pass", note=str(exc)[:160])
 
 
+# -- (e) long context -------------------------------------------------------------------------
+def long_context(p: Profile, section: Section, budget: Budget, models: dict[str, LoadedModel]) -> None:
+    """``sequences`` prompts of ragged lengths up to ``max_model_len``, each prefilled whole,
+    decoding trees together: the memory plan must hold them all and the peak while they run
+    stay inside it, and every attention call at that length (ragged batches, trees, grouped
+    heads) goes through the fused paths. In float32 (the dry run) the tokens must equal plain
+    decoding."""
+    lc = p.long_context
+    target = models.get(lc.target.name) or random_llama(lc.target, p.device, p.dtype, seed=11)
+    models[lc.target.name] = target
+    draft = random_llama(lc.draft, p.device, p.dtype, seed=12)
+    config = EngineConfig(
+        3,
+        4,
+        16,
+        max_batch=lc.sequences,
+        max_model_len=lc.max_model_len,
+        adaptive=False,
+        gpu_memory_utilization=0.9,
+    )
+    engine = Engine(target, draft, config)
+    plan = engine.memory_plan
+    if plan is not None:
+        section.row(
+            f"plan at max_model_len {lc.max_model_len}: {plan.sequences} sequences",
+            "pass" if plan.sequences >= lc.sequences else "FAIL",
+            note=" ".join(line.removeprefix("memory plan: ") for line in plan.lines())[:300],
+        )
+    longest = lc.max_model_len - lc.new_tokens - 1
+    rng = random.Random(61)
+    lengths = [longest - i * longest // (2 * lc.sequences) for i in range(lc.sequences)]  # ragged
+    prompts = [[rng.randrange(len(SPECIALS), lc.target.vocab) for _ in range(n)] for n in lengths]
+    params = SamplingParams(max_tokens=lc.new_tokens, ignore_eos=True)
+    if p.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(target.device)
+    budget.check("the long-context decode")
+    tree = engine_decode(engine, prompts, params, together=True)
+    sync(p.device)
+    row = section.row(
+        f"{lc.target.name}: {lc.sequences} sequences, prompts of {lengths[-1]}..{longest} tokens, "
+        "tree k=3 depth=4",
+        "ok",
+        tokens_per_second=round(tree.tokens_per_second, 1),
+        mean_accepted_length=tree.mean_accepted_length,
+    )
+    if plan is not None:
+        total = torch.cuda.mem_get_info(target.device)[1]
+        peak = torch.cuda.max_memory_reserved(target.device) + plan.devices[0].elsewhere
+        row["status"] = "pass" if peak <= total * plan.utilization else "FAIL"
+        row["note"] = f"peak {peak / 2**30:.2f} GiB of {total * plan.utilization / 2**30:.2f} GiB allowed"
+    del engine
+    free_device()
+    if p.dtype == torch.float32:
+        budget.check("plain decoding at long context")
+        plain = engine_decode(Engine(target, None, replace(config, depth=1)), prompts, params, together=True)
+        same = identical(tree.outputs, plain.outputs)
+        section.row(
+            "the same prompts, plain decoding",
+            "pass" if same == f"{len(prompts)}/{len(prompts)}" else "FAIL",
+            identical_to_plain=same,
+        )
+
+
+# -- (f) versions and the device boundary -------------------------------------------------------
+def has_triton() -> bool:
+    from torch.utils._triton import has_triton as available
+
+    return available()
+
+
+def toolchain_problems(device: str, triton: bool, compiler: str | None) -> list[str]:
+    """What compiling FlexAttention's CUDA kernels needs and ``device`` lacks: Triton, and a C
+    compiler (Triton builds its launcher with one on first use)."""
+    if not device.startswith("cuda"):
+        return []
+    problems = [] if triton else ["Triton is not installed; FlexAttention's CUDA kernels are compiled by it"]
+    if compiler is None:
+        problems.append("no C compiler (cc or gcc) on PATH; Triton builds its kernel launcher with one")
+    return problems
+
+
+def cpu_modules(loaded: list[str]) -> list[str]:
+    """The CPU family's modules among ``loaded`` (its C kernels build on first use)."""
+    return sorted(m for m in loaded if m.startswith("multiguess.engine.backends.cpu"))
+
+
+def environment_checks(p: Profile, section: Section) -> None:
+    """The versions the code relies on; on CUDA, ``--dtype auto``'s choice and that nothing in
+    the check's path reached the CPU family (whose first use compiles C kernels)."""
+    problems = version_problems(INSTALLED)
+    section.row(
+        "versions: "
+        + ", ".join(f"{name} {INSTALLED[name]} (>= {least})" for name, (least, _) in REQUIRED.items()),
+        "FAIL" if problems else "pass",
+        note="; ".join(problems),
+    )
+    loaded = cpu_modules(list(sys.modules))
+    if not p.device.startswith("cuda"):
+        section.row("CPU family modules loaded", "info", note=", ".join(loaded) or "none")
+        return
+    native = torch.bfloat16 if torch.cuda.get_device_capability(p.device) >= (8, 0) else torch.float16
+    got = resolve_dtype("auto", p.device)
+    section.row("--dtype auto on this GPU", "pass" if got == native else "FAIL", note=str(got))
+    section.row("no CPU kernels on a CUDA host", "FAIL" if loaded else "pass", note=", ".join(loaded))
+
+
 # -- the run ----------------------------------------------------------------------------------
 def environment(p: Profile, commit: str) -> dict:
     info = {
@@ -745,12 +1006,21 @@ def git_commit() -> str:
         return "unknown"
 
 
-def run_section(sections: list[Section], name: str, budget: Budget, work: Callable[[Section], None]) -> None:
+def run_section(
+    sections: list[Section],
+    name: str,
+    budget: Budget,
+    work: Callable[[Section], None],
+    budgeted: bool = True,
+) -> None:
+    """Run one section, recording its failure or the budget running out (unless ``budgeted`` is
+    off: a quick section that always runs)."""
     section = Section(name)
     sections.append(section)
     start = time.perf_counter()
     try:
-        budget.check(name)
+        if budgeted:
+            budget.check(name)
         work(section)
     except OutOfTime as exc:
         section.status, section.note = ("partial" if section.rows else "skipped"), str(exc)
@@ -808,10 +1078,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", type=Path, default=ROOT / ".cache" / "gpu-check", help="folder when $OUT is unset"
     )
-    parser.add_argument("--budget", type=float, default=None, help="seconds for the whole run (450 on a GPU)")
+    parser.add_argument(
+        "--budget", type=float, default=None, help="seconds after which no section starts (360 on a GPU)"
+    )
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu-check: no CUDA device here; `make gpu-check DEVICE=cpu` is the dry run", file=sys.stderr)
+        return 2
+    missing = toolchain_problems(args.device, has_triton(), shutil.which("cc") or shutil.which("gcc"))
+    if missing:
+        print("gpu-check: " + "; ".join(missing), file=sys.stderr)
         return 2
     p = profile(args.device, args.budget)
     if p.device == "cpu":  # tiny shapes: one thread, no waiting on siblings of a shared machine
@@ -820,15 +1096,17 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else args.out
     models: dict[str, LoadedModel] = {}
     sections: list[Section] = []
+    run_section(sections, "(0) fused attention", budget, lambda s: fused_attention(p, s, budget))
     run_section(sections, "(a) lossless greedy", budget, lambda s: lossless_greedy(p, s, budget))
     run_section(sections, "(a) sampling exactness", budget, lambda s: sampling_exactness(p, s, budget))
     first, *rest = p.targets
-    run_section(sections, f"(b) speed {first.name}", budget, lambda s: speed(p, first, s, budget, models))
     run_section(
         sections, "(c) CUDA graphs", budget, lambda s: graphs_against_eager(p, first, s, budget, models)
     )
-    models.pop(first.name, None)
+    run_section(sections, "(e) long context", budget, lambda s: long_context(p, s, budget, models))
     run_section(sections, "(d) memory plan", budget, lambda s: memory_plan(p, s, budget, models))
+    run_section(sections, f"(b) speed {first.name}", budget, lambda s: speed(p, first, s, budget, models))
+    models.pop(first.name, None)
     for shape in rest:
         run_section(
             sections,
@@ -839,6 +1117,13 @@ def main(argv: list[str] | None = None) -> int:
     models.clear()
     if p.embedded:
         run_section(sections, "(b) embedded pair", budget, lambda s: embedded_pair(p, s, budget))
+    run_section(
+        sections,
+        "(f) versions and device boundary",
+        budget,
+        lambda s: environment_checks(p, s),
+        budgeted=False,
+    )
     imported = sorted({m.split(".")[0] for m in sys.modules} & set(SERVING_ONLY))
     report = {
         "environment": environment(p, git_commit()),

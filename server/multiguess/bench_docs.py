@@ -430,10 +430,24 @@ GPU_COLUMNS = (
     ("× generate", "vs_generate"),
     ("× assisted", "vs_assisted"),
     ("× plain", "vs_plain"),
+    ("× eager", "vs_eager"),
     ("identical to generate", "identical_to_generate"),
     ("identical to plain", "identical_to_plain"),
+    ("identical to eager", "identical_to_eager"),
     ("mean accepted length", "mean_accepted_length"),
     ("p", "p_value"),
+)
+
+
+GPU_CHECKS = (
+    "It judges identity in fp32 with TF32 off and uses bf16 only for speed: every attention path "
+    "against float64, with no call reaching SDPA's math kernel; speculative greedy decoding against "
+    "plain decoding token for token; sampled speculation, seeded and unseeded, against the exact "
+    "distribution of a tiny model (chi-square); CUDA graphs against eager; speed against "
+    "transformers on ~1B and ~8B Llama shapes; an 8B Llama-3.1 shape at `max_model_len` 8192 with "
+    "64 sequences decoding trees inside the memory plan; the versions the code needs, and no CPU "
+    'kernel build on the GPU host (docs/ENGINE.md, "The GPU check"). CUDA graphs stay opt-in '
+    "(`--cuda-graphs`) until it has shown them identical to eager and faster on a GPU."
 )
 
 
@@ -448,6 +462,8 @@ def gpu_section(report: Report | None) -> list[str]:
             "Not yet run on a GPU. On a machine with one CUDA GPU, `make gpu-check` writes "
             f"`gpu_check.json` to `$OUT` (else `.cache/gpu-check/`); copy it to `docs/bench/{GPU_FILE}` "
             "and render this page (CONTRIBUTING.md).",
+            "",
+            GPU_CHECKS,
             "",
         ]
     assert report is not None

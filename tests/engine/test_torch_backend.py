@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from multiguess import SamplingParams
-from multiguess.engine.backends.cuda.attention import attention
+from multiguess.engine.backends.cuda import attention as cuda_attention
+from multiguess.engine.backends.cuda.attention import attention, causal, masked_attention
 from multiguess.engine.engine import Engine, EngineConfig
 from multiguess.engine.placement import region_attention_mask, sees_only_its_own
 from multiguess.models.loading import auto_dtype, load_model
@@ -53,6 +55,72 @@ def test_unmasked_attention_equals_the_masked_one(heads: int, kv_heads: int, wid
     assert torch.allclose(unmasked, masked, atol=1e-6)
 
 
+@pytest.fixture
+def flex_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Masked attention on the CPU through FlexAttention (CUDA's path, here uncompiled)."""
+    monkeypatch.setattr(cuda_attention, "FLEX_DEVICES", {"cuda", "cpu"})
+
+
+def tree_visibility(parents: list[int]) -> torch.Tensor:
+    """``[T, T]``: node i sees itself and its ancestors (``parents[i]`` -1 for a root)."""
+    seen = torch.eye(len(parents), dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            seen[i] |= seen[parent]
+    return seen
+
+
+# (heads, kv_heads, prefix lengths per sequence, the tree every sequence verifies)
+MASKED_CASES = {
+    "tree, grouped heads": (8, 2, [11, 11], [-1, 0, 0, 1, 1, 2]),
+    "tree, ragged batch": (4, 4, [3, 17, 9], [-1, 0, 1, 0, 3]),
+    "ragged decode, grouped heads": (6, 3, [5, 130, 40, 1], [-1]),
+    "ragged chunk, grouped heads": (8, 1, [0, 70], [-1, 0, 1, 2, 3, 4, 5, 6]),
+}
+
+
+@pytest.mark.parametrize("case", MASKED_CASES, ids=list(MASKED_CASES))
+def test_masked_attention_equals_sdpa_with_the_mask(case: str, flex_on_cpu: None) -> None:
+    """The FlexAttention path (block mask, grouped heads in place) computes what SDPA with the
+    dense bool mask computes, for trees, ragged batches and grouped heads, in float32."""
+    heads, kv_heads, prefix, parents = MASKED_CASES[case]
+    torch.manual_seed(7)
+    batch, width = len(prefix), len(parents)
+    length = max(prefix) + width
+    q = torch.randn(batch, width, heads, 16)
+    keys, values = torch.randn(batch, kv_heads, length, 16), torch.randn(batch, kv_heads, length, 16)
+    visible = tree_visibility(parents).expand(batch, width, width)
+    mask = region_attention_mask(torch.tensor(prefix), visible, length)
+    expected = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys, values, attn_mask=mask, scale=0.25, enable_gqa=True
+    ).transpose(1, 2)
+    got = attention(q, keys, values, mask, 0.25)
+    assert torch.allclose(got, expected.reshape(batch, width, heads * 16), atol=2e-6)
+
+
+def test_widths_padded_to_their_bucket_leave_the_real_rows_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's compiled call pads the query width to a power of two (rows that see nothing); run
+    here through the uncompiled function."""
+    monkeypatch.setitem(cuda_attention._compiled, "cuda", masked_attention)
+    torch.manual_seed(4)
+    q, keys, values = torch.randn(3, 8, 5, 16), torch.randn(3, 2, 20, 16), torch.randn(3, 2, 20, 16)
+    visible = tree_visibility([-1, 0, 0, 1, 2]).expand(3, 5, 5)
+    mask = region_attention_mask(torch.tensor([15, 4, 9]), visible, 20)
+    expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=0.25, enable_gqa=True)
+    assert torch.allclose(cuda_attention.bucketed(q, keys, values, mask, 0.25), expected, atol=2e-6)
+    buckets = [cuda_attention.width_bucket(w) for w in (1, 16, 17, 128, 900, 1500, 5000)]
+    assert buckets == [16, 16, 128, 128, 1024, 2048, 8192]
+
+
+def test_the_causal_mask_of_a_float32_prefill_equals_sdpa_causal() -> None:
+    """A float32 prefill on CUDA (no flash kernel in fp32) takes the masked path with ``causal``."""
+    torch.manual_seed(3)
+    q, keys, values = torch.randn(2, 8, 12, 16), torch.randn(2, 2, 12, 16), torch.randn(2, 2, 12, 16)
+    expected = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=0.3, enable_gqa=True)
+    got = masked_attention(q, keys, values, causal(12, 12, q.device).expand(2, 1, 12, 12), 0.3)
+    assert torch.allclose(got, expected, atol=2e-6)
+
+
 @pytest.fixture(scope="module")
 def pair(tiny_llama: Path, tiny_llama_draft: Path) -> tuple:
     return load_model(str(tiny_llama), "float32"), load_model(str(tiny_llama_draft), "float32")
@@ -67,6 +135,23 @@ def test_torch_backend_speculation_equals_plain_decoding(
     plain = decode(Engine(target, None, EngineConfig(max_model_len=128, adaptive=False)), prompts, GREEDY)
     config = EngineConfig(
         num_candidates, depth, max_batch=4, max_model_len=128, adaptive=False, backend="torch"
+    )
+    engine = Engine(target, draft, config)
+    assert decode(engine, prompts, GREEDY) == plain
+    assert engine.totals.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_speculation_through_flex_attention_equals_plain_decoding(
+    pair: tuple, flex_on_cpu: None, graphs: bool
+) -> None:
+    """Trees, ragged batches and (with graphs) padded static shapes through FlexAttention, token
+    for token as plain decoding on the CPU backend."""
+    target, draft = pair
+    prompts = random_prompts(33, (2, 7, 19))
+    plain = decode(Engine(target, None, EngineConfig(max_model_len=96, adaptive=False)), prompts, GREEDY)
+    config = EngineConfig(
+        3, 3, max_batch=3, max_model_len=96, adaptive=False, backend="torch", cuda_graphs=graphs
     )
     engine = Engine(target, draft, config)
     assert decode(engine, prompts, GREEDY) == plain

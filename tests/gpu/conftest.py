@@ -1,4 +1,6 @@
-"""CUDA tests: marked ``cuda`` and skipped, saying why, where no GPU is visible."""
+"""CUDA tests: marked ``cuda`` and skipped, saying why, where no GPU is visible. They need
+pytest (and scipy, for sampling); ``make gpu-check`` (``bench/gpu_check.py``) folds their cases
+in for a machine with only torch and transformers."""
 
 from __future__ import annotations
 

@@ -33,6 +33,14 @@ class TorchBackend:
     def __init__(self, dtype: torch.dtype) -> None:
         self.attn_dtype = dtype
 
+    @staticmethod
+    def attention(
+        q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
+        """One attention call as every layer makes it (``cuda/attention.py``), for checks that
+        run its paths alone."""
+        return attention(q, keys, values, mask, scale)
+
     def attach(self, runner: ModelParts) -> None:
         """Nothing to prepare: the projections are plain fused products."""
 
