@@ -151,6 +151,8 @@ class LLM:
         params = params or SamplingParams()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+        if params.structured_outputs is not None:  # a grammar that cannot be followed raises
+            self.engine.grammars.check(params.structured_outputs)
         results = []
         samples = {}
         try:
@@ -180,6 +182,7 @@ class LLM:
                     seq.finish_reason,
                     seq.stats.as_dict(),
                     seq.logprobs if seq.params.logprobs is not None else None,
+                    seq.error,
                 )
             )
         return results

@@ -15,6 +15,9 @@ class CompletionOutput:
     finish_reason: str | None
     stats: dict[str, float] = field(default_factory=dict)
     logprobs: list[TokenLogprob] | None = None  # one per token, when ``SamplingParams.logprobs`` asks
+    # finish_reason "error": why the grammar matcher failed; the text stops before the failure
+    # and does not complete the grammar.
+    error: str | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:

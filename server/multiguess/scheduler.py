@@ -72,6 +72,7 @@ class Event:
     stats: dict[str, float]
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked: of tokens whose text is out
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens after the first, in the first event
+    error: str | None = None  # finish_reason "error": why the sample's grammar matcher failed
 
 
 @dataclass
@@ -355,6 +356,7 @@ class Scheduler:
                 stats,
                 out.logprobs,
                 out.prompt_logprobs,
+                out.sequence.error,
             )
             self._post(tracked.job, event)
             if out.finished:

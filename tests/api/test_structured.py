@@ -249,3 +249,73 @@ def test_bad_or_unsupported_structure_is_a_400_naming_the_field(
         chat(oai, **fields)
     assert caught.value.status_code == 400
     assert name in caught.value.message
+
+
+RECURSIVE_TOOL = {"type": "function", "function": {"name": "loop", "parameters": {"$ref": "#"}}}
+# Grammars no output can follow, each refused before admission with why (real llguidance).
+UNFOLLOWABLE = [
+    ({"guided_regex": "a{1000}{1000}"}, "guided_regex", "too complex"),
+    ({"guided_regex": r"[^\s\S]"}, "guided_regex", "accepts no string"),
+    ({"guided_grammar": 'start: start "a"'}, "guided_grammar", "recurses without end"),
+    ({"guided_choice": [f"choice{i}" for i in range(10_000)]}, "guided_choice", "at most 1000 choices"),
+    ({"response_format": json_schema_format({"$ref": "#"})}, "response_format", "accepts no string"),
+    ({"tools": [RECURSIVE_TOOL], "tool_choice": "required"}, "tool_choice", "accepts no string"),
+    ({"guided_regex": "a" * 100_001}, "guided_regex", "at most 100000"),
+]
+# Passes the check (its first token is fine) but the parser's row limit is met once "!" starts
+# the 2,500-way alternation: the matcher fails within four tokens of any output.
+MIDWAY = 'start: /[a-z]{1,3}/ "!" c\nc: ' + " | ".join(f'"v{i}"' for i in range(2500))
+
+
+@pytest.mark.parametrize(
+    ("fields", "name", "why"), UNFOLLOWABLE, ids=[f"{n}-{i}" for i, (_, n, _) in enumerate(UNFOLLOWABLE)]
+)
+def test_a_grammar_no_output_can_follow_is_a_400_before_admission(
+    oai: openai.OpenAI, text_server: LiveServer, fields: dict[str, Any], name: str, why: str
+) -> None:
+    """Streamed or not, through either endpoint: a 400 naming the field and why, never a 200
+    whose output breaks the grammar."""
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as caught:
+            chat(oai, stream=stream, **fields)
+        assert caught.value.status_code == 400
+        assert name in caught.value.message and why in caught.value.message
+    if name.startswith("guided_"):
+        with pytest.raises(openai.BadRequestError, match=why):
+            complete(oai, **fields)
+        with text_server.client() as client:
+            resp = client.post("/generate", json={"prompt": PROMPT, "max_tokens": 8, **fields})
+        assert resp.status_code == 400 and why in resp.json()["error"]["message"]
+    assert text_server.scheduler.engine.has_unfinished() is False
+
+
+def test_a_grammar_failing_midway_is_a_422_never_a_stop(oai: openai.OpenAI, text_server: LiveServer) -> None:
+    """The matcher fails during generation: the whole response is a 422 (code grammar_failed)
+    from either endpoint and /generate, with speculation on, and the server serves on."""
+    with pytest.raises(openai.UnprocessableEntityError) as caught:
+        chat(oai, guided_grammar=MIDWAY)
+    assert caught.value.code == "grammar_failed" and "too complex" in caught.value.message
+    with pytest.raises(openai.UnprocessableEntityError, match="grammar"):
+        complete(oai, guided_grammar=MIDWAY, n=2, temperature=0.8, seed=1)
+    with text_server.client() as client:
+        resp = client.post("/generate", json={"prompt": PROMPT, "max_tokens": 16, "guided_grammar": MIDWAY})
+    assert resp.status_code == 422 and resp.json()["error"]["code"] == "grammar_failed"
+    assert chat(oai, guided_choice=CHOICES).choices[0].message.content in CHOICES
+
+
+def test_a_grammar_failing_midway_in_a_stream_ends_it_with_an_error_event(
+    oai: openai.OpenAI, text_server: LiveServer
+) -> None:
+    """After streaming started, the failure is an error event: no finish_reason stop, no [DONE]."""
+    with pytest.raises(openai.APIError, match="grammar"):
+        list(chat(oai, guided_grammar=MIDWAY, stream=True))
+    body = {"prompt": PROMPT, "max_tokens": 16, "stream": True, "guided_grammar": MIDWAY}
+    with text_server.client() as client:
+        frames = [
+            json.loads(line[6:])
+            for line in client.post("/v1/completions", json=body).text.splitlines()
+            if line.startswith("data: {")
+        ]
+    assert frames[-1]["error"]["code"] == "grammar_failed"
+    assert all(c["finish_reason"] is None for f in frames[:-1] for c in f["choices"])
+    assert re.fullmatch("[a-z]{0,3}", "".join(c["text"] for f in frames[:-1] for c in f["choices"]))

@@ -6,9 +6,11 @@ JSON, match a regex or be one of the choices is the grammar's doing.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -258,5 +260,131 @@ def test_grammar_masks_meet_the_logits_on_their_device(
 
 def test_a_failed_matcher_ends_its_sequence_not_the_engine(grammars: Grammars) -> None:
     state = grammars.start(SPECS["regex"], frozenset({EOS}))
+    assert state.error is None
     state.advance(ids("7")[0])  # not allowed: the regex starts with a letter
     assert state.finished and not state.allowed([()]).any()
+    assert state.error is not None
+
+
+# The issue's inputs: none can be followed, and each is refused before admission with why.
+UNFOLLOWABLE = {
+    "too complex": StructuredOutputsParams(regex="a{1000}{1000}"),
+    "matches nothing": StructuredOutputsParams(regex=r"[^\s\S]"),
+    "recurses without end": StructuredOutputsParams(grammar='start: start "a"'),
+    "at most 1000 choices": StructuredOutputsParams(choice=tuple(f"choice{i}" for i in range(10_000))),
+    "accepts no string": StructuredOutputsParams(json={"$ref": "#"}),
+    "at most 100000": StructuredOutputsParams(grammar="start: " + " | ".join(['"ab"'] * 20_000)),
+}
+# Passes the check, then fails within four tokens: "!" starts a 2,500-way alternation, past the
+# parser's row limit.
+MIDWAY = StructuredOutputsParams(
+    grammar='start: /[a-z]{1,3}/ "!" c\nc: ' + " | ".join(f'"v{i}"' for i in range(2500))
+)
+
+
+@pytest.mark.parametrize("why", list(UNFOLLOWABLE))
+def test_a_grammar_no_output_can_follow_is_refused_by_the_check(grammars: Grammars, why: str) -> None:
+    with pytest.raises(InvalidRequestError, match=why):
+        grammars.check(UNFOLLOWABLE[why])
+
+
+def test_the_check_passes_grammars_that_can_be_followed(grammars: Grammars) -> None:
+    for spec in [*SPECS.values(), MIDWAY, StructuredOutputsParams(regex="")]:
+        grammars.check(spec)  # the empty regex accepts the empty output
+    grammars.check(StructuredOutputsParams(choice=tuple(f"c{i}" for i in range(1000))))
+
+
+def test_a_matcher_failing_midway_ends_the_sequence_with_an_error(
+    tiny_text_llama: Path, tiny_text_llama_draft: Path
+) -> None:
+    """Plain and speculative decoding alike: finish_reason "error" with why, the output only
+    the tokens before the failure (never a "stop" on output the grammar did not complete);
+    the other prompts of the batch finish as usual."""
+    plain = LLM(str(tiny_text_llama), None, dtype="float32")
+    spec = LLM(str(tiny_text_llama), str(tiny_text_llama_draft), 3, 4, dtype="float32", adaptive=False)
+    failures = []
+    for llm in (plain, spec):
+        failed = llm.generate(PROMPTS, SamplingParams(max_tokens=16, structured_outputs=MIDWAY))
+        failures.append([o.token_ids for o in failed])
+        for out in failed:
+            assert out.outputs[0].finish_reason == "error", out.outputs[0]
+            assert "too complex" in (out.outputs[0].error or "")
+            assert re.fullmatch("[a-z]{0,3}", out.outputs[0].text)
+        fine = llm.generate(PROMPTS, SamplingParams(max_tokens=96, structured_outputs=SPECS["regex"]))
+        assert all(o.outputs[0].finish_reason == "stop" and o.outputs[0].error is None for o in fine)
+    assert failures[0] == failures[1]  # speculation fails where plain decoding does
+
+
+def test_the_offline_api_refuses_a_grammar_no_output_can_follow(tiny_text_llama: Path) -> None:
+    llm = LLM(str(tiny_text_llama), None, dtype="float32")
+    for why, grammar in UNFOLLOWABLE.items():
+        with pytest.raises(InvalidRequestError, match=why):
+            llm.generate(PROMPTS, SamplingParams(max_tokens=8, structured_outputs=grammar))
+    assert not llm.engine.has_unfinished()
+
+
+class MaskFailsAtDepth:
+    """A real matcher whose mask fails (as at a resource limit) once ``depth`` tokens have been
+    consumed: a failure no small real grammar reaches only in the mask after a token, used to
+    check that speculation fails exactly where plain decoding does."""
+
+    def __init__(self, real: Any, depth: int) -> None:
+        self._real, self._depth, self._at, self._failed = real, depth, 0, False
+
+    def unsafe_compute_mask_ptr(self, pointer: int, size: int) -> None:
+        self._failed |= self._at == self._depth
+        self._real.unsafe_compute_mask_ptr(pointer, size)
+        if self._failed:  # a failed matcher allows nothing
+            ctypes.memset(pointer, 0, size)
+
+    def consume_token(self, token: int) -> bool:
+        ok = not self._failed and self._real.consume_token(token)
+        self._at += ok
+        return ok
+
+    def consume_tokens(self, tokens: list[int]) -> bool:
+        return all(self.consume_token(t) for t in tokens)
+
+    def try_consume_tokens(self, tokens: list[int]) -> int:
+        consumed = 0 if self._failed else self._real.try_consume_tokens(tokens)
+        self._at += consumed
+        return consumed
+
+    def rollback(self, count: int) -> bool:
+        self._at -= count
+        return self._real.rollback(count)
+
+    def is_error(self) -> bool:
+        return self._failed or self._real.is_error()
+
+    def get_error(self) -> str:
+        return "Parser Error: too many items" if self._failed else self._real.get_error()
+
+    def is_stopped(self) -> bool:
+        return self._failed or self._real.is_stopped()
+
+    def is_accepting(self) -> bool:
+        return self._real.is_accepting()
+
+    def validate_tokens(self, tokens: list[int]) -> int:
+        return 0 if self._failed else self._real.validate_tokens(tokens)
+
+
+def test_a_mask_failing_past_the_output_fails_speculation_where_plain_decoding_fails(
+    tiny_text_llama: Path, tiny_text_llama_draft: Path
+) -> None:
+    """The mask after the 5th token fails. Speculation meets it early, on a drafted path: that
+    must not fail the sequence then, nor let it run past the 5th token (plain decoding fails at
+    the 6th, which is dropped)."""
+    params = SamplingParams(max_tokens=24, structured_outputs=StructuredOutputsParams(regex="[a-z]{40}"))
+    outputs = []
+    for llm in (
+        LLM(str(tiny_text_llama), None, dtype="float32"),
+        LLM(str(tiny_text_llama), str(tiny_text_llama_draft), 3, 4, dtype="float32", adaptive=False),
+    ):
+        compile_real = llm.engine.grammars.matcher
+        llm.engine.grammars.matcher = lambda spec, real=compile_real: MaskFailsAtDepth(real(spec), 5)  # type: ignore[method-assign]
+        outs = llm.generate(PROMPTS, params)
+        assert all(o.outputs[0].finish_reason == "error" and len(o.token_ids) == 5 for o in outs)
+        outputs.append([o.token_ids for o in outs])
+    assert outputs[0] == outputs[1]

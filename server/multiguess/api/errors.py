@@ -56,7 +56,7 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 # What a generation endpoint may answer besides 200 (the gate's, validation's, admission's,
 # the engine's): the document lists them so that clients and fuzzers know them.
-GENERATION_ERRORS = error_responses(400, 401, 404, 408, 413, 415, 429, 500, 503, 504)
+GENERATION_ERRORS = error_responses(400, 401, 404, 408, 413, 415, 422, 429, 500, 503, 504)
 
 
 class APIError(Exception):

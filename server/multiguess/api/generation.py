@@ -36,7 +36,7 @@ from multiguess.api.schemas import (
     GenerateResponse,
     SamplingFields,
 )
-from multiguess.api.structured import Reply, check_structure, requested_structure
+from multiguess.api.structured import Reply, check_event, check_structure, requested_structure
 from multiguess.api.translate import (
     Outcome,
     chat_logprobs,
@@ -90,7 +90,7 @@ def check_model(request: Request, model: str | None) -> str:
     return served
 
 
-def build_samples(
+async def build_samples(
     scheduler: Scheduler,
     body: SamplingFields,
     prompts: list[list[int]],
@@ -102,11 +102,12 @@ def build_samples(
 ) -> list[Sample]:
     """``max_tokens=None`` means whatever context the longest prompt leaves; ``logprobs``,
     ``prompt_logprobs``: alternatives to record per generated and prompt token (None: none);
-    ``tenant``: the API key's (``gate.tenant_of``)."""
+    ``tenant``: the API key's (``gate.tenant_of``). The grammar is checked off the event loop:
+    a complex one costs up to a second of lexer work."""
     refuse_unsupported(body)
     structure = requested_structure(body)
     if structure is not None:
-        check_structure(scheduler.engine.grammars, structure)  # type: ignore[union-attr]
+        await off_loop(check_structure, scheduler.engine.grammars, structure)  # type: ignore[union-attr]
     config = scheduler.engine.config  # type: ignore[union-attr]
     check_sample_count(len(prompts), n, scheduler.max_samples)
     for prompt in prompts:  # before anything decodes them (echo)
@@ -131,7 +132,7 @@ async def collect(request: Request, job: Job, n: int) -> Outcome:
     async def consume() -> Outcome:
         outcome = Outcome(job.samples, n)
         while not job.done:
-            outcome.add(await job.next_event())
+            outcome.add(check_event(await job.next_event()))
         return outcome
 
     consumer = asyncio.ensure_future(consume())
@@ -163,7 +164,8 @@ def stream(
     chunk: ChunkFn,
     usage_chunk: Callable[[Outcome], dict[str, Any]] | None,
 ) -> StreamingResponse:
-    """Events as SSE frames; a deadline or engine failure becomes an error frame, then the end."""
+    """Events as SSE frames; a deadline, an engine failure or a failed grammar becomes an error
+    frame, then the end."""
 
     async def frames() -> AsyncIterator[str]:
         outcome = Outcome(job.samples, n)
@@ -171,7 +173,7 @@ def stream(
             for payload in opening:
                 yield sse.frame(payload)
             while not job.done:
-                event = await job.next_event()
+                event = check_event(await job.next_event())
                 outcome.add(event)
                 payload = chunk(event)
                 if payload is not None:
@@ -179,7 +181,7 @@ def stream(
             if usage_chunk is not None:
                 yield sse.frame(usage_chunk(outcome))
             yield sse.DONE
-        except (RequestTimeout, EngineFailure) as exc:
+        except (RequestTimeout, EngineFailure, APIError) as exc:
             err = from_exception(exc)
             yield sse.frame(error_body(err.status, err.message, err.param, err.code))
         finally:
@@ -206,7 +208,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     prompts = await off_loop(completion_prompts, body, scheduler.engine.tokenizer)  # type: ignore[union-attr]
     tokenizer = scheduler.engine.tokenizer  # type: ignore[union-attr]
     logprobs, prompt_logprobs, best_of = completion_options(body)
-    samples = build_samples(
+    samples = await build_samples(
         scheduler,
         body,
         prompts,
@@ -282,7 +284,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     prompt = await off_loop(chat_prompt, body.messages, scheduler.engine.tokenizer, body.tools)  # type: ignore[union-attr]
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     top = chat_logprobs(body)
-    samples = build_samples(
+    samples = await build_samples(
         scheduler, body, [prompt], max_tokens, body.n, top, tenant=tenant_of(request.scope)
     )
     reply = Reply.of(body, len(samples))
@@ -365,7 +367,9 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         prompt = await off_loop(chat_prompt, [ChatMessage(role="user", content=body.prompt)], tokenizer)
     else:
         prompt = await off_loop(text_ids, tokenizer, body.prompt)
-    samples = build_samples(scheduler, body, [prompt], body.max_tokens, 1, tenant=tenant_of(request.scope))
+    samples = await build_samples(
+        scheduler, body, [prompt], body.max_tokens, 1, tenant=tenant_of(request.scope)
+    )
     try:
         outcome = await run_collected(request, scheduler, samples, 1)
     except ClientGone:

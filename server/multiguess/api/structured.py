@@ -3,9 +3,10 @@
 A request may constrain its output through OpenAI's ``response_format`` or a forced tool call,
 or through vLLM's ``guided_*`` fields or ``structured_outputs``; each becomes one
 ``StructuredOutputsParams`` (``engine/grammar.py`` applies it, speculation included). Asking in
-two ways at once, a grammar that does not compile, or a ``tool_choice`` this server cannot
-honour is a 400 naming the field. A forced tool call's output is the function's arguments,
-returned as ``message.tool_calls``.
+two ways at once, a grammar that does not compile, accepts no string or exceeds a limit, or a
+``tool_choice`` this server cannot honour is a 400 naming the field. A grammar that fails during
+generation all the same is a 422 (``grammar_failed``), never output passed off as complete. A
+forced tool call's output is the function's arguments, returned as ``message.tool_calls``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from multiguess.api.schemas import (
 from multiguess.engine.grammar import Grammars
 from multiguess.errors import InvalidRequestError
 from multiguess.params import StructuredOutputsParams
+from multiguess.scheduler import Event
 
 # A function without ``parameters`` takes none: its arguments are an empty object.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -110,11 +112,25 @@ def _schema(schema: dict[str, Any] | str | None) -> dict[str, Any] | None:
 
 
 def check_structure(grammars: Grammars, structure: Structure) -> None:
-    """Compile the grammar once before admission, so that a bad one is a 400 naming its field."""
+    """Check the grammar before admission (``Grammars.check``), so that one that cannot be
+    followed is a 400 naming its field and why."""
     try:
-        grammars.matcher(structure.spec)
+        grammars.check(structure.spec)
     except InvalidRequestError as exc:
         raise APIError(400, f"{structure.field}: {exc}", param=structure.field) from None
+
+
+def check_event(event: Event) -> Event:
+    """``event``, unless its sample's grammar matcher failed: then a 422 saying why. The sample's
+    output stops before the failure and does not follow the grammar to its end, so it is not
+    returned as if it were complete (the 422 is the response, or the stream's error event)."""
+    if event.error is not None:
+        raise APIError(
+            422,
+            f"choice {event.index}: the output could not follow its grammar: {event.error}",
+            code="grammar_failed",
+        )
+    return event
 
 
 def forced_tool(body: ChatCompletionRequest) -> FunctionDefinition | None:

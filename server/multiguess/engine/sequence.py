@@ -58,6 +58,7 @@ class Sequence:
     grammar: GrammarState | None = None  # structured output: the grammar after the output
     sent_logprobs: int = 0  # records handed out by ``take_logprobs``
     cut: bool = False  # a stop string ended the text
+    error: str | None = None  # why the grammar matcher failed (finish_reason "error")
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked
 
     @property
@@ -95,20 +96,23 @@ class Sequence:
     ) -> None:
         """Add accepted tokens (with their log-probabilities, when recorded), stopping at
         max_tokens, an end-of-sequence token, a stop string, or the token that completes the
-        sequence's grammar (what follows it in ``tokens`` was drawn past the end)."""
+        sequence's grammar (what follows it in ``tokens`` was drawn past the end). A grammar
+        matcher that fails ends the sequence with ``finish_reason`` "error" and ``error``
+        saying why, its output the tokens before the failure."""
         stops = self.stop_ids(eos_ids)
         for i, token in enumerate(tokens[: self.remaining]):
+            if self.grammar is not None and token not in stops:
+                self.grammar.advance(token)
+                self.error = self.grammar.error
+                if self.error is not None:  # the token is not part of a valid output: dropped
+                    self.finish_reason = "error"
+                    break
             self.output_ids.append(token)
             if logprobs is not None:
                 self.logprobs.append(logprobs[i])
-            if token in stops:
+            if token in stops or (self.grammar is not None and self.grammar.finished):
                 self.finish_reason = "stop"
                 break
-            if self.grammar is not None:
-                self.grammar.advance(token)
-                if self.grammar.finished:
-                    self.finish_reason = "stop"
-                    break
         if not self.finished and self.remaining <= 0:
             self.finish_reason = "length"
         self.text = self.decoded.update(tokenizer, self.output_ids, self.finished)
@@ -122,6 +126,7 @@ class Sequence:
             self.text = self.text[: min(hits)]
             self.finish_reason = "stop"
             self.cut = True
+            self.error = None  # the stop string came before the token the grammar failed at
 
     def take_text_delta(self) -> str:
         """New text safe to stream: holds back an unfinished character or a possible stop prefix."""
