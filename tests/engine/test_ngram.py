@@ -8,8 +8,7 @@ from multiguess import LLM, SamplingParams
 from multiguess.engine.adaptive import ForwardCost
 from multiguess.engine.drafter import DraftRequest, TreeBudget
 from multiguess.engine.engine import Engine, EngineConfig
-from multiguess.engine.ngram import NgramDrafter, find_continuations, graft, lookup_chain, trie
-from multiguess.engine.tree import TokenTree
+from multiguess.engine.ngram import NgramDrafter, find_continuations, trie
 from multiguess.models.loading import load_model
 
 from tests.engine.test_lossless import random_prompts, reference
@@ -70,26 +69,6 @@ def test_ngram_speculation_is_lossless_and_accepts_on_repetitive_text(tiny_llama
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
     assert [o.token_ids for o in outs] == reference(tiny_llama, prompts, 32, ignore_eos=True)
     assert sum(o.stats["accepted_tokens"] for o in outs) > 0
-
-
-def test_lookup_chain_continues_the_latest_repeat_of_the_longest_suffix() -> None:
-    assert lookup_chain([1, 2, 3, 9, 1, 2, 3, 8, 5, 2, 3], 3) == [8, 5, 2]  # "2 3" last seen before 8
-    assert lookup_chain([1, 2, 3, 4], 3) == []  # no suffix of two tokens repeats
-    assert lookup_chain([7, 5, 7], 3) == []  # one token is not a repeat worth grafting
-
-
-def test_graft_follows_the_trees_own_nodes_then_appends_the_rest() -> None:
-    #     0            root 10
-    #   1   2          11, 12
-    #   3              13 under 11
-    tree = TokenTree((10, 11, 12, 13), (-1, 0, 0, 1))
-    grafted = graft(tree, [11, 13, 14, 15], max_new=5)
-    assert grafted.tokens[:4] == tree.tokens and grafted.parents[:4] == tree.parents  # indices kept
-    assert grafted.tokens[4:] == (14, 15) and grafted.parents[4:] == (3, 4)  # under 11 -> 13
-    branch = graft(tree, [12, 20, 21], max_new=1)
-    assert branch.tokens[4:] == (20,) and branch.parents[4:] == (2,)  # capped at one new node
-    assert graft(tree, [11, 13], max_new=5) == tree  # nothing new: the same tree
-    assert graft(tree, [], max_new=5) == tree
 
 
 @pytest.mark.parametrize("seed", [None, 7])
