@@ -94,7 +94,7 @@ def test_grafted_lookup_is_lossless_and_accepted_on_repetitive_text(
         )
         outs = llm.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in outs] == expected
-        assert (llm.engine.totals.lookup_tokens > 0) == (lookup > 0)
+        assert (llm.engine.totals.copy_accepted_tokens > 0) == (lookup > 0)
 
 
 def test_unseeded_sampled_trees_get_no_lookup(tiny_llama: Path, tiny_llama_draft: Path) -> None:
@@ -103,7 +103,7 @@ def test_unseeded_sampled_trees_get_no_lookup(tiny_llama: Path, tiny_llama_draft
     prompts = [p * 3 for p in random_prompts(4, (5, 12, 30))]
     llm = LLM(str(tiny_llama), str(tiny_llama_draft), 2, 2, dtype="float32", adaptive=False)
     llm.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.8))
-    assert llm.engine.totals.lookup_tokens == 0 and llm.engine.totals.accepted_tokens > 0
+    assert llm.engine.totals.copy_accepted_tokens == 0 and llm.engine.totals.accepted_tokens > 0
 
 
 def test_grafts_widen_the_forward_only_where_the_widening_is_cheap(
@@ -126,5 +126,5 @@ def test_grafts_widen_the_forward_only_where_the_widening_is_cheap(
             engine.add_request(str(i), prompt, params)
         while engine.has_unfinished():
             engine.step()
-        looked_up[name] = engine.totals.lookup_tokens
+        looked_up[name] = engine.totals.copy_accepted_tokens
     assert looked_up["flat"] > 0 and looked_up["steep"] == 0

@@ -172,9 +172,9 @@ def test_copy_drafts_are_lossless_whatever_the_index_holds(
     outs = llm.generate(prompts, PARAMS[setting])
     assert [o.outputs[0].token_ids for o in outs] == expected
     totals = llm.engine.totals
-    assert totals.lookup_tokens > 0  # copies were verified (the prompts repeat themselves)
+    assert totals.copy_accepted_tokens > 0  # copies were verified (the prompts repeat themselves)
     if index == "right":
-        assert totals.lookup_tokens > 0.7 * sum(len(o) for o in expected)
+        assert totals.copy_accepted_tokens > 0.7 * sum(len(o) for o in expected)
         assert totals.mean_accepted_length > 4
 
 
@@ -185,10 +185,10 @@ def test_repeated_requests_copy_from_recent_outputs(tiny_llama: Path, plain: dic
     llm = LLM(str(tiny_llama), None, drafter="suffix", dtype="float32", max_batch=1)
     prompt = prompts[-1]  # random: nothing of its reply repeats its prompt
     first = llm.generate(prompt, PARAMS["greedy"])[0]
-    copied = llm.engine.totals.lookup_tokens
+    copied = llm.engine.totals.copy_accepted_tokens
     second = llm.generate(prompt, PARAMS["greedy"])[0]
     assert first.outputs[0].token_ids == second.outputs[0].token_ids == expected[-1]
-    assert llm.engine.totals.lookup_tokens - copied >= 0.8 * len(expected[-1])
+    assert llm.engine.totals.copy_accepted_tokens - copied >= 0.8 * len(expected[-1])
 
 
 def test_copy_drafts_off_draft_nothing(tiny_llama: Path, plain: dict) -> None:

@@ -590,12 +590,13 @@ class Engine:
     def _record(self, seq: Sequence, proposal: Proposal, acceptance: Acceptance) -> None:
         """Count the step in the request's and the engine's stats, and a grafted copy draft's
         outcome in the copy policy's yields."""
-        looked_up = sum(node >= proposal.own_nodes for node in acceptance.path)
+        copied = sum(node >= proposal.own_nodes for node in acceptance.path)
         for stats in (seq.stats, self.totals):
             stats.verify_steps += 1
             stats.draft_tokens += len(proposal.tree) - 1
             stats.accepted_tokens += acceptance.accepted_drafts
-            stats.lookup_tokens += looked_up
+            stats.copy_draft_tokens += len(proposal.tree) - proposal.own_nodes
+            stats.copy_accepted_tokens += copied
         if proposal.copy_match:
             tried, accepted = graft_outcome(proposal.tree, proposal.own_nodes, acceptance.path)
             self.copies.yields.observe(proposal.copy_match, tried, accepted)

@@ -21,7 +21,8 @@ class SpecStats:
     draft_tokens: int = 0  # drafted nodes the target verified
     accepted_tokens: int = 0  # drafted tokens the target accepted
     fallback_steps: int = 0  # steps decoded without the drafter because it failed
-    lookup_tokens: int = 0  # of the accepted tokens, those prompt lookup grafted onto the trees
+    copy_draft_tokens: int = 0  # of the drafted tokens, those copy drafts grafted (engine/suffix.py)
+    copy_accepted_tokens: int = 0  # of the accepted tokens, those copy drafts grafted
 
     @property
     def mean_accepted_length(self) -> float:
@@ -33,7 +34,8 @@ class SpecStats:
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
             "fallback_steps": self.fallback_steps,
-            "lookup_tokens": self.lookup_tokens,
+            "copy_draft_tokens": self.copy_draft_tokens,
+            "copy_accepted_tokens": self.copy_accepted_tokens,
             "mean_accepted_length": round(self.mean_accepted_length, 4),
         }
 
