@@ -55,6 +55,9 @@ class SamplingParams:
     that many alternatives. ``structured_outputs`` constrains the output to a grammar.
     ``prompt_logprobs`` (vLLM's; None: off) records the log-probability of every prompt token
     after the first, under the target's raw distribution, and that many alternatives.
+    ``prediction`` (OpenAI's predicted outputs): the text or token ids the reply is expected to
+    be, such as the file a code edit rewrites; drafts follow it (``engine/prediction.py``), so a
+    right prediction makes the reply faster and a wrong one costs a draft, never the output.
     """
 
     max_tokens: int = 16
@@ -76,8 +79,11 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    prediction: str | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.prediction is not None and not isinstance(self.prediction, str):
+            object.__setattr__(self, "prediction", tuple(int(t) for t in self.prediction))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))

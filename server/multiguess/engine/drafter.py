@@ -102,6 +102,7 @@ class Proposal:
     # The match length of the grafted copy draft (``engine/suffix.py``; 0: none), whose
     # outcome the copy policy measures by it.
     copy_match: int = 0
+    predicted: bool = False  # the grafted nodes follow the request's prediction, not a copy
 
     @property
     def own_nodes(self) -> int:

@@ -16,11 +16,13 @@ from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from multiguess.engine.acceptance import Acceptance, SeededChoices, accept_greedy, accept_sampled
 from multiguess.engine.adaptive import (
     AdaptivePolicy,
+    CopyYield,
     CostMeter,
     ForwardCost,
     Outcome,
@@ -39,11 +41,12 @@ from multiguess.engine.memory_probe import fit_to_memory
 from multiguess.engine.ngram import graft
 from multiguess.engine.padding import padded_groups, prefill_chunks
 from multiguess.engine.penalties import node_logits
+from multiguess.engine.prediction import prediction_draft
 from multiguess.engine.prefix_cache import PrefixIndex, plan_reuse
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.sampling import Generators, NodeDistributions, Processing
 from multiguess.engine.sequence import Sequence, SpecStats
-from multiguess.engine.suffix import SHARED, CopySource, RecentOutputs
+from multiguess.engine.suffix import SHARED, CopyDraft, CopySource, RecentOutputs
 from multiguess.engine.tree import TokenTree
 from multiguess.errors import InvalidRequestError
 from multiguess.models.loading import LoadedModel
@@ -226,6 +229,7 @@ class Engine:
                 self.config = replace(self.config, policy=replace(policy, token_budget=budget))
         self.steps = 0
         self.copies = CopySource(RecentOutputs(self.config.recent_outputs, self.config.recent_age))
+        self.prediction_yields = CopyYield()  # how predictions pay, apart from copies
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -253,10 +257,29 @@ class Engine:
         if not params.greedy:
             generators = Generators(params.seed if params.seed is not None else random.getrandbits(63))
         seq = Sequence(request_id, list(prompt_ids), params, generators)
+        seq.prediction = self._prediction_ids(params)
         if params.structured_outputs is not None:
             seq.grammar = self.grammars.start(params.structured_outputs, seq.stop_ids(self.eos_ids))
         self.waiting.append(seq)
         return seq
+
+    def _prediction_ids(self, params: SamplingParams) -> np.ndarray | None:
+        """The request's predicted output as token ids (None: none or empty); a prediction
+        longer than the context is refused, since no reply could follow it."""
+        if params.prediction is None:
+            return None
+        predicted = params.prediction
+        if isinstance(predicted, str):
+            predicted = self.tokenizer.encode(predicted, add_special_tokens=False)
+        limit = self.config.max_model_len
+        if len(predicted) > limit:
+            raise InvalidRequestError(
+                f"the prediction ({len(predicted)} tokens) is longer than the context length of {limit} tokens"
+            )
+        vocab = self.target.vocab_size
+        if any(not 0 <= token < vocab for token in predicted):
+            raise InvalidRequestError(f"prediction token ids must be in [0, {vocab})")
+        return np.asarray(predicted, dtype=np.int64) if predicted else None
 
     def abort(self, request_id: str) -> None:
         self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
@@ -510,12 +533,16 @@ class Engine:
 
     def _propose(self, batch: list[Sequence]) -> list[Proposal]:
         proposals = [Proposal(TokenTree.chain([s.token_ids[-1]])) for s in batch]
-        if self.drafter is None:
-            return proposals
         base = [1.0] * len(batch)  # tokens each sequence's tree is expected to yield
-        if getattr(self.drafter, "copy_only", False):  # the suffix drafter: copy drafts alone
-            self._graft_copies(batch, proposals, base)
-            return proposals
+        if self.drafter is not None and not getattr(self.drafter, "copy_only", False):
+            self._draft(batch, proposals, base)
+        self._graft_copies(batch, proposals, base)
+        return proposals
+
+    def _draft(self, batch: list[Sequence], proposals: list[Proposal], base: list[float]) -> None:
+        """The drafter's trees for the sequences the policy gives one, into ``proposals``, and
+        the tokens each is expected to yield into ``base``."""
+        assert self.drafter is not None
         requests = []
         planned = self._planned(batch)
         for i, seq in enumerate(batch):
@@ -526,55 +553,86 @@ class Engine:
                     (i, DraftRequest(seq.slot, seq.token_ids, budget, sample_spec(seq), seq.grammar))
                 )
         if not requests:
-            return proposals
+            return
         try:
             drafted = self.drafter.propose([r for _, r in requests])
         except Exception as exc:  # a failing drafter must never fail a request
             self._decode_without_drafter(exc, [batch[i] for i, _ in requests])
-            return proposals
+            for i, _ in requests:
+                base[i] = 1.0
+            return
         for (i, _), proposal in zip(requests, drafted, strict=True):
             proposals[i] = proposal
-        self._graft_copies(batch, proposals, base)
-        return proposals
 
     def _graft_copies(self, batch: list[Sequence], proposals: list[Proposal], base: list[float]) -> None:
-        """Graft each sequence's copy draft (``CopySource``: the continuation of its suffix where
-        it occurred before, in its text or in recent outputs) onto its tree, drafted or not:
-        where a reply repeats earlier text (code edits, quotes, extraction, an agent's tool
-        calls) it goes on far past where a draft's guesses fade, and costs microseconds. The
-        forward pads every tree to the widest, so grafts fill that padding for free and widen
-        the batch only while their expected tokens pay for the wider forward
-        (``adaptive.copy_width`` over the measured ``ForwardCost``, against what each tree is
-        expected to yield: ``base``), which they never do where matches are short and rarely
-        accepted. Not onto a tree the request chose itself, nor
-        under a grammar (whose nodes must be allowed tokens), nor onto sampled children (exact
-        sampling needs the distribution each was drawn from; greedy and seeded acceptance hold
-        for any tree, and an unseeded sample's tree of copies alone is deterministic)."""
+        """Graft each sequence's copy draft onto its tree, drafted or not: its prediction's
+        continuation where it has one that aligns with the output (``engine/prediction.py``),
+        else the continuation of its suffix where it occurred before, in its text or in recent
+        outputs (``CopySource``; with a drafter that takes grafts). Where a reply repeats text
+        (code edits, quotes, extraction, an agent's tool calls) it goes on far past where a
+        draft's guesses fade, and costs microseconds. The forward pads every tree to the
+        widest, so grafts fill that padding for free and widen the batch only while their
+        expected tokens pay for the wider forward (``adaptive.copy_width`` over the measured
+        ``ForwardCost``, against what each tree is expected to yield: ``base``), which they never
+        do where matches are short and rarely accepted. Not onto a tree the request chose
+        itself, nor onto sampled children (exact sampling needs the distribution each was drawn
+        from; greedy and seeded acceptance hold for any tree, and an unseeded sample's tree of
+        copies alone is deterministic); under a grammar, only a prediction's chain, cut where
+        the grammar stops allowing it."""
         cfg = self.config
-        if not cfg.prompt_lookup or not getattr(self.drafter, "takes_grafts", False):
-            return
-        drafts: dict[int, tuple[TokenTree, tuple[float, ...], int]] = {}
+        copying = bool(cfg.prompt_lookup) and getattr(self.drafter, "takes_grafts", False)
+        drafts: dict[int, tuple[TokenTree, tuple[float, ...], int, bool]] = {}
         for i, (seq, proposal) in enumerate(zip(batch, proposals, strict=True)):
             exact_for_any_tree = seq.params.greedy or seq.params.seed is not None or not proposal.draft_probs
-            if not exact_for_any_tree or fixed_tree(seq.params) or seq.grammar is not None:
+            if not cfg.prompt_lookup or not exact_for_any_tree or fixed_tree(seq.params):
                 continue
             room = min(cfg.prompt_lookup, self._room(seq))
-            copy = self.copies.draft(seq.token_ids, room, cfg.prompt_lookup, copy_scope(seq))
+            copy, predicted = self._predicted(seq, room), True
+            if copy is None and copying and seq.grammar is None:
+                copy, predicted = (
+                    self.copies.draft(seq.token_ids, room, cfg.prompt_lookup, copy_scope(seq)),
+                    False,
+                )
             if copy is not None and len(copy.tree) > 1:
                 grafted, reach = graft(proposal.tree, copy.tree, copy.reach, cfg.prompt_lookup)
-                drafts[i] = grafted, reach, copy.match
+                drafts[i] = grafted, reach, copy.match, predicted
         if not drafts:
             return
         own = [len(p.tree) for p in proposals]
         reach = [drafts[i][1] if i in drafts else () for i in range(len(batch))]
         width = copy_width(own, base, reach, self.forward_cost, 1 + cfg.prompt_lookup)
-        for i, (tree, _, match) in drafts.items():
+        for i, (tree, _, match, predicted) in drafts.items():
             keep = min(len(tree) - own[i], max(0, width - own[i]))
             if keep:
                 trimmed = TokenTree(tree.tokens[: own[i] + keep], tree.parents[: own[i] + keep])
-                proposals[i] = replace(proposals[i], tree=trimmed, drafted=own[i], copy_match=match)
+                proposals[i] = replace(
+                    proposals[i], tree=trimmed, drafted=own[i], copy_match=match, predicted=predicted
+                )
             else:
-                self.copies.yields.relax(match)
+                (self.prediction_yields if predicted else self.copies.yields).relax(match)
+
+    def _predicted(self, seq: Sequence, room: int) -> CopyDraft | None:
+        """``seq``'s prediction's chain after its output (``prediction.prediction_draft``), cut
+        to what its grammar allows; None without a prediction or where none aligns."""
+        if seq.prediction is None:
+            return None
+        found = prediction_draft(
+            seq.token_ids[-1],
+            seq.prediction,
+            seq.output_ids,
+            seq.prediction_anchor,
+            room,
+            self.prediction_yields,
+        )
+        if found is None:
+            return None
+        draft, seq.prediction_anchor = found
+        if seq.grammar is not None:
+            allowed = seq.grammar.valid_prefix(list(draft.tree.tokens[1:]))
+            draft = replace(
+                draft, tree=TokenTree.chain(draft.tree.tokens[: 1 + allowed]), reach=draft.reach[:allowed]
+            )
+        return draft
 
     def _decode_without_drafter(self, exc: Exception, seqs: list[Sequence]) -> None:
         """This step decodes ``seqs`` plainly; the drafter starts them afresh next time."""
@@ -590,16 +648,22 @@ class Engine:
     def _record(self, seq: Sequence, proposal: Proposal, acceptance: Acceptance) -> None:
         """Count the step in the request's and the engine's stats, and a grafted copy draft's
         outcome in the copy policy's yields."""
+        grafted = len(proposal.tree) - proposal.own_nodes
         copied = sum(node >= proposal.own_nodes for node in acceptance.path)
         for stats in (seq.stats, self.totals):
             stats.verify_steps += 1
             stats.draft_tokens += len(proposal.tree) - 1
             stats.accepted_tokens += acceptance.accepted_drafts
-            stats.copy_draft_tokens += len(proposal.tree) - proposal.own_nodes
-            stats.copy_accepted_tokens += copied
+            if proposal.predicted:
+                stats.prediction_draft_tokens += grafted
+                stats.prediction_accepted_tokens += copied
+            else:
+                stats.copy_draft_tokens += grafted
+                stats.copy_accepted_tokens += copied
         if proposal.copy_match:
             tried, accepted = graft_outcome(proposal.tree, proposal.own_nodes, acceptance.path)
-            self.copies.yields.observe(proposal.copy_match, tried, accepted)
+            yields = self.prediction_yields if proposal.predicted else self.copies.yields
+            yields.observe(proposal.copy_match, tried, accepted)
 
     def _retire(self, seq: Sequence) -> None:
         """Free ``seq``'s slot, moving the sequence in the highest slot into it.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from multiguess.engine.detokenizer import IncrementalText
@@ -23,6 +24,8 @@ class SpecStats:
     fallback_steps: int = 0  # steps decoded without the drafter because it failed
     copy_draft_tokens: int = 0  # of the drafted tokens, those copy drafts grafted (engine/suffix.py)
     copy_accepted_tokens: int = 0  # of the accepted tokens, those copy drafts grafted
+    prediction_draft_tokens: int = 0  # of the drafted tokens, those drafted from the prediction
+    prediction_accepted_tokens: int = 0  # of the accepted tokens, those drafted from the prediction
 
     @property
     def mean_accepted_length(self) -> float:
@@ -36,6 +39,8 @@ class SpecStats:
             "fallback_steps": self.fallback_steps,
             "copy_draft_tokens": self.copy_draft_tokens,
             "copy_accepted_tokens": self.copy_accepted_tokens,
+            "prediction_draft_tokens": self.prediction_draft_tokens,
+            "prediction_accepted_tokens": self.prediction_accepted_tokens,
             "mean_accepted_length": round(self.mean_accepted_length, 4),
         }
 
@@ -61,6 +66,8 @@ class Sequence:
     sent_logprobs: int = 0  # records handed out by ``take_logprobs``
     cut: bool = False  # a stop string ended the text
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked
+    prediction: np.ndarray | None = None  # predicted output tokens (engine/prediction.py)
+    prediction_anchor: int = 0  # where in the prediction the output was last aligned
 
     @property
     def token_ids(self) -> list[int]:
