@@ -25,9 +25,13 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 
 REJECT_REASONS = ("queue_full", "not_ready")
 SPEC_FIELDS = ("verify_steps", "draft_tokens", "accepted_tokens")
 # Drafted and accepted tokens by source: the drafter's own nodes (model, EAGLE-3 or n-gram) and
-# the copy drafts grafted onto its trees (or drafting alone: --drafter suffix), as SpecStats
+# the copy drafts grafted onto its trees (or drafting alone: --drafter suffix) and the drafts
+# that follow a request's prediction, as SpecStats
 # counts them (name of the drafted count, name of the accepted count).
-SOURCE_FIELDS = {"copy": ("copy_draft_tokens", "copy_accepted_tokens")}
+SOURCE_FIELDS = {
+    "copy": ("copy_draft_tokens", "copy_accepted_tokens"),
+    "prediction": ("prediction_draft_tokens", "prediction_accepted_tokens"),
+}
 
 
 class Metrics:
@@ -88,7 +92,8 @@ class Metrics:
             kind: Counter(
                 f"multiguess_spec_source_{kind}_tokens",
                 f"{what} by drafting source: draft (the drafter's own nodes: model, EAGLE-3 or n-gram), "
-                "copy (copy drafts from the request's text and recent outputs).",
+                "copy (copy drafts from the request's text and recent outputs), prediction (the "
+                "request's predicted output).",
                 ["source"],
                 registry=reg,
             )

@@ -61,7 +61,7 @@ def test_tokens_by_source_add_up_to_the_drafted_and_accepted_tokens(server: Live
             k: {s: v - by_source_before[k].get(s, 0.0) for s, v in by_label(client, n, "source").items()}
             for k, n in sources.items()
         }
-    assert set(by_source["draft"]) == {"draft", "copy"}
+    assert set(by_source["draft"]) == {"draft", "copy", "prediction"}
     for kind in names:
         assert sum(by_source[kind].values()) == totals[kind]
     assert by_source["accepted"]["copy"] > 0
