@@ -33,6 +33,12 @@ def test_a_right_prediction_is_accepted_and_changes_nothing(oai: openai.OpenAI) 
     assert predicted.choices[0].message.content == text
     details = predicted.usage.completion_tokens_details
     assert details.accepted_prediction_tokens >= 16 and details.rejected_prediction_tokens >= 0
+    stats = predicted.model_extra["multiguess"]
+    assert stats["prediction_accepted_tokens"] == details.accepted_prediction_tokens
+    assert (
+        stats["prediction_draft_tokens"]
+        == details.accepted_prediction_tokens + details.rejected_prediction_tokens
+    )
     parts = chat(oai, prediction={"type": "content", "content": [{"type": "text", "text": text}]})
     assert parts.choices[0].message.content == text
 

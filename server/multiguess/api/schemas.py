@@ -198,6 +198,10 @@ class SpecSummary(BaseModel):
     draft_tokens: int
     accepted_tokens: int
     fallback_steps: int
+    copy_draft_tokens: int = 0  # of draft_tokens, copy drafts (the request's text, recent outputs)
+    copy_accepted_tokens: int = 0
+    prediction_draft_tokens: int = 0  # of draft_tokens, drafts that follow the prediction
+    prediction_accepted_tokens: int = 0
     mean_accepted_length: float
 
 

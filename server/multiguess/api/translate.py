@@ -268,6 +268,8 @@ class Outcome:
                 "draft_tokens",
                 "accepted_tokens",
                 "fallback_steps",
+                "copy_draft_tokens",
+                "copy_accepted_tokens",
                 "prediction_draft_tokens",
                 "prediction_accepted_tokens",
             ):
