@@ -428,14 +428,15 @@ def copy_width(
     reach: list[tuple[float, ...]],
     cost: ForwardCost,
     limit: int,
-    min_gain: float = 1.02,
+    min_gain: float = 1.1,
 ) -> int:
     """The nodes per sequence (roots included) the batch's forward verifies: at least the widest
     of the trees of ``own`` sizes (expected to yield ``base`` tokens each), whose padding
     grafts fill for free, and wider only where the grafted nodes' expected tokens (each
     sequence's ``reach``, likeliest first, filling its tree from its own size) pay for the wider
     forward (``cost``): the width of most tokens per forward cost, up to ``limit``, when that
-    beats both the narrowest and plain decoding by ``min_gain``."""
+    beats both the narrowest and plain decoding by ``min_gain``: a margin over the estimates'
+    noise, so that marginal drafts (open chat's short, mostly rejected matches) are not made."""
     batch, start = len(own), max(own)
     sums = [list(itertools.accumulate(r, initial=0.0)) for r in reach]
 
