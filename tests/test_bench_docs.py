@@ -35,7 +35,7 @@ def test_every_recorded_result_names_its_commit_machine_and_command() -> None:
 def test_empty_results_render_as_not_yet_measured(tmp_path: Path) -> None:
     (tmp_path / "bench").mkdir()
     page = bench_docs.render(tmp_path)
-    assert page.count("No result recorded yet") == 6
+    assert page.count("No result recorded yet") == 7
     assert "Not yet run on a GPU" in page
     assert "No results recorded yet." in bench_docs.headline(tmp_path / "bench")
 
@@ -115,3 +115,34 @@ def test_a_gpu_check_dry_run_on_the_cpu_is_not_a_gpu_result(tmp_path: Path) -> N
 
 def test_machine_names_the_cores() -> None:
     assert "cores" in bench_docs.machine()
+
+
+def test_grounded_section_shows_each_workload_and_setup_against_plain() -> None:
+    row = {
+        "drafter": "suffix",
+        "tokens_per_second": 40.0,
+        "mean_accepted_length": 5.5,
+        "identical_to_plain": True,
+    }
+    report = {
+        "commit": "abc1234",
+        "date": "2026-01-01 00:00 UTC",
+        "machine": "a CPU",
+        "repeats": 2,
+        "max_tokens": 96,
+        "batch": 1,
+        "rows": [
+            {**row, "workload": "extraction", "setup": "suffix", "vs_plain": 3.21},
+            {
+                **row,
+                "workload": "open chat",
+                "setup": "suffix",
+                "vs_plain": 0.99,
+                "identical_to_plain": False,
+            },
+        ],
+    }
+    lines = bench_docs.grounded_section(report)
+    assert "| extraction | suffix | suffix | 40.0 | 3.21 | 5.50 | yes |" in lines
+    assert "| open chat | suffix | suffix | 40.0 | 0.99 | 5.50 | no |" in lines
+    assert any("abc1234" in line for line in lines)

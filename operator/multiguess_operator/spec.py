@@ -113,7 +113,7 @@ class SpeculationSpec:
     num_candidates: int = 3
     depth: int = 4
     max_nodes: int = 16
-    drafter: Literal["model", "eagle3", "ngram", "none"] = "model"
+    drafter: Literal["model", "eagle3", "ngram", "suffix", "none"] = "model"
 
     @property
     def needs_draft(self) -> bool:

@@ -27,6 +27,7 @@ SHARED_FILE = "load-shared-prompt.json"
 REMOTE_FILE = "remote-overhead.json"
 SAMPLING_FILE = "sampling-exactness.json"
 GPU_FILE = "gpu_check.json"
+GROUNDED_FILE = "grounded.json"
 HEADLINE_START, HEADLINE_END = "<!-- headline:start -->", "<!-- headline:end -->"
 
 Report = dict[str, Any]
@@ -422,6 +423,50 @@ def sampling_section(report: Report | None) -> list[str]:
     return [*lines, ""]
 
 
+# ---------------------------------------------------------------- grounded workloads (bench/grounded.py)
+
+
+def grounded_section(report: Report | None) -> list[str]:
+    command = "flock /tmp/mg-bench.lock .venv/bin/python bench/grounded.py"
+    lines = ["## Grounded workloads (`bench/grounded.py`)", ""]
+    if report is None:
+        return lines + missing(command, "the grounded-workload results")
+    lines += [
+        provenance_line(report, command),
+        "",
+        "Replies that copy their input (code edits, extraction and quotation, reformatting, answers "
+        "quoting passages, an agent loop repeating tool-call JSON) and open chat as the control, "
+        f"greedy, batch {report['batch']}, at most {report['max_tokens']} tokens, through the engine "
+        "with the embedded pair. `× plain` is the median over "
+        f"{report['repeats']} repeats of the ratio to plain decoding (`--drafter none`) in the same "
+        "repeat; every setup starts each repeat with an empty recent-output index.",
+        "",
+    ]
+    rows = [
+        [
+            r["workload"],
+            r["setup"],
+            r["drafter"],
+            fmt(r["tokens_per_second"], 1),
+            fmt(r["vs_plain"]),
+            fmt(r["mean_accepted_length"]),
+            "yes" if r["identical_to_plain"] else "no",
+        ]
+        for r in report["rows"]
+    ]
+    header = [
+        "workload",
+        "setup",
+        "--drafter",
+        "tokens/s",
+        "× plain",
+        "mean accepted length",
+        "identical to plain",
+    ]
+    lines += table(header, rows)
+    return [*lines, ""]
+
+
 # ---------------------------------------------------------------- GPU check (make gpu-check)
 
 
@@ -581,6 +626,7 @@ SECTIONS: list[Callable[[Path], list[str]]] = [
     lambda b: remote_section(load(b, REMOTE_FILE)),
     lambda b: sampling_section(load(b, SAMPLING_FILE)),
     lambda b: gpu_section(load(b, GPU_FILE)),
+    lambda b: grounded_section(load(b, GROUNDED_FILE)),
 ]
 
 

@@ -10,6 +10,7 @@ from multiguess.engine.eagle3 import eagle3_drafter
 from multiguess.engine.engine import Engine, EngineConfig
 from multiguess.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION
 from multiguess.engine.ngram import NgramDrafter
+from multiguess.engine.suffix import SuffixDrafter
 from multiguess.models.eagle3_checkpoint import embedded_head
 from multiguess.models.loading import LoadedModel, check_draft_compatible, load_model
 from multiguess.options import DRAFTERS
@@ -68,13 +69,15 @@ def build_engine(
     draft_dtype: str | None = None,
 ) -> Engine:
     """An engine with the chosen drafter: a draft ``model``, an ``eagle3`` head (``draft`` is its
-    folder; the embedded target's shipped head by default), ``ngram`` lookup, or ``none``."""
+    folder; the embedded target's shipped head by default), ``ngram`` lookup, ``suffix`` (copy
+    drafts alone: the sequence's own text and recent outputs, ``engine/suffix.py``), or ``none``."""
     if drafter not in DRAFTERS:
         raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}; got {drafter!r}")
     target_model, draft_model = load_pair(
         target, draft, dtype, device, draft_device, draft_quantization, drafter == "model", draft_dtype
     )
-    engine = Engine(target_model, draft_model, config, NgramDrafter() if drafter == "ngram" else None)
+    own = {"ngram": NgramDrafter, "suffix": SuffixDrafter}.get(drafter)
+    engine = Engine(target_model, draft_model, config, own() if own is not None else None)
     if drafter == "eagle3":
         engine.drafter = eagle3_drafter(draft or embedded_head(), engine.target)
     return engine
@@ -92,8 +95,10 @@ class LLM:
     ``cuda_graphs`` replays captured forwards on GPUs (opt-in; ``eager`` stays the escape hatch).
     ``max_prefill_tokens`` caps the prompt tokens prefilled per step (chunked prefill).
     ``prefix_caching`` starts each prompt from the KV of the longest prefix it shares with a
-    recent or running sequence (``engine/prefix_cache.py``). ``prompt_lookup`` grafts that many
-    tokens of prompt lookup past a drafted tree's depth onto greedy and seeded trees (0: none).
+    recent or running sequence (``engine/prefix_cache.py``). ``prompt_lookup`` is the longest
+    copy draft (what followed the text's suffix where it occurred before, in the request or in
+    recent outputs) grafted onto a tree where it pays (0: none); ``drafter="suffix"`` drafts
+    copies alone.
     """
 
     def __init__(
@@ -118,7 +123,7 @@ class LLM:
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         max_prefill_tokens: int | None = None,
         prefix_caching: bool = True,
-        prompt_lookup: int = 8,
+        prompt_lookup: int = 32,
     ) -> None:
         config = EngineConfig(
             num_candidates,

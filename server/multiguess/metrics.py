@@ -24,6 +24,14 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5)
 REJECT_REASONS = ("queue_full", "not_ready")
 SPEC_FIELDS = ("verify_steps", "draft_tokens", "accepted_tokens")
+# Drafted and accepted tokens by source: the drafter's own nodes (model, EAGLE-3 or n-gram) and
+# the copy drafts grafted onto its trees (or drafting alone: --drafter suffix) and the drafts
+# that follow a request's prediction, as SpecStats
+# counts them (name of the drafted count, name of the accepted count).
+SOURCE_FIELDS = {
+    "copy": ("copy_draft_tokens", "copy_accepted_tokens"),
+    "prediction": ("prediction_draft_tokens", "prediction_accepted_tokens"),
+}
 
 
 class Metrics:
@@ -80,6 +88,23 @@ class Metrics:
                 ("accepted_tokens", "Drafted tokens the target accepted."),
             )
         }
+        self.source_tokens = {
+            kind: Counter(
+                f"multiguess_spec_source_{kind}_tokens",
+                f"{what} by drafting source: draft (the drafter's own nodes: model, EAGLE-3 or n-gram), "
+                "copy (copy drafts from the request's text and recent outputs), prediction (the "
+                "request's predicted output).",
+                ["source"],
+                registry=reg,
+            )
+            for kind, what in (
+                ("draft", "Drafted tokens the target verified"),
+                ("accepted", "Drafted tokens accepted"),
+            )
+        }
+        for counter in self.source_tokens.values():
+            for source in ("draft", *SOURCE_FIELDS):
+                counter.labels(source=source)
         self.fallback_steps = Counter(
             "multiguess_spec_fallback_steps",
             "Sample-steps decoded without the drafter, by reason: timeout, refused (by a draft "
@@ -137,6 +162,15 @@ class Metrics:
             delta = getattr(after, name) - getattr(before, name)
             if delta > 0:
                 self.spec[name].inc(delta)
+        for kind, total, index in (("draft", "draft_tokens", 0), ("accepted", "accepted_tokens", 1)):
+            own = getattr(after, total) - getattr(before, total)
+            for source, fields in SOURCE_FIELDS.items():
+                delta = getattr(after, fields[index]) - getattr(before, fields[index])
+                own -= delta
+                if delta > 0:
+                    self.source_tokens[kind].labels(source=source).inc(delta)
+            if own > 0:
+                self.source_tokens[kind].labels(source="draft").inc(own)
         for reason, steps in fallbacks.items():
             if steps > 0:
                 self.fallback_steps.labels(reason=reason).inc(steps)

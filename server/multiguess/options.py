@@ -2,6 +2,6 @@
 
 DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = ("none", "int8")
-DRAFTERS = ("model", "eagle3", "ngram", "none")
+DRAFTERS = ("model", "eagle3", "ngram", "suffix", "none")
 DRAFT_SERVER_DRAFTERS = ("model", "eagle3")  # what serve-draft can host
 DRAFT_MAX_FRAME_BYTES = 64 * 1024 * 1024  # a draft server's default limit on one step message

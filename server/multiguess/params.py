@@ -13,6 +13,7 @@ MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 
 # Who may reuse whose KV: a request reuses cached prefixes only of requests with an equal scope.
 CacheScope: TypeAlias = tuple[str | None, str | None]  # (tenant, cache_salt)
+SHARED_SCOPE: CacheScope = (None, None)  # no tenant, no salt: what the Python API's requests share
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ class SamplingParams:
     scope the prefix cache: a request reuses KV only of requests with the same pair
     (``cache_scope``), so neither its output's timing nor ``cached_tokens`` tells anything
     about prompts sent under another scope. None and None: the one shared scope.
+    ``prediction`` (OpenAI's predicted outputs): the text or token ids the reply is expected to
+    be, such as the file a code edit rewrites; drafts follow it (``engine/prediction.py``), so a
+    right prediction makes the reply faster and a wrong one costs a draft, never the output.
     """
 
     max_tokens: int = 16
@@ -85,8 +89,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     tenant: str | None = None
     cache_salt: str | None = None
+    prediction: str | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.prediction is not None and not isinstance(self.prediction, str):
+            object.__setattr__(self, "prediction", tuple(int(t) for t in self.prediction))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))

@@ -99,7 +99,9 @@ def test_chat_logprobs_streamed_and_whole_agree(oai: openai.OpenAI) -> None:
         c for chunk in stream for choice in chunk.choices if choice.logprobs for c in choice.logprobs.content
     ]
     assert [c.token for c in streamed] == [c.token for c in content]
-    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-9)
+    # The second request may copy the first one's reply (recent outputs): its trees differ,
+    # and fp32 rows verified in different trees round apart in the last bits.
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
     plain = chat(oai, temperature=0, max_tokens=4)
     assert plain.choices[0].logprobs is None
 
@@ -273,7 +275,7 @@ REFUSED = [
     ("chat", dict(store=True), "store"),
     ("chat", dict(modalities=["text", "audio"]), "modalities"),
     ("chat", dict(audio={"voice": "alloy", "format": "wav"}), "audio"),
-    ("chat", dict(prediction={"type": "content", "content": "w1"}), "prediction"),
+    ("chat", dict(prediction={"type": "image", "content": "w1"}), "prediction"),
     ("chat", dict(reasoning_effort="low"), "reasoning_effort"),
     ("chat", dict(top_logprobs=2), "top_logprobs"),
     ("chat", dict(logprobs=True, top_logprobs=21), "top_logprobs"),

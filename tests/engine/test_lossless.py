@@ -115,7 +115,17 @@ def test_sequences_leaving_in_any_order_keep_slots_contiguous_and_outputs_exact(
 ) -> None:
     """Early finishers free low slots; the sequence in the highest slot moves down with its target
     and draft caches: outputs and what the draft proposed and got accepted match serving alone."""
-    llm = LLM(str(tiny_llama), str(tiny_llama_draft), 2, 3, dtype="float32", max_batch=4, adaptive=False)
+    # No copy drafts: the second run would copy the first one's outputs (tests/engine/test_suffix.py).
+    llm = LLM(
+        str(tiny_llama),
+        str(tiny_llama_draft),
+        2,
+        3,
+        dtype="float32",
+        max_batch=4,
+        adaptive=False,
+        prompt_lookup=0,
+    )
     engine = llm.engine
     prompts = random_prompts(9, (5, 17, 3, 30, 11, 8))
     lengths = (4, 30, 9, 22, 6, 15)

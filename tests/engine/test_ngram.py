@@ -8,8 +8,7 @@ from multiguess import LLM, SamplingParams
 from multiguess.engine.adaptive import ForwardCost
 from multiguess.engine.drafter import DraftRequest, TreeBudget
 from multiguess.engine.engine import Engine, EngineConfig
-from multiguess.engine.ngram import NgramDrafter, find_continuations, graft, lookup_chain, trie
-from multiguess.engine.tree import TokenTree
+from multiguess.engine.ngram import NgramDrafter, find_continuations, trie
 from multiguess.models.loading import load_model
 
 from tests.engine.test_lossless import random_prompts, reference
@@ -72,26 +71,6 @@ def test_ngram_speculation_is_lossless_and_accepts_on_repetitive_text(tiny_llama
     assert sum(o.stats["accepted_tokens"] for o in outs) > 0
 
 
-def test_lookup_chain_continues_the_latest_repeat_of_the_longest_suffix() -> None:
-    assert lookup_chain([1, 2, 3, 9, 1, 2, 3, 8, 5, 2, 3], 3) == [8, 5, 2]  # "2 3" last seen before 8
-    assert lookup_chain([1, 2, 3, 4], 3) == []  # no suffix of two tokens repeats
-    assert lookup_chain([7, 5, 7], 3) == []  # one token is not a repeat worth grafting
-
-
-def test_graft_follows_the_trees_own_nodes_then_appends_the_rest() -> None:
-    #     0            root 10
-    #   1   2          11, 12
-    #   3              13 under 11
-    tree = TokenTree((10, 11, 12, 13), (-1, 0, 0, 1))
-    grafted = graft(tree, [11, 13, 14, 15], max_new=5)
-    assert grafted.tokens[:4] == tree.tokens and grafted.parents[:4] == tree.parents  # indices kept
-    assert grafted.tokens[4:] == (14, 15) and grafted.parents[4:] == (3, 4)  # under 11 -> 13
-    branch = graft(tree, [12, 20, 21], max_new=1)
-    assert branch.tokens[4:] == (20,) and branch.parents[4:] == (2,)  # capped at one new node
-    assert graft(tree, [11, 13], max_new=5) == tree  # nothing new: the same tree
-    assert graft(tree, [], max_new=5) == tree
-
-
 @pytest.mark.parametrize("seed", [None, 7])
 def test_grafted_lookup_is_lossless_and_accepted_on_repetitive_text(
     tiny_llama: Path, tiny_llama_draft: Path, seed: int | None
@@ -115,7 +94,7 @@ def test_grafted_lookup_is_lossless_and_accepted_on_repetitive_text(
         )
         outs = llm.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in outs] == expected
-        assert (llm.engine.totals.lookup_tokens > 0) == (lookup > 0)
+        assert (llm.engine.totals.copy_accepted_tokens > 0) == (lookup > 0)
 
 
 def test_unseeded_sampled_trees_get_no_lookup(tiny_llama: Path, tiny_llama_draft: Path) -> None:
@@ -124,7 +103,7 @@ def test_unseeded_sampled_trees_get_no_lookup(tiny_llama: Path, tiny_llama_draft
     prompts = [p * 3 for p in random_prompts(4, (5, 12, 30))]
     llm = LLM(str(tiny_llama), str(tiny_llama_draft), 2, 2, dtype="float32", adaptive=False)
     llm.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.8))
-    assert llm.engine.totals.lookup_tokens == 0 and llm.engine.totals.accepted_tokens > 0
+    assert llm.engine.totals.copy_accepted_tokens == 0 and llm.engine.totals.accepted_tokens > 0
 
 
 def test_grafts_widen_the_forward_only_where_the_widening_is_cheap(
@@ -147,5 +126,5 @@ def test_grafts_widen_the_forward_only_where_the_widening_is_cheap(
             engine.add_request(str(i), prompt, params)
         while engine.has_unfinished():
             engine.step()
-        looked_up[name] = engine.totals.lookup_tokens
+        looked_up[name] = engine.totals.copy_accepted_tokens
     assert looked_up["flat"] > 0 and looked_up["steep"] == 0

@@ -120,7 +120,15 @@ SETTINGS = {
 }
 # (num_candidates, depth); "wide" offers every token of the vocabulary as a child; "subset"
 # drafts over a draft vocabulary of half the tokens (q is zero on the others).
-SHAPES = {"chain": (1, 2), "wide": (8, 1), "tree": (3, 2), "bushy": (4, 2), "ngram": (3, 2), "subset": (3, 2)}
+SHAPES = {
+    "chain": (1, 2),
+    "wide": (8, 1),
+    "tree": (3, 2),
+    "bushy": (4, 2),
+    "ngram": (3, 2),
+    "subset": (3, 2),
+    "suffix": (1, 1),
+}
 # Unseeded samples go through multi-draft speculative sampling; seeded ones draw each token
 # with a uniform fixed by seed and position and are verified like greedy output.
 CASES = [(shape, "t1", False) for shape in ("chain", "wide", "tree", "bushy", "subset")] + [
@@ -128,6 +136,8 @@ CASES = [(shape, "t1", False) for shape in ("chain", "wide", "tree", "bushy", "s
     ("tree", "t1.3-topp0.8", False),
     ("bushy", "t1-penalized", False),  # every node's counts include its ancestors' tokens
     ("ngram", "t1", False),  # deterministic children: q is a point mass
+    ("suffix", "t1", False),  # copy drafts from the prompt and earlier samples' outputs
+    ("suffix", "t1-penalized", True),
     ("chain", "t1", True),
     ("bushy", "t1.3-topp0.8", True),
     ("tree", "t1-penalized", True),
@@ -153,7 +163,7 @@ def speculative(target: Path, draft: Path, shape: str) -> LLM:
     """The engine drafting the named shape. Fixed trees: each case verifies the shape it names,
     not what the adaptive policy would pick."""
     num_candidates, depth = SHAPES[shape]
-    drafter, draft_dir = ("ngram", None) if shape == "ngram" else ("model", str(draft))
+    drafter, draft_dir = (shape, None) if shape in ("ngram", "suffix") else ("model", str(draft))
     if shape == "subset":
         draft_dir = str(with_draft_vocab(draft, [1, 4, 6, 7]))
     return LLM(

@@ -81,6 +81,17 @@ class NamedToolChoice(_Body):
     function: FunctionName
 
 
+class Prediction(_Body):
+    """OpenAI's predicted output: the text the reply is expected to be (a code edit's file)."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class SamplingFields(_Body):
     """Shared by every generation endpoint; ``num_candidates``/``depth`` tune speculation."""
 
@@ -112,6 +123,7 @@ class SamplingFields(_Body):
     guided_choice: list[str] | None = Field(None, description="vLLM's: the output is one of these")
     guided_grammar: str | None = Field(None, description="vLLM's: a Lark grammar (llguidance's dialect)")
     structured_outputs: StructuredOutputs | None = None
+    prediction: Prediction | None = Field(None, description="predicted output: drafts follow it")
 
 
 class CompletionRequest(SamplingFields):
@@ -170,7 +182,6 @@ class ChatCompletionRequest(SamplingFields):
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
-    prediction: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
@@ -190,11 +201,20 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    """OpenAI's predicted-output counts: prediction tokens the target accepted as drafts, and
+    those it verified and rejected."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
+    completion_tokens_details: CompletionTokensDetails = CompletionTokensDetails()
 
 
 class SpecSummary(BaseModel):
@@ -204,6 +224,10 @@ class SpecSummary(BaseModel):
     draft_tokens: int
     accepted_tokens: int
     fallback_steps: int
+    copy_draft_tokens: int = 0  # of draft_tokens, copy drafts (the request's text, recent outputs)
+    copy_accepted_tokens: int = 0
+    prediction_draft_tokens: int = 0  # of draft_tokens, drafts that follow the prediction
+    prediction_accepted_tokens: int = 0
     mean_accepted_length: float
 
 

@@ -16,6 +16,7 @@ from multiguess.api.schemas import (
     ChatMessage,
     CompletionLogprobs,
     CompletionRequest,
+    CompletionTokensDetails,
     PromptTokensDetails,
     SamplingFields,
     SpecSummary,
@@ -75,6 +76,7 @@ def sampling_params(
         prompt_logprobs=prompt_logprobs,
         tenant=tenant,
         cache_salt=body.cache_salt,
+        prediction=None if body.prediction is None else body.prediction.text,
     )
 
 
@@ -93,7 +95,6 @@ UNSUPPORTED: list[tuple[str, Any, str]] = [
     ("audio", lambda v: v is not None, "audio output is not supported"),
     ("functions", lambda v: bool(v), "function calling is not supported"),
     ("function_call", lambda v: v not in (None, "none"), "function calling is not supported"),
-    ("prediction", lambda v: v is not None, "predicted outputs are not supported"),
     ("reasoning_effort", lambda v: v is not None, "the served model is not a reasoning model"),
     ("verbosity", lambda v: v is not None, "output verbosity is not supported"),
     ("web_search_options", lambda v: v is not None, "web search is not supported"),
@@ -273,7 +274,16 @@ class Outcome:
         if event.finished:
             self.finish_reasons[event.index] = event.finish_reason
             self.cached_tokens[event.index] = int(event.stats.get("cached_tokens", 0))
-            for name in ("verify_steps", "draft_tokens", "accepted_tokens", "fallback_steps"):
+            for name in (
+                "verify_steps",
+                "draft_tokens",
+                "accepted_tokens",
+                "fallback_steps",
+                "copy_draft_tokens",
+                "copy_accepted_tokens",
+                "prediction_draft_tokens",
+                "prediction_accepted_tokens",
+            ):
                 setattr(self.stats, name, getattr(self.stats, name) + int(event.stats.get(name, 0)))
 
     def usage(self) -> Usage:
@@ -282,11 +292,17 @@ class Outcome:
         prompt = sum(len(s.prompt_ids) for s in self.samples[:: self.n])
         completion = sum(self.tokens)
         cached = PromptTokensDetails(cached_tokens=sum(self.cached_tokens[:: self.n]))
+        accepted = self.stats.prediction_accepted_tokens
+        predicted = CompletionTokensDetails(
+            accepted_prediction_tokens=accepted,
+            rejected_prediction_tokens=self.stats.prediction_draft_tokens - accepted,
+        )
         return Usage(
             prompt_tokens=prompt,
             completion_tokens=completion,
             total_tokens=prompt + completion,
             prompt_tokens_details=cached,
+            completion_tokens_details=predicted,
         )
 
     def summary(self) -> SpecSummary:

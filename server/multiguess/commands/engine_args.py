@@ -46,7 +46,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--drafter",
         "model",
         choices=DRAFTERS,
-        help="draft model, EAGLE-3 head on the target's features (--draft: its folder), n-gram lookup, or none",
+        help="draft model, EAGLE-3 head on the target's features (--draft: its folder), n-gram lookup, "
+        "suffix (copy drafts from the request and recent outputs alone), or none",
     )
     add_flag(parser, "--dtype", "auto", choices=DTYPE_NAMES, help="weights/activations dtype")
     add_flag(
@@ -87,10 +88,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_flag(
         parser,
         "--prompt-lookup",
-        8,
+        32,
         int,
-        help="tokens of prompt lookup (the continuation of the latest repeat of the text's suffix) "
-        "grafted past the draft's depth onto greedy and seeded trees; 0: none",
+        help="longest copy draft in tokens (what followed the text's suffix where it occurred before, "
+        "in the request or recent outputs), grafted onto trees where it pays; 0: none",
     )
     add_flag(parser, "--threads", 0, int, help="CPU threads for torch (0: the cores this process may use)")
     add_switch(parser, "--no-adaptive", "always draft the full tree budget")
@@ -138,7 +139,7 @@ def build_llm(args: argparse.Namespace) -> Any:
     configure_threads(args.threads)
     if args.target is not None and args.drafter in ("model", "eagle3") and args.draft is None:
         raise SystemExit(
-            "--target needs --draft (a draft model, or an EAGLE-3 head with --drafter eagle3; or --drafter ngram|none)"
+            "--target needs --draft (a draft model, or an EAGLE-3 head with --drafter eagle3; or --drafter ngram|suffix|none)"
         )
     return LLM(
         target=args.target,

@@ -363,3 +363,86 @@ class CostMeter:
         if fit is None or not plain_step:
             return 0.0, self.prior_ratio
         return fit[0] / plain_step, fit[1] / plain_step
+
+
+COPY_BUCKETS = 7  # match lengths 1, 2, 3-4, 5-8, 9-16, 17-32, 33 and more
+
+
+def match_bucket(length: int) -> int:
+    """The yield bucket of a copy match of ``length`` tokens: by powers of two."""
+    return min(max(0, length - 1).bit_length(), COPY_BUCKETS - 1)
+
+
+@dataclass
+class CopyYield:
+    """How often the next token of a copy draft is accepted, by the length of the match it
+    came from (``match_bucket``): a long verbatim match goes on far more surely than a two-token
+    one, so one rate for all would draft too much on chat or too little on a quote.
+
+    A bucket starts at ``m / (m + 2)`` for its shortest length m: optimistic enough that a long
+    match is tried when it first appears. Each verified copy draft folds in (``observe``) the
+    tokens it tried and those accepted; a bucket consulted but not drafted drifts back toward
+    its prior by ``relaxing`` (``relax``), so a bucket a bad stretch switched off is tried again
+    after a while, at the cost of one draft."""
+
+    smoothing: float = 0.1  # weight of one tried token
+    most: float = 0.5  # the most one draft's tokens weigh together
+    relaxing: float = 0.005
+    rates: list[float] = field(default_factory=lambda: [CopyYield.prior(b) for b in range(COPY_BUCKETS)])
+
+    @staticmethod
+    def prior(bucket: int) -> float:
+        shortest = 1 if bucket == 0 else 2 ** (bucket - 1) + 1
+        return shortest / (shortest + 2)
+
+    def rate(self, match: int) -> float:
+        return self.rates[match_bucket(match)]
+
+    def observe(self, match: int, tried: int, accepted: int) -> None:
+        if tried:
+            bucket = match_bucket(match)
+            weight = min(self.most, self.smoothing * tried)
+            self.rates[bucket] += weight * (accepted / tried - self.rates[bucket])
+
+    def relax(self, match: int) -> None:
+        bucket = match_bucket(match)
+        self.rates[bucket] += self.relaxing * (self.prior(bucket) - self.rates[bucket])
+
+
+def graft_outcome(tree: TokenTree, own: int, path: list[int]) -> tuple[int, int]:
+    """The grafted tokens a verified tree's accepted ``path`` (root first) tried and those it
+    accepted: at every node on the path with grafted children (indices ``own`` and up), one
+    tried; accepted when the path goes on into one of them."""
+    children = tree.children()
+    tried = accepted = 0
+    for depth, node in enumerate(path):
+        if any(kid >= own for kid in children[node]):
+            tried += 1
+            accepted += depth + 1 < len(path) and path[depth + 1] >= own
+    return tried, accepted
+
+
+def copy_width(
+    own: list[int],
+    base: list[float],
+    reach: list[tuple[float, ...]],
+    cost: ForwardCost,
+    limit: int,
+    min_gain: float = 1.1,
+) -> int:
+    """The nodes per sequence (roots included) the batch's forward verifies: at least the widest
+    of the trees of ``own`` sizes (expected to yield ``base`` tokens each), whose padding
+    grafts fill for free, and wider only where the grafted nodes' expected tokens (each
+    sequence's ``reach``, likeliest first, filling its tree from its own size) pay for the wider
+    forward (``cost``): the width of most tokens per forward cost, up to ``limit``, when that
+    beats both the narrowest and plain decoding by ``min_gain``: a margin over the estimates'
+    noise, so that marginal drafts (open chat's short, mostly rejected matches) are not made."""
+    batch, start = len(own), max(own)
+    sums = [list(itertools.accumulate(r, initial=0.0)) for r in reach]
+
+    def per_cost(width: int) -> float:
+        extra = sum(s[min(len(s) - 1, max(0, width - o))] for s, o in zip(sums, own, strict=True))
+        return (sum(base) + extra) / (batch * cost.growth(batch, width))
+
+    best = max(range(start, max(start, limit) + 1), key=per_cost)
+    return best if per_cost(best) >= min_gain * max(1.0, per_cost(start)) else start

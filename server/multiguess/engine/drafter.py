@@ -14,8 +14,9 @@ layers in ``feature_layers``; the engine then has its target forwards capture th
 them over with ``add_features(slot, position, features)``: the prompt's after prefill, the
 accepted path's after every verification, so they flow into the next proposal.
 
-A drafter whose ``takes_grafts`` is true lets the engine graft prompt-lookup nodes onto its
-greedy and seeded trees after the drafter's own (``Proposal.drafted``).
+A drafter whose ``takes_grafts`` is true lets the engine graft copy drafts (``engine/suffix.py``)
+onto its greedy and seeded trees after the drafter's own (``Proposal.drafted``); one whose
+``copy_only`` is true (the suffix drafter) is not asked for trees: its trees are those grafts.
 
 A drafter with ``prefill(slot, token_ids)`` catches up on a prompt while the target prefills
 it, chunk by chunk under ``EngineConfig.max_prefill_tokens``; one without catches up at its
@@ -96,8 +97,12 @@ class Proposal:
     # For sampled children: node index -> the distribution its children were drawn from.
     draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
     # How many of the tree's first nodes the drafter drafted (None: all); the rest were
-    # grafted on by prompt lookup (``ngram.graft``), which says nothing of the drafter's coverage.
+    # grafted on as copy drafts (``ngram.graft``), which say nothing of the drafter's coverage.
     drafted: int | None = None
+    # The match length of the grafted copy draft (``engine/suffix.py``; 0: none), whose
+    # outcome the copy policy measures by it.
+    copy_match: int = 0
+    predicted: bool = False  # the grafted nodes follow the request's prediction, not a copy
 
     @property
     def own_nodes(self) -> int:
@@ -242,7 +247,7 @@ class ModelDrafter:
     """
 
     # Its commit keeps the draft KV of the accepted nodes it fed and its next proposal catches
-    # up on the rest, so the engine may graft prompt-lookup nodes onto its trees.
+    # up on the rest, so the engine may graft copy drafts onto its trees.
     takes_grafts = True
 
     def __init__(self, runner: NativeRunner) -> None:

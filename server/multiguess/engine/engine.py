@@ -15,15 +15,20 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from multiguess.engine.acceptance import Acceptance, SeededChoices, accept_greedy, accept_sampled
 from multiguess.engine.adaptive import (
     AdaptivePolicy,
+    CopyYield,
     CostMeter,
     ForwardCost,
     Outcome,
     ProbeSchedule,
+    copy_width,
+    expected_tokens,
+    graft_outcome,
     level_outcomes,
 )
 from multiguess.engine.drafter import Drafter, DraftRequest, ModelDrafter, Proposal, SampleSpec, TreeBudget
@@ -32,24 +37,21 @@ from multiguess.engine.guard import fallback_reason
 from multiguess.engine.logprobs import TokenLogprob, prompt_logprobs, step_logprobs
 from multiguess.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION, check_utilization
 from multiguess.engine.memory_probe import fit_to_memory
-from multiguess.engine.ngram import graft, lookup_chain
+from multiguess.engine.ngram import graft
 from multiguess.engine.padding import padded_groups, prefill_chunks
 from multiguess.engine.penalties import node_logits
+from multiguess.engine.prediction import prediction_draft
 from multiguess.engine.prefix_cache import PrefixIndex, plan_reuse
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.sampling import Generators, NodeDistributions, Processing
 from multiguess.engine.sequence import Sequence, SpecStats
+from multiguess.engine.suffix import CopyDraft, CopySource, RecentOutputs
 from multiguess.engine.tree import TokenTree
 from multiguess.errors import InvalidRequestError
 from multiguess.models.loading import LoadedModel
 from multiguess.params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-# Tokens a grafted prompt-lookup node yields, assumed at least (and before any was verified):
-# grafts that widen the forward by less than this are always tried, and so measured.
-LOOKUP_FLOOR = 0.05
-LOOKUP_SMOOTHING = 0.1  # weight of one step's grafts in the running yield
 
 
 @dataclass(frozen=True)
@@ -71,9 +73,11 @@ class EngineConfig:
     long prompt does not stall the running sequences' tokens; None prefills each prompt whole.
     ``prefix_caching`` starts a new prompt from the KV of the longest prefix it shares with a
     finished or running sequence, for target and draft (``engine/prefix_cache.py``).
-    ``prompt_lookup`` grafts onto each greedy or seeded tree a drafter drafted the continuation
-    of the sequence's latest repeated suffix, up to that many tokens past the tree's depth, where
-    the forward has room for it (0: none; ``_graft_lookups`` says where).
+    ``prompt_lookup`` is the longest copy draft (``engine/suffix.py``: the continuation of the
+    sequence's suffix where it occurred before, in its own text or in recent outputs) grafted
+    onto a sequence's tree, in tokens, where it pays (0: none; ``_graft_copies`` says where).
+    ``recent_outputs`` and ``recent_age`` bound the index of recent outputs copy drafts read
+    (tokens, seconds; 0 tokens: none).
     """
 
     num_candidates: int = 3
@@ -90,7 +94,9 @@ class EngineConfig:
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     max_prefill_tokens: int | None = None
     prefix_caching: bool = True
-    prompt_lookup: int = 8
+    prompt_lookup: int = 32
+    recent_outputs: int = 1 << 16
+    recent_age: float = 3600.0
 
     def __post_init__(self) -> None:
         TreeBudget(self.num_candidates, self.depth, self.max_nodes)  # validates
@@ -105,6 +111,8 @@ class EngineConfig:
             raise ValueError(f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}")
         if self.prompt_lookup < 0:
             raise ValueError(f"prompt_lookup must be >= 0, got {self.prompt_lookup}")
+        if self.recent_outputs < 0 or self.recent_age < 0:
+            raise ValueError("recent_outputs and recent_age must be >= 0")
 
     @property
     def budget(self) -> TreeBudget:
@@ -113,7 +121,7 @@ class EngineConfig:
     @property
     def tree_slack(self) -> int:
         """Cache room past a sequence's end for a tree (and a drafter's level-by-level region)."""
-        return max(self.max_nodes, self.num_candidates * self.depth) + 2
+        return max(self.max_nodes, self.num_candidates * self.depth, self.prompt_lookup) + 2
 
 
 def measure_forward_cost(
@@ -219,7 +227,8 @@ class Engine:
             if budget > policy.token_budget:  # measured on this device: more nodes ride for free
                 self.config = replace(self.config, policy=replace(policy, token_budget=budget))
         self.steps = 0
-        self.lookup_yield = LOOKUP_FLOOR  # accepted grafted tokens per grafted node, running
+        self.copies = CopySource(RecentOutputs(self.config.recent_outputs, self.config.recent_age))
+        self.prediction_yields = CopyYield()  # how predictions pay, apart from copies
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -247,10 +256,29 @@ class Engine:
         if not params.greedy:
             generators = Generators(params.seed if params.seed is not None else random.getrandbits(63))
         seq = Sequence(request_id, list(prompt_ids), params, generators)
+        seq.prediction = self._prediction_ids(params)
         if params.structured_outputs is not None:
             seq.grammar = self.grammars.start(params.structured_outputs, seq.stop_ids(self.eos_ids))
         self.waiting.append(seq)
         return seq
+
+    def _prediction_ids(self, params: SamplingParams) -> np.ndarray | None:
+        """The request's predicted output as token ids (None: none or empty); a prediction
+        longer than the context is refused, since no reply could follow it."""
+        if params.prediction is None:
+            return None
+        predicted = params.prediction
+        if isinstance(predicted, str):
+            predicted = self.tokenizer.encode(predicted, add_special_tokens=False)
+        limit = self.config.max_model_len
+        if len(predicted) > limit:
+            raise InvalidRequestError(
+                f"the prediction ({len(predicted)} tokens) is longer than the context length of {limit} tokens"
+            )
+        vocab = self.target.vocab_size
+        if any(not 0 <= token < vocab for token in predicted):
+            raise InvalidRequestError(f"prediction token ids must be in [0, {vocab})")
+        return np.asarray(predicted, dtype=np.int64) if predicted else None
 
     def abort(self, request_id: str) -> None:
         self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
@@ -283,7 +311,7 @@ class Engine:
         )
         logits, features = (verified.logits, verified.features) if capture else (verified, None)
         # Draft time per level only from steps that drafted on caught-up caches (see CostMeter).
-        drafting = [s for s, p in zip(batch, proposals, strict=True) if len(p.tree) > 1]
+        drafting = [s for s, p in zip(batch, proposals, strict=True) if p.own_nodes > 1]
         steady = all(s.drafted_at == self.steps - 1 for s in drafting)
         levels = max(p.drafted_depth for p in proposals) if steady else 0
         self.costs.record(drafted - started, levels)
@@ -291,7 +319,6 @@ class Engine:
             seq.drafted_at = self.steps
         outputs: list[StepOutput] = []
         observed: dict[bool, list[list[Outcome]]] = {True: [], False: []}
-        grafted = looked_up = 0  # prompt-lookup nodes verified and accepted this step
         rows = [
             node_logits(seq, p.tree, logits[b], self.eos_ids)
             for b, (seq, p) in enumerate(zip(batch, proposals, strict=True))
@@ -313,8 +340,7 @@ class Engine:
             seq.cache_len += len(acceptance.path)
             if self.drafter is not None and len(proposal.tree) > 1:
                 self.drafter.commit(seq.slot, proposal, acceptance)
-            grafted += len(proposal.tree) - proposal.own_nodes
-            looked_up += self._record(seq, proposal, acceptance)
+            self._record(seq, proposal, acceptance)
             self.last_outcomes.append(level_outcomes(*proposal.drafted_part(acceptance.path)))
             observed[seq.params.greedy].append(self.last_outcomes[-1])
             before = len(seq.output_ids)
@@ -335,8 +361,6 @@ class Engine:
                     seq.prompt_logprobs if before == 0 and seq.params.prompt_logprobs is not None else None,
                 )
             )
-        if grafted:
-            self.lookup_yield += LOOKUP_SMOOTHING * (looked_up / grafted - self.lookup_yield)
         for greedy, outcomes in observed.items():
             self.coverage[greedy] = self.config.policy.update(self.coverage[greedy], outcomes)
         # After every sequence's cache is compacted: retiring may move a sequence to another slot.
@@ -509,64 +533,106 @@ class Engine:
 
     def _propose(self, batch: list[Sequence]) -> list[Proposal]:
         proposals = [Proposal(TokenTree.chain([s.token_ids[-1]])) for s in batch]
-        if self.drafter is None:
-            return proposals
+        base = [1.0] * len(batch)  # tokens each sequence's tree is expected to yield
+        if self.drafter is not None and not getattr(self.drafter, "copy_only", False):
+            self._draft(batch, proposals, base)
+        self._graft_copies(batch, proposals, base)
+        return proposals
+
+    def _draft(self, batch: list[Sequence], proposals: list[Proposal], base: list[float]) -> None:
+        """The drafter's trees for the sequences the policy gives one, into ``proposals``, and
+        the tokens each is expected to yield into ``base``."""
+        assert self.drafter is not None
         requests = []
         planned = self._planned(batch)
         for i, seq in enumerate(batch):
             budget = self._budget(seq, planned[i])
             if budget.depth > 0:
+                base[i] = expected_tokens(self.coverage[seq.params.greedy], budget)
                 requests.append(
                     (i, DraftRequest(seq.slot, seq.token_ids, budget, sample_spec(seq), seq.grammar))
                 )
         if not requests:
-            return proposals
+            return
         try:
             drafted = self.drafter.propose([r for _, r in requests])
         except Exception as exc:  # a failing drafter must never fail a request
             self._decode_without_drafter(exc, [batch[i] for i, _ in requests])
-            return proposals
+            for i, _ in requests:
+                base[i] = 1.0
+            return
         for (i, _), proposal in zip(requests, drafted, strict=True):
             proposals[i] = proposal
-        self._graft_lookups(batch, proposals)
-        return proposals
 
-    def _graft_lookups(self, batch: list[Sequence], proposals: list[Proposal]) -> None:
-        """Graft prompt lookup (``ngram.lookup_chain``) onto the drafted trees of greedy and
-        seeded sequences, whose acceptance holds for any tree: where a sequence repeats earlier
-        text (summaries, code edits, extraction) the lookup goes on well past where the draft's
-        guesses fade, and drafting it costs microseconds. Only onto trees the policy already
-        pays for, never onto a tree the request chose itself, nor under a grammar (whose nodes
-        must be allowed tokens). The forward pads every tree to the widest, so grafts fill that
-        padding for free and widen the batch only while each widening's cost (``ForwardCost``,
-        in plain steps) is below the tokens a grafted node has been yielding; within the batch's
-        share of the token budget and ``max_nodes``."""
+    def _graft_copies(self, batch: list[Sequence], proposals: list[Proposal], base: list[float]) -> None:
+        """Graft each sequence's copy draft onto its tree, drafted or not: its prediction's
+        continuation where it has one that aligns with the output (``engine/prediction.py``),
+        else the continuation of its suffix where it occurred before, in its text or in recent
+        outputs (``CopySource``; with a drafter that takes grafts). Where a reply repeats text
+        (code edits, quotes, extraction, an agent's tool calls) it goes on far past where a
+        draft's guesses fade, and costs microseconds. The forward pads every tree to the
+        widest, so grafts fill that padding for free and widen the batch only while their
+        expected tokens pay for the wider forward (``adaptive.copy_width`` over the measured
+        ``ForwardCost``, against what each tree is expected to yield: ``base``), which they never
+        do where matches are short and rarely accepted. Not onto a tree the request chose
+        itself, nor onto sampled children (exact sampling needs the distribution each was drawn
+        from; greedy and seeded acceptance hold for any tree, and an unseeded sample's tree of
+        copies alone is deterministic); under a grammar, only a prediction's chain, cut where
+        the grammar stops allowing it."""
         cfg = self.config
-        if not cfg.prompt_lookup or not getattr(self.drafter, "takes_grafts", False):
-            return
-        width = max(len(p.tree) for p in proposals)  # the forward's, roots included
-        share = cfg.policy.room(cfg.budget, len(batch)) if cfg.adaptive else cfg.max_nodes
-        widest = 1 + min(share, cfg.max_nodes)
-        while width < widest and self._widening_pays(len(batch), width):
-            width += 1
+        copying = bool(cfg.prompt_lookup) and getattr(self.drafter, "takes_grafts", False)
+        drafts: dict[int, tuple[TokenTree, tuple[float, ...], int, bool]] = {}
         for i, (seq, proposal) in enumerate(zip(batch, proposals, strict=True)):
-            tree = proposal.tree
-            exact_for_any_tree = seq.params.greedy or seq.params.seed is not None
-            own_tree = fixed_tree(seq.params) or seq.grammar is not None  # the request's own, or constrained
-            if len(tree) == 1 or len(tree) >= width or not exact_for_any_tree or own_tree:
+            exact_for_any_tree = seq.params.greedy or seq.params.seed is not None or not proposal.draft_probs
+            if not cfg.prompt_lookup or not exact_for_any_tree or fixed_tree(seq.params):
                 continue
-            chain = lookup_chain(seq.token_ids, min(tree.max_depth + cfg.prompt_lookup, self._room(seq)))
-            grafted = graft(tree, chain, width - len(tree))
-            if len(grafted) > len(tree):
-                proposals[i] = replace(proposal, tree=grafted, drafted=len(tree))
+            room = min(cfg.prompt_lookup, self._room(seq))
+            copy, predicted = self._predicted(seq, room), True
+            if copy is None and copying and seq.grammar is None:
+                copy, predicted = (
+                    self.copies.draft(seq.token_ids, room, cfg.prompt_lookup, seq.params.cache_scope),
+                    False,
+                )
+            if copy is not None and len(copy.tree) > 1:
+                grafted, reach = graft(proposal.tree, copy.tree, copy.reach, cfg.prompt_lookup)
+                drafts[i] = grafted, reach, copy.match, predicted
+        if not drafts:
+            return
+        own = [len(p.tree) for p in proposals]
+        reach = [drafts[i][1] if i in drafts else () for i in range(len(batch))]
+        width = copy_width(own, base, reach, self.forward_cost, 1 + cfg.prompt_lookup)
+        for i, (tree, _, match, predicted) in drafts.items():
+            keep = min(len(tree) - own[i], max(0, width - own[i]))
+            if keep:
+                trimmed = TokenTree(tree.tokens[: own[i] + keep], tree.parents[: own[i] + keep])
+                proposals[i] = replace(
+                    proposals[i], tree=trimmed, drafted=own[i], copy_match=match, predicted=predicted
+                )
+            else:
+                (self.prediction_yields if predicted else self.copies.yields).relax(match)
 
-    def _widening_pays(self, batch: int, width: int) -> bool:
-        """Whether verifying ``width + 1`` nodes per sequence instead of ``width`` costs less,
-        in plain steps, than a grafted node's measured yield in tokens (at least
-        ``LOOKUP_FLOOR``, so grafts that cost nearly nothing go on being measured)."""
-        cost = self.forward_cost
-        extra = cost.growth(batch, width + 1) - cost.growth(batch, width)
-        return extra <= max(self.lookup_yield, LOOKUP_FLOOR)
+    def _predicted(self, seq: Sequence, room: int) -> CopyDraft | None:
+        """``seq``'s prediction's chain after its output (``prediction.prediction_draft``), cut
+        to what its grammar allows; None without a prediction or where none aligns."""
+        if seq.prediction is None:
+            return None
+        found = prediction_draft(
+            seq.token_ids[-1],
+            seq.prediction,
+            seq.output_ids,
+            seq.prediction_anchor,
+            room,
+            self.prediction_yields,
+        )
+        if found is None:
+            return None
+        draft, seq.prediction_anchor = found
+        if seq.grammar is not None:
+            allowed = seq.grammar.valid_prefix(list(draft.tree.tokens[1:]))
+            draft = replace(
+                draft, tree=TokenTree.chain(draft.tree.tokens[: 1 + allowed]), reach=draft.reach[:allowed]
+            )
+        return draft
 
     def _decode_without_drafter(self, exc: Exception, seqs: list[Sequence]) -> None:
         """This step decodes ``seqs`` plainly; the drafter starts them afresh next time."""
@@ -579,15 +645,25 @@ class Engine:
             self.totals.fallback_steps += 1
         self.fallback_reasons[fallback_reason(exc)] += len(seqs)
 
-    def _record(self, seq: Sequence, proposal: Proposal, acceptance: Acceptance) -> int:
-        """Count the step in the request's and the engine's stats; the accepted grafted tokens."""
-        looked_up = sum(node >= proposal.own_nodes for node in acceptance.path)
+    def _record(self, seq: Sequence, proposal: Proposal, acceptance: Acceptance) -> None:
+        """Count the step in the request's and the engine's stats, and a grafted copy draft's
+        outcome in the copy policy's yields."""
+        grafted = len(proposal.tree) - proposal.own_nodes
+        copied = sum(node >= proposal.own_nodes for node in acceptance.path)
         for stats in (seq.stats, self.totals):
             stats.verify_steps += 1
             stats.draft_tokens += len(proposal.tree) - 1
             stats.accepted_tokens += acceptance.accepted_drafts
-            stats.lookup_tokens += looked_up
-        return looked_up
+            if proposal.predicted:
+                stats.prediction_draft_tokens += grafted
+                stats.prediction_accepted_tokens += copied
+            else:
+                stats.copy_draft_tokens += grafted
+                stats.copy_accepted_tokens += copied
+        if proposal.copy_match:
+            tried, accepted = graft_outcome(proposal.tree, proposal.own_nodes, acceptance.path)
+            yields = self.prediction_yields if proposal.predicted else self.copies.yields
+            yields.observe(proposal.copy_match, tried, accepted)
 
     def _retire(self, seq: Sequence) -> None:
         """Free ``seq``'s slot, moving the sequence in the highest slot into it.
@@ -598,6 +674,8 @@ class Engine:
         prefix caching the freed slot keeps ``seq``'s tokens and KV, and a move swaps them into
         the slot the moved sequence leaves."""
         self.running.remove(seq)
+        if self.config.prompt_lookup and self.config.recent_outputs:
+            self.copies.record(seq.output_ids, seq.params.cache_scope)
         kept = seq.token_ids[: seq.cache_len] if self.config.prefix_caching else []
         self.prefixes.keep(seq.slot, kept, seq.params.cache_scope)
         if self.drafter is not None:

@@ -244,8 +244,13 @@ class GuardedDrafter:
 
     @property
     def takes_grafts(self) -> bool:
-        """Whether the engine may graft prompt lookup onto the inner drafter's trees."""
+        """Whether the engine may graft copy drafts onto the inner drafter's trees."""
         return bool(getattr(self.inner, "takes_grafts", False))
+
+    @property
+    def copy_only(self) -> bool:
+        """Whether the inner drafter's trees are the engine's copy drafts alone (``suffix``)."""
+        return bool(getattr(self.inner, "copy_only", False))
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

@@ -62,30 +62,31 @@ def trie(root: int, chains: list[list[int]], max_nodes: int) -> TokenTree:
     return TokenTree(tuple(tokens), tuple(parents))
 
 
-def lookup_chain(token_ids: list[int], length: int, max_ngram: int = 4, min_ngram: int = 2) -> list[int]:
-    """The continuation (at most ``length`` tokens) of the latest earlier occurrence of the
-    sequence's longest repeated suffix of ``min_ngram`` to ``max_ngram`` tokens; [] when none."""
-    found = find_continuations(token_ids, length, 1, max_ngram, min_ngram)
-    return found[0] if found else []
-
-
-def graft(tree: TokenTree, chain: list[int], max_new: int) -> TokenTree:
-    """``tree`` with ``chain`` grafted under its root: along the nodes that already spell the
-    chain's first tokens, then as new nodes (at most ``max_new``) appended after the tree's
-    own, so the original nodes keep their indices and a grafted node's descendants are grafted."""
+def graft(
+    tree: TokenTree, other: TokenTree, reach: tuple[float, ...], max_new: int
+) -> tuple[TokenTree, tuple[float, ...]]:
+    """``tree`` with ``other`` (whose root is ``tree``'s) grafted under its root: each of
+    ``other``'s nodes along the node of ``tree`` that already spells it, else as a new node
+    (at most ``max_new``) appended after the tree's own in ``other``'s order, so the original
+    nodes keep their indices and a grafted node's descendants are grafted; with the ``reach``
+    (one per node of ``other`` but its root) of the appended nodes."""
     tokens, parents = list(tree.tokens), list(tree.parents)
     child = {(parent, tokens[i]): i for i, parent in enumerate(parents) if parent >= 0}
-    node, added = 0, 0
-    for token in chain:
-        if (node, token) in child:
-            node = child[node, token]
-            continue
-        if added == max_new:
-            break
-        tokens.append(token)
-        parents.append(node)
-        node, added = len(tokens) - 1, added + 1
-    return TokenTree(tuple(tokens), tuple(parents))
+    at = [0]  # node of the grafted tree each of other's nodes became
+    appended: list[float] = []
+    for i in range(1, len(other)):
+        parent = at[other.parents[i]]
+        key = (parent, other.tokens[i])
+        if key not in child:
+            if len(appended) == max_new or parent < 0:
+                at.append(-1)  # dropped, and its descendants with it
+                continue
+            tokens.append(other.tokens[i])
+            parents.append(parent)
+            child[key] = len(tokens) - 1
+            appended.append(reach[i - 1])
+        at.append(child[key])
+    return TokenTree(tuple(tokens), tuple(parents)), tuple(appended)
 
 
 class NgramDrafter:

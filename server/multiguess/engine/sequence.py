@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from multiguess.engine.detokenizer import IncrementalText
@@ -21,7 +22,10 @@ class SpecStats:
     draft_tokens: int = 0  # drafted nodes the target verified
     accepted_tokens: int = 0  # drafted tokens the target accepted
     fallback_steps: int = 0  # steps decoded without the drafter because it failed
-    lookup_tokens: int = 0  # of the accepted tokens, those prompt lookup grafted onto the trees
+    copy_draft_tokens: int = 0  # of the drafted tokens, those copy drafts grafted (engine/suffix.py)
+    copy_accepted_tokens: int = 0  # of the accepted tokens, those copy drafts grafted
+    prediction_draft_tokens: int = 0  # of the drafted tokens, those drafted from the prediction
+    prediction_accepted_tokens: int = 0  # of the accepted tokens, those drafted from the prediction
 
     @property
     def mean_accepted_length(self) -> float:
@@ -33,7 +37,10 @@ class SpecStats:
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
             "fallback_steps": self.fallback_steps,
-            "lookup_tokens": self.lookup_tokens,
+            "copy_draft_tokens": self.copy_draft_tokens,
+            "copy_accepted_tokens": self.copy_accepted_tokens,
+            "prediction_draft_tokens": self.prediction_draft_tokens,
+            "prediction_accepted_tokens": self.prediction_accepted_tokens,
             "mean_accepted_length": round(self.mean_accepted_length, 4),
         }
 
@@ -60,6 +67,8 @@ class Sequence:
     cut: bool = False  # a stop string ended the text
     error: str | None = None  # why the grammar matcher failed (finish_reason "error")
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked
+    prediction: np.ndarray | None = None  # predicted output tokens (engine/prediction.py)
+    prediction_anchor: int = 0  # where in the prediction the output was last aligned
 
     @property
     def token_ids(self) -> list[int]:

@@ -1,0 +1,183 @@
+"""Grounded workloads: replies that copy their input, at batch 1 through the engine.
+
+Code edits (with the original file as the prediction, and without), extraction and quotation, reformatting, question answering over passages, an agent
+loop whose requests repeat tool-call JSON, and open chat as the control, each decoded greedily
+by plain decoding (``--drafter none``, no prediction), the default drafter and the suffix
+drafter, on the embedded pair. The setups take turns within each repeat (the order rotating every repeat) and
+each starts every repeat with an empty recent-output index, so no repeat copies an earlier
+one's replies. Reported per workload and setup: the median over repeats of tokens per second
+of the workload's prompts, the ratio to plain decoding of the same repeat, the mean accepted
+length, and whether every output is plain decoding's token for token. Run from the repo root
+under the shared lock: ``flock /tmp/mg-bench.lock .venv/bin/python bench/grounded.py``; the
+JSON goes to docs/bench/grounded.json and docs/BENCHMARKS.md is rendered again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
+
+from multiguess import LLM, SamplingParams, bench_docs
+from multiguess.engine.suffix import RecentOutputs
+
+CODE = """def mean(values):
+    total = 0
+    count = 0
+    for value in values:
+        total += value
+        count += 1
+    if count == 0:
+        return 0
+    return total / count
+
+
+def variance(values):
+    m = mean(values)
+    total = 0
+    for value in values:
+        total += (value - m) ** 2
+    return total / len(values)
+"""
+PASSAGE = (
+    "The Rhine rises in the Swiss Alps and flows north through Lake Constance, then west along "
+    "the border between Switzerland and Germany. At Basel it turns north again, forming part of "
+    "the border between France and Germany, before crossing Germany and the Netherlands to the "
+    "North Sea. The river is about 1,230 kilometres long. Since Roman times it has been one of "
+    "the most important trade routes in Europe, and today barges carry coal, grain and "
+    "containers between the port of Rotterdam and the industrial cities of the Ruhr."
+)
+TABLE = "name,city,age\nAlice,Paris,34\nBob,Berlin,28\nCarla,Madrid,41\nDavid,Rome,37\nEmma,Vienna,25"
+TOOL = (
+    "You are an agent. Answer every request with exactly one tool call in JSON of the form "
+    '{"tool": "search_flights", "arguments": {"origin": ..., "destination": ..., "date": ..., '
+    '"passengers": ..., "cabin": "economy"}} and nothing else.'
+)
+WORKLOADS: dict[str, list[str]] = {
+    "code edit": [
+        f"Rename the variable `total` to `acc` everywhere in this code. Reply with the whole file.\n\n{CODE}",
+        f"Add a docstring to each function of this code. Reply with the whole file.\n\n{CODE}",
+    ],
+    "code edit + prediction": [
+        f"Rename the variable `total` to `acc` everywhere in this code. Reply with the whole file.\n\n{CODE}",
+        f"Add a docstring to each function of this code. Reply with the whole file.\n\n{CODE}",
+    ],
+    "extraction": [
+        f"Copy the passage below word for word, then stop.\n\n{PASSAGE}",
+        f"Quote the sentences of this passage that mention Germany, exactly as written.\n\n{PASSAGE}",
+    ],
+    "reformatting": [
+        f"Convert this CSV to a JSON list of objects with the keys name, city and age.\n\n{TABLE}",
+        f"Convert this CSV to a Markdown table.\n\n{TABLE}",
+    ],
+    "qa over passages": [
+        f"Passage: {PASSAGE}\n\nQuestion: Where does the Rhine rise and where does it end? "
+        "Answer with quotes from the passage.",
+        f"Passage: {PASSAGE}\n\nQuestion: What do barges carry on the Rhine today? Quote the passage.",
+    ],
+    "agent loop": [
+        f"{TOOL}\n\nRequest: two people from Paris to Lisbon on 12 May.",
+        f"{TOOL}\n\nRequest: one person from Berlin to Lisbon on 14 May.",
+        f"{TOOL}\n\nRequest: three people from Paris to Rome on 12 May.",
+        f"{TOOL}\n\nRequest: two people from Madrid to Lisbon on 20 May.",
+    ],
+    "open chat": [
+        "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+        "Explain to a child why the sky is blue.",
+    ],
+}
+SETUPS = {"plain": "none", "default": "model", "suffix": "suffix"}
+PREDICTIONS = {"code edit + prediction": CODE}  # the text each workload's requests predict
+
+
+def chat(llm: LLM, prompt: str) -> list[int]:
+    """The prompt as one user message in the target's chat template, as the API sends it."""
+    text = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+    )
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def run_workload(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Every prompt of a workload, one at a time: total tokens, seconds, outputs, accepted length."""
+    tokens = seconds = steps = accepted = 0
+    outputs = []
+    for prompt in prompts:
+        start = time.perf_counter()
+        out = llm.generate(prompt, params)[0].outputs[0]
+        seconds += time.perf_counter() - start
+        tokens += len(out.token_ids)
+        steps += out.stats["verify_steps"]
+        accepted += out.stats["accepted_tokens"]
+        outputs.append(out.token_ids)
+    return {"tokens": tokens, "seconds": seconds, "outputs": outputs, "mal": 1 + accepted / max(1, steps)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument(
+        "--out", type=Path, default=Path("docs"), help="docs folder: bench/ JSON and BENCHMARKS.md"
+    )
+    args = parser.parse_args()
+    llms = {name: LLM(drafter=drafter, max_batch=1) for name, drafter in SETUPS.items()}
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    prompts = {w: [chat(llms["plain"], p) for p in ps] for w, ps in WORKLOADS.items()}
+    for llm in llms.values():  # warm up kernels and caches on a prompt outside the set
+        llm.generate(chat(llm, "Say hello."), SamplingParams(max_tokens=8, temperature=0))
+    runs: dict[str, dict[str, list[dict]]] = {w: {s: [] for s in SETUPS} for w in WORKLOADS}
+    for repeat in range(args.repeats):
+        order = list(SETUPS)[repeat % len(SETUPS) :] + list(SETUPS)[: repeat % len(SETUPS)]
+        for name in order:
+            engine = llms[name].engine
+            engine.copies.recent = RecentOutputs(engine.config.recent_outputs, engine.config.recent_age)
+            for workload, ids in prompts.items():
+                predicted = PREDICTIONS.get(workload) if name != "plain" else None
+                runs[workload][name].append(
+                    run_workload(llms[name], ids, replace(params, prediction=predicted))
+                )
+                print(repeat, name, workload, round(runs[workload][name][-1]["seconds"], 2), flush=True)
+    rows = []
+    for workload, by_setup in runs.items():
+        plain = by_setup["plain"]
+        for name, results in by_setup.items():
+            rates = [r["tokens"] / r["seconds"] for r in results]
+            ratios = [p["seconds"] / r["seconds"] for p, r in zip(plain, results, strict=True)]
+            rows.append(
+                {
+                    "workload": workload,
+                    "setup": name,
+                    "drafter": SETUPS[name],
+                    "tokens_per_second": round(statistics.median(rates), 2),
+                    "vs_plain": round(statistics.median(ratios), 3),
+                    "ratios": [round(r, 3) for r in ratios],
+                    "mean_accepted_length": round(statistics.median(r["mal"] for r in results), 2),
+                    "identical_to_plain": all(
+                        r["outputs"] == p["outputs"] for p, r in zip(plain, results, strict=True)
+                    ),
+                    "tokens": results[0]["tokens"],
+                }
+            )
+    report = {
+        **bench_docs.provenance(),
+        "repeats": args.repeats,
+        "max_tokens": args.max_tokens,
+        "batch": 1,
+        "rows": rows,
+    }
+    path = args.out / "bench" / bench_docs.GROUNDED_FILE
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(rows, indent=1))
+    bench_docs.write(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Copy-source drafting (``engine/suffix.py``) and its policy: the pure parts, then the engine.
+
+Lossless: whatever the copy index holds (the right continuation, a partly right one, a wrong
+one), greedy and seeded outputs are those of plain decoding, for the suffix drafter alone and
+for copy drafts grafted onto a draft model's trees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from multiguess import LLM, SamplingParams
+from multiguess.engine.adaptive import CopyYield, ForwardCost, copy_width, graft_outcome, match_bucket
+from multiguess.engine.ngram import graft
+from multiguess.engine.suffix import CopySource, Match, RecentOutputs, copy_tree, own_matches
+from multiguess.engine.tree import TokenTree
+
+from tests.engine.test_lossless import random_prompts
+
+
+def test_own_matches_measure_each_occurrence_longest_then_latest() -> None:
+    tokens = [1, 2, 3, 9, 5, 2, 3, 8, 7, 1, 2, 3]
+    found = own_matches(tokens)
+    assert [(m.length, m.end) for m in found] == [(3, 2), (2, 6)]  # "1 2 3" at 0..2, "2 3" at 5..6
+    assert found[0].continuation(3) == (9, 5, 2)
+    assert own_matches([4, 5, 6]) == [] and own_matches([4]) == []
+    assert [m.length for m in own_matches([7] * 10, max_match=4)] == [4] * 6 + [3, 2, 1]
+
+
+def test_recent_outputs_match_within_their_scope_only() -> None:
+    recent = RecentOutputs()
+    recent.add([10, 11, 12, 13, 14], scope="a")
+    recent.add([20, 11, 12, 15], scope="b")
+    found = recent.matches([99, 10, 11, 12], scope="a")
+    assert [(m.length, m.continuation(2)) for m in found] == [(3, (13, 14))]
+    assert [m.continuation(1) for m in recent.matches([11, 12], scope="b")] == [(15,)]
+    assert recent.matches([11, 12], scope="c") == [] and recent.matches([12]) == []
+
+
+def test_recent_outputs_drop_the_oldest_past_their_size_and_age() -> None:
+    now = [0.0]
+    recent = RecentOutputs(max_tokens=6, max_age=10.0, clock=lambda: now[0])
+    recent.add([1, 2, 3])
+    recent.add([4, 5, 6])
+    assert len(recent) == 2 and recent.matches([1, 2])
+    recent.add([7, 8])  # 8 tokens: the oldest goes
+    assert len(recent) == 2 and recent.size == 5 and not recent.matches([1, 2]) and recent.matches([4, 5])
+    now[0] = 11.0
+    assert not recent.matches([4, 5]) and len(recent) == 0 and recent.size == 0
+    assert recent._pairs == {}  # nothing of the dropped outputs is kept
+
+
+def test_copy_tree_weighs_branches_by_how_often_they_were_seen() -> None:
+    texts = [(0, 1, 2, 3), (0, 1, 2, 3), (0, 1, 2, 4), (0, 1, 5, 6)]
+    matches = [Match(2, t, 1) for t in texts]
+    draft = copy_tree(1, matches, depth=2, rate=0.9, max_nodes=8)
+    assert draft.tree.tokens == (1, 2, 3, 5, 4, 6)
+    assert draft.tree.parents == (-1, 0, 1, 0, 1, 3)
+    assert draft.reach == pytest.approx((0.9 * 3 / 4, 0.81 / 2, 0.9 / 4, 0.81 / 4, 0.81 / 4))
+    assert copy_tree(1, matches, 2, 0.9, max_nodes=2).tree.tokens == (1, 2, 3)
+    assert copy_tree(1, matches, 2, 0.9, 8, min_share=0.5).tree.tokens == (1, 2, 3)
+
+
+def test_copy_drafts_grow_as_deep_as_the_match_supports() -> None:
+    source = CopySource()
+    text = list(range(10, 70))
+    short = source.draft([*text, 99, 10, 11], depth=32, max_nodes=32)
+    long = source.draft([*text, 99, *text[:20]], depth=32, max_nodes=32)
+    assert short is not None and short.match == 2 and short.tree.max_depth == 4
+    assert long is not None and long.match == 20 and long.tree.tokens[1:] == tuple(text[20:52])
+    assert source.draft([1, 2, 3], depth=32, max_nodes=32) is None
+    source.record([5, 6, 7, 8])
+    recalled = source.draft([1, 5, 6], depth=32, max_nodes=32)
+    assert recalled is not None and recalled.tree.tokens == (6, 7, 8)
+
+
+def test_graft_merges_along_the_trees_nodes_and_appends_the_rest() -> None:
+    #     0            root 10
+    #   1   2          11, 12
+    #   3              13 under 11
+    tree = TokenTree((10, 11, 12, 13), (-1, 0, 0, 1))
+    copy = TokenTree((10, 11, 13, 14, 15, 12, 20), (-1, 0, 1, 2, 3, 0, 5))
+    grafted, reach = graft(tree, copy, (0.9, 0.8, 0.7, 0.6, 0.5, 0.4), max_new=5)
+    assert grafted.tokens[:4] == tree.tokens and grafted.parents[:4] == tree.parents  # indices kept
+    assert grafted.tokens[4:] == (14, 15, 20) and grafted.parents[4:] == (3, 4, 2)
+    assert reach == (0.7, 0.6, 0.4)
+    capped, reach = graft(tree, copy, (0.9, 0.8, 0.7, 0.6, 0.5, 0.4), max_new=1)
+    assert capped.tokens[4:] == (14,) and reach == (0.7,)
+    assert graft(tree, TokenTree.chain([10, 11, 13]), (1.0, 1.0), max_new=5) == (tree, ())
+
+
+def test_copy_width_widens_only_where_the_yield_pays_for_the_forward() -> None:
+    flat, steep = ForwardCost(), ForwardCost((1, 64), (1.0, 64.0))
+    sure, unsure = (0.95, 0.9, 0.85, 0.8), (0.1, 0.01)
+    gentle = ForwardCost((1, 2, 4), (1.0, 1.2, 1.5))
+    assert copy_width([1], [1.0], [sure], flat, 33) == 5
+    assert copy_width([1], [1.0], [sure], steep, 33) == 1
+    assert copy_width([1], [1.0], [unsure], gentle, 33) == 1
+    assert copy_width([1], [1.0], [sure], gentle, 33) == 5
+    assert copy_width([4, 1], [1.5, 1.0], [(), unsure], steep, 33) == 4  # the padding is free
+    assert copy_width([1], [1.0], [sure], flat, 3) == 3  # within the limit
+    # A drafted tree that loses to plain decoding is not widened to lose a little less.
+    assert copy_width([7], [1.9], [sure], steep, 33) == 7
+
+
+def test_copy_yield_learns_by_match_length_and_relaxes_back() -> None:
+    yields = CopyYield()
+    assert [match_bucket(m) for m in (1, 2, 3, 4, 5, 9, 17, 33, 1000)] == [0, 1, 2, 2, 3, 4, 5, 6, 6]
+    assert yields.rate(1) < yields.rate(4) < yields.rate(40)
+    before = yields.rate(40)
+    for _ in range(20):
+        yields.observe(2, tried=3, accepted=0)
+    assert yields.rate(2) < 0.01 and yields.rate(40) == before
+    low = yields.rate(2)
+    yields.relax(2)
+    assert low < yields.rate(2) < CopyYield.prior(1)
+    #   0 -> 1 (own) -> 2 (grafted) -> 3 (grafted); 0 -> 4 (grafted)
+    tree = TokenTree((5, 6, 7, 8, 9), (-1, 0, 1, 2, 0))
+    assert graft_outcome(tree, 2, [0, 1, 2, 3]) == (3, 2)  # tried at 0, 1 and 2; 3 is a leaf
+    assert graft_outcome(tree, 2, [0, 1]) == (2, 0)
+    assert graft_outcome(tree, 2, [0, 4]) == (1, 1)
+
+
+PARAMS = {
+    "greedy": SamplingParams(max_tokens=40, ignore_eos=True),
+    "seeded": SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.7, seed=3),
+}
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama: Path) -> dict:
+    """Plain decoding's outputs for each setting's prompts (some repeating themselves)."""
+    prompts = [p * 3 for p in random_prompts(11, (5, 9, 17))] + random_prompts(12, (3, 30, 61))
+    llm = LLM(str(tiny_llama), None, dtype="float32", max_batch=4)
+    return {
+        name: (prompts, [o.outputs[0].token_ids for o in llm.generate(prompts, p)])
+        for name, p in PARAMS.items()
+    }
+
+
+def corrupt(tokens: list[int], every: int) -> list[int]:
+    return [4 + (t + 1) % 60 if i % every == every - 1 else t for i, t in enumerate(tokens)]
+
+
+@pytest.mark.parametrize("setting", list(PARAMS))
+@pytest.mark.parametrize("index", ["right", "partly", "wrong", "empty"])
+@pytest.mark.parametrize("drafter", ["suffix", "model"])
+def test_copy_drafts_are_lossless_whatever_the_index_holds(
+    tiny_llama: Path, tiny_llama_draft: Path, plain: dict, setting: str, index: str, drafter: str
+) -> None:
+    """The recent-output index holds each prompt followed by its plain output (right), by an
+    output with every fifth token changed (partly right), or by random text (wrong); outputs
+    are plain decoding's token for token, batched (sequences joining and leaving) and one by
+    one, and a right index is accepted for long stretches."""
+    prompts, expected = plain[setting]
+    llm = LLM(
+        str(tiny_llama),
+        str(tiny_llama_draft) if drafter == "model" else None,
+        drafter=drafter,
+        dtype="float32",
+        max_batch=3,
+    )
+    held = {
+        "right": expected,
+        "partly": [corrupt(out, 5) for out in expected],
+        "wrong": random_prompts(13, (40,) * len(prompts)),
+        "empty": [],
+    }[index]
+    llm.engine.forward_cost = ForwardCost()  # every width costs alike: acceptance, not timing, is tested
+    for prompt, out in zip(prompts, held, strict=False):
+        llm.engine.copies.record(prompt + out)
+    outs = llm.generate(prompts, PARAMS[setting])
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    totals = llm.engine.totals
+    assert totals.copy_accepted_tokens > 0  # copies were verified (the prompts repeat themselves)
+    if index == "right":
+        assert totals.copy_accepted_tokens > 0.7 * sum(len(o) for o in expected)
+        assert totals.mean_accepted_length > 4
+
+
+def test_repeated_requests_copy_from_recent_outputs(tiny_llama: Path, plain: dict) -> None:
+    """A request whose reply was given before drafts it from the recent outputs: the second
+    time, almost every token is an accepted copy."""
+    prompts, expected = plain["greedy"]
+    llm = LLM(str(tiny_llama), None, drafter="suffix", dtype="float32", max_batch=1)
+    llm.engine.forward_cost = ForwardCost()  # every width costs alike: acceptance, not timing, is tested
+    prompt = prompts[-1]  # random: nothing of its reply repeats its prompt
+    first = llm.generate(prompt, PARAMS["greedy"])[0]
+    copied = llm.engine.totals.copy_accepted_tokens
+    second = llm.generate(prompt, PARAMS["greedy"])[0]
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids == expected[-1]
+    assert llm.engine.totals.copy_accepted_tokens - copied >= 0.8 * len(expected[-1])
+
+
+def test_recent_outputs_steer_only_their_own_tenants_drafts(tiny_llama: Path, plain: dict) -> None:
+    """A reply one tenant received joins the recent outputs under that tenant's scope only:
+    another tenant's lookup (or a request salted apart) finds nothing of it, and the same
+    tenant's repeat copies it; output is plain decoding's throughout."""
+    prompts, expected = plain["greedy"]
+    llm = LLM(str(tiny_llama), None, drafter="suffix", dtype="float32", max_batch=1)
+    llm.engine.forward_cost = ForwardCost()  # every width costs alike: acceptance, not timing, is tested
+    prompt, reply = prompts[-1], expected[-1]
+    alice = replace(PARAMS["greedy"], tenant="alice")
+    assert llm.generate(prompt, alice)[0].outputs[0].token_ids == reply
+    recent = llm.engine.copies.recent
+    probe = [*prompt, *reply[:4]]
+    assert recent.matches(probe, scope=alice.cache_scope)
+    for other in (replace(alice, tenant="bob"), replace(alice, cache_salt="s"), PARAMS["greedy"]):
+        assert recent.matches(probe, scope=other.cache_scope) == []
+    before = llm.engine.totals.copy_accepted_tokens
+    assert llm.generate(prompt, alice)[0].outputs[0].token_ids == reply
+    assert llm.engine.totals.copy_accepted_tokens - before >= 0.8 * len(reply)
+
+
+def test_copy_drafts_off_draft_nothing(tiny_llama: Path, plain: dict) -> None:
+    prompts, expected = plain["greedy"]
+    llm = LLM(str(tiny_llama), None, drafter="suffix", dtype="float32", max_batch=4, prompt_lookup=0)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS["greedy"])] == expected
+    assert llm.engine.totals.draft_tokens == 0 and len(llm.engine.copies.recent) == 0
