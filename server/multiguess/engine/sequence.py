@@ -59,6 +59,7 @@ class Sequence:
     sent_logprobs: int = 0  # records handed out by ``take_logprobs``
     cut: bool = False  # a stop string ended the text
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked
+    group: str = ""  # the client request it is a sample of (admission's fair turns)
 
     @property
     def token_ids(self) -> list[int]:
