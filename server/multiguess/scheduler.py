@@ -282,6 +282,7 @@ class Scheduler:
             self.state, self.reason = "failed", f"loading the models failed: {type(exc).__name__}: {exc}"
             return
         self.engine = engine
+        self.metrics.prefill_chunk.set(int(engine.config.max_prefill_tokens or 0))
         if self.state == "loading":
             self.state = "ready"
         log.info("engine ready: %s", engine.config)
