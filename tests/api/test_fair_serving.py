@@ -60,24 +60,24 @@ def test_n_samples_compute_their_prompts_logprobs_once(
 
 PROBE = """
 import sys, time, httpx
-latencies = []
 with httpx.Client(base_url=sys.argv[1]) as client:
     while not sys.stdin.readline().strip():  # an empty line per probe; "stop" ends
         started = time.perf_counter()
         assert client.get("/health/live").status_code == 200
-        latencies.append(time.perf_counter() - started)
-        print(len(latencies), flush=True)
-print(max(latencies), len(latencies), flush=True)
+        print(time.perf_counter() - started, flush=True)
 """
 
 
 def test_liveness_answers_fast_while_a_long_echo_and_a_stream_run(wide: LiveServer) -> None:
-    """Probed from another process (a prober in this one would wait for the interpreter lock
-    itself), every 20 ms while the heavy request runs."""
+    """Probed every 20 ms from another process (a prober in this one would wait for the
+    interpreter lock itself): for a second while only a stream runs, then while the heavy
+    request runs too. A loaded machine delays any answer, so the bound is the limit on top of
+    the worst answer without the heavy request."""
     (prompt,) = random_prompts(97, (500,))
     heavy = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 20, "n": 8}
-    stream = {"model": MODEL, "prompt": "w3 w4", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    stream = {"model": MODEL, "prompt": "w3 w4", "max_tokens": 400, "ignore_eos": True, "stream": True}
     done = threading.Event()
+    latencies: list[float] = []
     prober = subprocess.Popen(
         [sys.executable, "-c", PROBE, wide.url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
@@ -87,7 +87,7 @@ def test_liveness_answers_fast_while_a_long_echo_and_a_stream_run(wide: LiveServ
         while not done.is_set():
             prober.stdin.write("\n")  # type: ignore[union-attr]
             prober.stdin.flush()  # type: ignore[union-attr]
-            prober.stdout.readline()  # type: ignore[union-attr]
+            latencies.append(float(prober.stdout.readline()))  # type: ignore[union-attr]
             time.sleep(0.02)
 
     pacer = threading.Thread(target=pace)
@@ -95,14 +95,17 @@ def test_liveness_answers_fast_while_a_long_echo_and_a_stream_run(wide: LiveServ
         lines = running.iter_lines()
         next(line for line in lines if line.startswith("data: "))
         pacer.start()
+        time.sleep(1.0)
+        calm = len(latencies)
         try:
             resp = client.post("/v1/completions", json={**heavy, "temperature": 1.0})
         finally:
             done.set()
             pacer.join()
-        worst, count = map(float, prober.communicate("stop\n", timeout=30)[0].split())
+            prober.communicate("stop\n", timeout=30)
         assert resp.status_code == 200, resp.text
         assert len(resp.json()["choices"]) == 8
         list(lines)
-    assert count >= 3
-    assert worst < LIVENESS_LIMIT
+    baseline, loaded = latencies[:calm], latencies[calm:]
+    assert len(baseline) >= 5 and len(loaded) >= 3
+    assert max(loaded) < LIVENESS_LIMIT + max(baseline), (max(loaded), max(baseline))
