@@ -54,7 +54,7 @@ LOOKUP_SMOOTHING = 0.1  # weight of one step's grafts in the running yield
 # ``max_prefill_tokens="auto"``: the largest chunk whose forward takes at most this many
 # one-token (decode) forwards, so a running stream waits about that long for a chunk.
 PREFILL_PAUSE_STEPS = 8
-MIN_PREFILL_CHUNK = 16  # a smaller chunk would pay a whole weight read for a few tokens
+MIN_PREFILL_CHUNK = 64  # a smaller chunk would pay a whole weight read for a few tokens
 MAX_PREFILL_CHUNK = 8192
 # Prompt positions whose log-probabilities one forward computes at most (a [rows, V] tensor),
 # chunked prefill or not: prompt log-probabilities take bounded memory.
@@ -190,27 +190,33 @@ def measure_prefill_chunk(
     runner: NativeRunner,
     limit: int,
     pause_steps: float = PREFILL_PAUSE_STEPS,
-    rounds: int = 3,
+    rounds: int = 5,
     context: int = 256,
 ) -> int:
     """The chunk ``max_prefill_tokens="auto"`` prefills per step: the largest power of two
     (at least ``MIN_PREFILL_CHUNK``, at most ``limit``) whose forward after ``context`` cached
-    tokens takes at most ``pause_steps`` one-token forwards, each size timed ``rounds`` times
-    (fastest kept). Sizes are tried in increasing order and stop at the first too slow, so the
-    measurement costs a few chunks' time. On a CPU, where forward time grows with the tokens
-    almost at once, this is a chunk of about a hundred tokens; on a GPU, whose forwards cost
-    the same up to hundreds of tokens, thousands."""
+    tokens takes at most ``pause_steps`` one-token forwards. Each of ``rounds`` rounds times
+    one token, then doubling chains until one is too slow by the fastest times so far: a burst
+    of load on a shared machine slows one round's sample, not the answer, and the measurement
+    costs a few chunks' time. On a CPU, where forward time grows with the tokens almost at
+    once, this is a chunk of about a hundred tokens; on a GPU, whose forwards cost the same up
+    to hundreds of tokens, thousands."""
     limit = max(1, min(limit, MAX_PREFILL_CHUNK))
+    smallest = min(MIN_PREFILL_CHUNK, limit)
     context = cache_context(runner, context, limit)
+    best: dict[int, float] = collections.defaultdict(lambda: float("inf"))
 
-    def fastest(count: int) -> float:
-        return min(time_chain(runner, context, count, last_only=True) for _ in range(rounds))
+    def fits(count: int) -> bool:
+        best[count] = min(best[count], time_chain(runner, context, count, last_only=True))
+        return best[count] <= pause_steps * best[1]
 
-    pause = pause_steps * fastest(1)
-    chunk = min(MIN_PREFILL_CHUNK, limit)
-    while chunk * 2 <= limit and fastest(chunk * 2) <= pause:
-        chunk *= 2
-    log.info("prefill chunk: %d tokens (a forward within %.1f ms)", chunk, pause * 1000)
+    for _ in range(rounds):
+        fits(1)
+        count = smallest * 2
+        while count <= limit and fits(count):
+            count *= 2
+    chunk = max((c for c in best if c > smallest and best[c] <= pause_steps * best[1]), default=smallest)
+    log.info("prefill chunk: %d tokens (a forward within %.1f ms)", chunk, pause_steps * best[1] * 1000)
     return chunk
 
 
