@@ -16,16 +16,24 @@ prefix reuse and chunked prefill apart and together (time to first token and the
 streamed chunks, medians and p90):
 
     (a) prefix caching + chunked prefill  (--max-prefill-tokens N)
-    (b) prefix caching, whole prefills
+    (b) prefix caching, whole prefills    (--max-prefill-tokens 0)
     (c) no prefix caching, chunked prefill (--no-enable-prefix-caching --max-prefill-tokens N)
     (d) no prefix caching, whole prefills
+
+``--workload long-prompt``: one greedy stream runs while a request with a prompt of
+``--long-tokens`` token ids (2,000; new ids each trial, so no prefix cache helps) arrives; the
+stream's longest pause between text chunks while that prompt is prefilled, its median gap then
+and before, and the long request's latency, in two setups taking turns:
+
+    (a) chunked prefill, the default (the chunk the server measured, read from /metrics)
+    (b) whole prefills                (--max-prefill-tokens 0)
 
 Machines are noisy (±5% between runs here), so each level is run ``--repeats`` times, the setups
 taking turns in a rotating order, and throughput is the median over repeats; latencies pool
 every request of a level. Reports generated tokens/s, requests/s, p50/p95 end-to-end latency and
 time to first token, (a) relative to (b) and (c), and writes JSON and a plot under docs/, from
 which docs/BENCHMARKS.md is rendered again (``multiguess.bench_docs``).
-Run: ``.venv/bin/python bench/serving_load.py [--workload shared-prompt]``; ``--serve-args``
+Run: ``.venv/bin/python bench/serving_load.py [--workload shared-prompt|long-prompt]``; ``--serve-args``
 passes flags to every server (another model pair, a dtype) and ``--out`` writes elsewhere.
 """
 
@@ -33,8 +41,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -50,15 +60,18 @@ SETUPS = {
     "c: unbatched speculation": ["--max-batch", "1"],
 }
 NO_PREFIX = ["--no-enable-prefix-caching"]
+WHOLE = ["--max-prefill-tokens", "0"]
+LONG_SETUPS = {"a: chunked prefill (default)": [], "b: whole prefills": WHOLE}
+STREAM_PROMPT = "Write a long story about a lighthouse keeper and the ships she watches."
 
 
 def shared_setups(chunk: int) -> dict[str, list[str]]:
     chunked = ["--max-prefill-tokens", str(chunk)]
     return {
         f"a: prefix caching + chunked prefill ({chunk})": ["--max-batch", "16", *chunked],
-        "b: prefix caching, whole prefills": ["--max-batch", "16"],
+        "b: prefix caching, whole prefills": ["--max-batch", "16", *WHOLE],
         f"c: no prefix caching, chunked prefill ({chunk})": ["--max-batch", "16", *NO_PREFIX, *chunked],
-        "d: no prefix caching, whole prefills": ["--max-batch", "16", *NO_PREFIX],
+        "d: no prefix caching, whole prefills": ["--max-batch", "16", *NO_PREFIX, *WHOLE],
     }
 
 
@@ -294,6 +307,96 @@ def measure(
     return {name: [summarise(c, runs[name][li]) for li, c in enumerate(levels)] for name in names}
 
 
+async def interference_trial(base_url: str, long_prompt: list[int], warm_chunks: int = 8) -> dict:
+    """A greedy stream runs (``warm_chunks`` text chunks first); then the long prompt arrives
+    (one token asked); the stream is closed shortly after that request returns. The gaps
+    between the stream's text chunks before it arrived, and those overlapping its wait."""
+    client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
+    model = await served_model(client)
+    stream = await client.completions.create(
+        model=model,
+        prompt=STREAM_PROMPT,
+        max_tokens=2048 - len(long_prompt),
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    times: list[float] = []
+
+    async def read() -> None:
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                times.append(time.perf_counter())
+
+    reader = asyncio.ensure_future(read())
+    while len(times) < warm_chunks and not reader.done():
+        await asyncio.sleep(0.005)
+    sent = time.perf_counter()
+    await client.completions.create(model=model, prompt=long_prompt, max_tokens=1, temperature=0)
+    done = time.perf_counter()
+    await asyncio.sleep(0.5)  # a few more chunks: the pause that ends after the prefill counts
+    reader.cancel()
+    await stream.close()
+    await client.close()
+    pairs = list(itertools.pairwise(times))
+    before = [b - a for a, b in pairs if b <= sent]
+    during = [b - a for a, b in pairs if b > sent and a < done]
+    return {
+        "pause_max": round(max(during), 4) if during else round(done - sent, 4),
+        "pause_p50": round(statistics.median(during), 4) if during else None,
+        "steady_gap": round(statistics.median(before), 4) if before else None,
+        "stream_chunks_during": len(during),
+        "long_latency": round(done - sent, 3),
+    }
+
+
+def prefill_chunk(port: int) -> int:
+    """The chunk a server prefills per step (``multiguess_prefill_chunk_tokens``; 0: whole)."""
+    import httpx
+
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
+        if line.startswith("multiguess_prefill_chunk_tokens "):
+            return int(float(line.split()[1]))
+    raise RuntimeError("the server does not report multiguess_prefill_chunk_tokens")
+
+
+def measure_interference(setups: dict[str, list[str]], args: argparse.Namespace) -> dict[str, dict]:
+    """Every setup's server, ``repeats`` trials each, the setups taking turns in a rotating order;
+    per setup the chunk and the medians over trials (the trials too)."""
+    names = list(setups)
+    servers: dict[str, tuple[subprocess.Popen, int]] = {}
+    trials: dict[str, list[dict]] = {name: [] for name in names}
+    ids = random.Random(args.long_tokens)
+    try:
+        for name in names:
+            port = free_port()
+            print(f"starting {name} ...", file=sys.stderr)
+            servers[name] = (
+                start_server([*setups[name], *args.serve_args.split()], port, args.threads),
+                port,
+            )
+        for repeat in range(args.repeats):
+            for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+                prompt = [ids.randrange(1000, 40000) for _ in range(args.long_tokens)]
+                trial = asyncio.run(interference_trial(f"http://127.0.0.1:{servers[name][1]}/v1", prompt))
+                trials[name].append(trial)
+                print(f"  repeat {repeat + 1}/{args.repeats} {name}: {trial}", file=sys.stderr)
+        chunks = {name: prefill_chunk(port) for name, (_, port) in servers.items()}
+    finally:
+        for process, _ in servers.values():
+            process.terminate()
+            process.wait(timeout=60)
+    keys = ["pause_max", "pause_p50", "steady_gap", "long_latency"]
+    return {
+        name: {
+            "chunk": chunks[name],
+            **{k: statistics.median(t[k] for t in trials[name] if t[k] is not None) for k in keys},
+            "trials": trials[name],
+        }
+        for name in names
+    }
+
+
 def shared_ratios(report: dict) -> list[str]:
     """What prefix caching and chunked prefill change at each level (``bench_docs.SHARED_RATIOS``)."""
     from multiguess import bench_docs
@@ -313,7 +416,7 @@ def shared_ratios(report: dict) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=("mixed", "shared-prompt"), default="mixed")
+    parser.add_argument("--workload", choices=("mixed", "shared-prompt", "long-prompt"), default="mixed")
     parser.add_argument(
         "--concurrency", default=None, help="levels (default: 1,2,4,8,16; shared-prompt 1,4,8)"
     )
@@ -329,6 +432,9 @@ def main() -> int:
     )
     parser.add_argument("--chunk", type=int, default=256, help="--max-prefill-tokens of the chunked setups")
     parser.add_argument(
+        "--long-tokens", type=int, default=2000, help="long-prompt: the arriving prompt's tokens"
+    )
+    parser.add_argument(
         "--serve-args", default="", help="more flags for every server, e.g. '--dtype float32'"
     )
     parser.add_argument("--out", type=Path, default=Path("docs"))
@@ -336,6 +442,8 @@ def main() -> int:
     from multiguess import bench_docs
     from multiguess.benchmark import load_prompts
 
+    if args.workload == "long-prompt":
+        return long_prompt(args)
     shared = args.workload == "shared-prompt"
     system = SYSTEM_PROMPT if shared else None
     conversations = [messages_for(p["text"], system) for p in load_prompts()[1]]
@@ -364,6 +472,24 @@ def main() -> int:
         summary = ratios(report)
     bench_docs.write(args.out)
     print("\n".join([markdown(report), "", *summary]))
+    return 0
+
+
+def long_prompt(args: argparse.Namespace) -> int:
+    """The long-prompt interference workload: measure, write its JSON, render the pages."""
+    from multiguess import bench_docs
+
+    report = {**bench_docs.provenance(), "workload": args.workload, "long_tokens": args.long_tokens}
+    report |= {"repeats": args.repeats} | ({"serve_args": args.serve_args} if args.serve_args else {})
+    report["setups"] = measure_interference(LONG_SETUPS, args)
+    (args.out / "bench").mkdir(parents=True, exist_ok=True)
+    (args.out / "bench" / bench_docs.LONG_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    bench_docs.write(args.out)
+    print(
+        json.dumps(
+            {name: {k: v for k, v in r.items() if k != "trials"} for name, r in report["setups"].items()}
+        )
+    )
     return 0
 
 

@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
+import math
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.tiny_models import build_text_tokenizer, build_tokenizer, model_config, save_model, save_noisy_copy
+
+
+@pytest.fixture(scope="session", autouse=True)
+def whole_prefill_chunks() -> Iterator[None]:
+    """``max_prefill_tokens="auto"`` measures its chunk on the machine at hand, and a tiny
+    model's forwards cost about the same at any length, so its chunk would follow timing noise.
+    Here the measurement admits every size (a prompt is prefilled whole, in a known number of
+    steps); the tests of chunking set their chunk or patch the pause. Collection has imported
+    the engine by now when any test uses it (sessions without it import no torch)."""
+    module = sys.modules.get("multiguess.engine.engine")
+    if module is None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module, "PREFILL_PAUSE_STEPS", math.inf)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,7 @@ def test_every_recorded_result_names_its_commit_machine_and_command() -> None:
 def test_empty_results_render_as_not_yet_measured(tmp_path: Path) -> None:
     (tmp_path / "bench").mkdir()
     page = bench_docs.render(tmp_path)
-    assert page.count("No result recorded yet") == 7
+    assert page.count("No result recorded yet") == 8
     assert "Not yet run on a GPU" in page
     assert "No results recorded yet." in bench_docs.headline(tmp_path / "bench")
 
@@ -84,6 +84,28 @@ def test_shared_prompt_results_render_with_their_ratios(tmp_path: Path) -> None:
     assert "| a: both | 4 | 200.00 | 400.00 | 25.00 | 50.00 | 150.00 | 50.00 |" in page
     assert "| TTFT p50: prefix caching / none (b / d) | 0.250 |" in page
     assert "| ITL p90: chunked / whole prefills (a / b) | 0.500 |" in page
+
+
+def test_long_prompt_results_render_with_the_pause_ratio(tmp_path: Path) -> None:
+    """The shape ``bench/serving_load.py --workload long-prompt`` writes."""
+
+    def setup(chunk: int, pause: float, latency: float) -> dict:
+        timings = {"pause_max": pause, "pause_p50": pause / 2, "steady_gap": 0.03, "long_latency": latency}
+        return {"chunk": chunk, **timings, "trials": []}
+
+    report = {"commit": "cafe123", "date": "today", "machine": "m", "workload": "long-prompt"}
+    report |= {"long_tokens": 2000, "repeats": 3}
+    report["setups"] = {
+        "a: chunked prefill (default)": setup(128, 0.2, 5.0),
+        "b: whole prefills": setup(0, 4.0, 4.0),
+    }
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / bench_docs.LONG_FILE).write_text(json.dumps(report))
+    page = bench_docs.render(tmp_path)
+    assert "Commit `cafe123`" in page and "a 2000-token prompt" in page
+    assert "| a: chunked prefill (default) | 128 | 200.00 | 100.00 | 30.00 | 5.00 |" in page
+    assert "| b: whole prefills | whole | 4000.00 | 2000.00 | 30.00 | 4.00 |" in page
+    assert "longest pause is 0.050x the whole prefill's, and the long request takes 1.250x" in page
 
 
 def gpu_check(device: str) -> dict:

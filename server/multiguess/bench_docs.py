@@ -24,6 +24,7 @@ from typing import Any
 ENGINE_FILE = "results-{dtype}.json"
 LOAD_FILE = "load.json"
 SHARED_FILE = "load-shared-prompt.json"
+LONG_FILE = "load-long-prompt.json"
 REMOTE_FILE = "remote-overhead.json"
 SAMPLING_FILE = "sampling-exactness.json"
 GPU_FILE = "gpu_check.json"
@@ -330,6 +331,50 @@ def shared_prompt_section(report: Report | None) -> list[str]:
     return lines
 
 
+def long_prompt_section(report: Report | None) -> list[str]:
+    command = ".venv/bin/python bench/serving_load.py --workload long-prompt"
+    lines = ["## A long prompt arriving during a stream (`bench/serving_load.py --workload long-prompt`)", ""]
+    if report is None:
+        return lines + missing(command, "a running stream's pause while a long prompt is prefilled")
+    if "serve_args" in report:
+        command += f" --serve-args '{report['serve_args']}'"
+    lines += [
+        provenance_line(report, command),
+        "",
+        f"Real `multiguess serve` processes with their default settings but the prefill: one greedy "
+        f"stream runs while a request with a {report['long_tokens']}-token prompt (new token ids each "
+        f"trial: no prefix cache helps) and one output token arrives; {report['repeats']} trials per "
+        "setup, taking turns, medians over trials. The pause is the gap between the stream's text "
+        "chunks; the longest one overlapping the long request is what a reader sees stall, the median "
+        "one then is a step that carries a chunk of the prompt. The chunk is the server's own "
+        "(`multiguess_prefill_chunk_tokens`), measured at startup in the default setup.",
+        "",
+    ]
+    rows = [
+        [
+            setup,
+            r["chunk"] or "whole",
+            milliseconds(r["pause_max"]),
+            milliseconds(r["pause_p50"]),
+            milliseconds(r["steady_gap"]),
+            fmt(r["long_latency"]),
+        ]
+        for setup, r in report["setups"].items()
+    ]
+    header = ["setup", "chunk (tokens)", "longest pause ms", "median gap while prefilling ms"]
+    lines += table([*header, "gap before ms", "long request s"], rows)
+    lines.append("")
+    setups = {name[0]: r for name, r in report["setups"].items()}
+    if "a" in setups and "b" in setups and setups["b"]["pause_max"]:
+        a, b = setups["a"], setups["b"]
+        lines += [
+            f"Chunked, the stream's longest pause is {a['pause_max'] / b['pause_max']:.3f}x the whole "
+            f"prefill's, and the long request takes {a['long_latency'] / b['long_latency']:.3f}x as long.",
+            "",
+        ]
+    return lines
+
+
 # ---------------------------------------------------------------- remote draft (bench/remote_overhead.py)
 
 
@@ -623,6 +668,7 @@ SECTIONS: list[Callable[[Path], list[str]]] = [
     lambda b: engine_section(load(b, ENGINE_FILE.format(dtype="float32")), "float32"),
     lambda b: load_section(load(b, LOAD_FILE)),
     lambda b: shared_prompt_section(load(b, SHARED_FILE)),
+    lambda b: long_prompt_section(load(b, LONG_FILE)),
     lambda b: remote_section(load(b, REMOTE_FILE)),
     lambda b: sampling_section(load(b, SAMPLING_FILE)),
     lambda b: gpu_section(load(b, GPU_FILE)),

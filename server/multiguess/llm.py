@@ -93,7 +93,8 @@ class LLM:
     the device leaves after weights and activations, for at most ``max_batch`` sequences.
     ``draft_dtype`` None follows ``dtype``; ``auto`` resolves on each model's own device.
     ``cuda_graphs`` replays captured forwards on GPUs (opt-in; ``eager`` stays the escape hatch).
-    ``max_prefill_tokens`` caps the prompt tokens prefilled per step (chunked prefill).
+    ``max_prefill_tokens`` caps the prompt tokens prefilled per step (chunked prefill; ``auto``:
+    measured at construction, None: each prompt whole).
     ``prefix_caching`` starts each prompt from the KV of the longest prefix it shares with a
     recent or running sequence (``engine/prefix_cache.py``). ``prompt_lookup`` is the longest
     copy draft (what followed the text's suffix where it occurred before, in the request or in
@@ -121,7 +122,7 @@ class LLM:
         draft_dtype: str | None = None,
         cuda_graphs: bool = False,
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
-        max_prefill_tokens: int | None = None,
+        max_prefill_tokens: int | str | None = "auto",
         prefix_caching: bool = True,
         prompt_lookup: int = 32,
     ) -> None:

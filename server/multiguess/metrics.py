@@ -69,6 +69,11 @@ class Metrics:
             "multiguess_requests_waiting", "Samples admitted but not yet in the batch.", registry=reg
         )
         self.prompt_tokens = Counter("multiguess_prompt_tokens", "Prompt tokens admitted.", registry=reg)
+        self.prefill_chunk = Gauge(
+            "multiguess_prefill_chunk_tokens",
+            "Prompt tokens prefilled per engine step at most (chunked prefill); 0: whole prompts.",
+            registry=reg,
+        )
         self.generation_tokens = Counter("multiguess_generation_tokens", "Tokens generated.", registry=reg)
         self.prefix_queried = Counter(
             "multiguess_prefix_cache_queried_tokens",

@@ -110,17 +110,50 @@ class Job:
 
 @dataclass
 class _Tracked:
-    """The worker's view of a job."""
+    """The worker's view of a job. ``prompt_source[i]``: the sample whose prompt
+    log-probabilities sample ``i`` reports (``shared_prompt_logprobs``), kept in ``prompt_records``."""
 
     job: Job
     sequences: list[Sequence]
+    prompt_source: list[int]
     unfinished: int = 0
     admitted: bool = False
     first_token: bool = False
     last_token_at: dict[int, float] = field(default_factory=dict)
+    prompt_records: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    opened: set[int] = field(default_factory=set)  # samples whose first event is out
+
+    def prompt_logprobs(self, index: int, own: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
+        """What sample ``index``'s event carries: its ``own`` records, or at its first event
+        those of the sample that computed them for it."""
+        if own is not None:
+            self.prompt_records[index] = own
+        first = index not in self.opened
+        self.opened.add(index)
+        source = self.prompt_source[index]
+        return own if own is not None or not first or source == index else self.prompt_records.get(source)
 
 
 _STOP = object()
+
+
+def shared_prompt_logprobs(samples: list[Sample]) -> tuple[list[Sample], list[int]]:
+    """A request's samples with the prompt log-probabilities of each distinct prompt computed
+    once: samples repeating an earlier sample's prompt (``n`` > 1) stop asking for them, and
+    report that sample's (the returned source of each). The engine then prefills such a prompt
+    once too (its later samples start from the first one's KV)."""
+    first: dict[tuple[int, ...], int] = {}
+    out, sources = [], []
+    for i, sample in enumerate(samples):
+        source = first.setdefault(tuple(sample.prompt_ids), i)
+        asks = sample.params.prompt_logprobs is not None
+        if asks and source != i and samples[source].params.prompt_logprobs == sample.params.prompt_logprobs:
+            out.append(replace(sample, params=replace(sample.params, prompt_logprobs=None)))
+            sources.append(source)
+        else:
+            out.append(sample)
+            sources.append(i)
+    return out, sources
 
 
 def warm_up(engine: Engine) -> None:
@@ -250,6 +283,7 @@ class Scheduler:
             self.state, self.reason = "failed", f"loading the models failed: {type(exc).__name__}: {exc}"
             return
         self.engine = engine
+        self.metrics.prefill_chunk.set(int(engine.config.max_prefill_tokens or 0))
         if self.state == "loading":
             self.state = "ready"
         log.info("engine ready: %s", engine.config)
@@ -295,15 +329,18 @@ class Scheduler:
 
     def _add(self, engine: Engine, job: Job, done: concurrent.futures.Future[None]) -> None:
         sequences: list[Sequence] = []
+        samples, sources = shared_prompt_logprobs(job.samples)
         try:
-            for i, sample in enumerate(job.samples):
-                sequences.append(engine.add_request(f"{job.id}-{i}", sample.prompt_ids, sample.params))
+            for i, sample in enumerate(samples):
+                sequences.append(
+                    engine.add_request(f"{job.id}-{i}", sample.prompt_ids, sample.params, group=job.id)
+                )
         except Exception as exc:
             for seq in sequences:
                 engine.abort(seq.request_id)
             done.set_exception(exc)
             return
-        tracked = _Tracked(job, sequences, unfinished=len(sequences))
+        tracked = _Tracked(job, sequences, sources, unfinished=len(sequences))
         self._tracked[job.id] = tracked
         for i, seq in enumerate(sequences):
             self._owner[seq.request_id] = (tracked, i)
@@ -355,7 +392,7 @@ class Scheduler:
                 out.finish_reason,
                 stats,
                 out.logprobs,
-                out.prompt_logprobs,
+                tracked.prompt_logprobs(index, out.prompt_logprobs),
                 out.sequence.error,
             )
             self._post(tracked.job, event)

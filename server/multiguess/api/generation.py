@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
@@ -70,6 +71,17 @@ async def off_loop(tokenize: Callable[..., T], *args: Any) -> T:
     """Tokenizing a long prompt takes seconds: in a worker thread, so that health checks and
     running streams are answered meanwhile."""
     return await run_in_threadpool(tokenize, *args)
+
+
+async def rendered_off_loop(build: Callable[[], BaseModel]) -> Response:
+    """A collected response built and serialised in a worker thread: with echoed prompts and
+    log-probabilities it runs to megabytes, and built on the event loop it would hold health
+    checks and running streams for seconds."""
+
+    def render() -> Response:
+        return Response(build().model_dump_json(by_alias=True), media_type="application/json")
+
+    return await run_in_threadpool(render)
 
 
 def scheduler_of(request: Request) -> Scheduler:
@@ -261,20 +273,28 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         outcome = await run_collected(request, scheduler, samples, best_of)
     except ClientGone:
         return gone()
-    choices = [
-        CompletionChoice(
-            index=i,
-            text=echoed[s] + outcome.texts[s],
-            logprobs=(
-                logprobs_body(s, outcome.logprobs[s], outcome.prompt_logprobs[s] if body.echo else None, 0)
-                if body.logprobs is not None
-                else None
-            ),
-            finish_reason=outcome.finish_reasons[s],
+
+    def build() -> CompletionResponse:
+        choices = [
+            CompletionChoice(
+                index=i,
+                text=echoed[s] + outcome.texts[s],
+                logprobs=(
+                    logprobs_body(
+                        s, outcome.logprobs[s], outcome.prompt_logprobs[s] if body.echo else None, 0
+                    )
+                    if body.logprobs is not None
+                    else None
+                ),
+                finish_reason=outcome.finish_reasons[s],
+            )
+            for i, s in enumerate(outcome.best(body.n))
+        ]
+        return CompletionResponse(
+            **head, choices=choices, usage=outcome.usage(), multiguess=outcome.summary()
         )
-        for i, s in enumerate(outcome.best(body.n))
-    ]
-    return CompletionResponse(**head, choices=choices, usage=outcome.usage(), multiguess=outcome.summary())
+
+    return await rendered_off_loop(build)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=STREAM_RESPONSES)
@@ -326,18 +346,22 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         outcome = await run_collected(request, scheduler, samples, body.n)
     except ClientGone:
         return gone()
-    choices = [
-        ChatChoice(
-            index=i,
-            message=reply.message(i, text),
-            logprobs=chat_logprobs_body(outcome.logprobs[i], tokenizer, top) if top is not None else None,
-            finish_reason=reply.finish_reason(reason),
+
+    def build() -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(
+                index=i,
+                message=reply.message(i, text),
+                logprobs=chat_logprobs_body(outcome.logprobs[i], tokenizer, top) if top is not None else None,
+                finish_reason=reply.finish_reason(reason),
+            )
+            for i, (text, reason) in enumerate(zip(outcome.texts, outcome.finish_reasons, strict=True))
+        ]
+        return ChatCompletionResponse(
+            **head, choices=choices, usage=outcome.usage(), multiguess=outcome.summary()
         )
-        for i, (text, reason) in enumerate(zip(outcome.texts, outcome.finish_reasons, strict=True))
-    ]
-    return ChatCompletionResponse(
-        **head, choices=choices, usage=outcome.usage(), multiguess=outcome.summary()
-    )
+
+    return await rendered_off_loop(build)
 
 
 def usage_chunk(

@@ -80,10 +80,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_flag(
         parser,
         "--max-prefill-tokens",
-        0,
-        int,
+        "auto",
+        prefill_tokens,
         help="prompt tokens prefilled per step at most (chunked prefill: a long prompt does not "
-        "stall running streams); 0: each prompt whole",
+        "stall running streams); auto: the largest chunk whose forward takes about 8 decode steps, "
+        "measured at startup; 0: each prompt whole",
     )
     add_flag(
         parser,
@@ -105,6 +106,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="start prompts from the KV of a prefix shared with a recent or running request (default "
         "on; the environment turns it off with 0, false or no) [env MULTIGUESS_ENABLE_PREFIX_CACHING]",
     )
+
+
+def prefill_tokens(text: str) -> int | str:
+    """``auto`` or a count of tokens (0: off); argparse reports the ValueError as a bad value."""
+    if text == "auto":
+        return text
+    count = int(text)
+    if count < 0:
+        raise ValueError(f"--max-prefill-tokens must be auto or >= 0, got {count}")
+    return count
 
 
 def utilization(text: str) -> float:

@@ -31,6 +31,7 @@ from multiguess.engine.adaptive import (
     graft_outcome,
     level_outcomes,
 )
+from multiguess.engine.admission import next_admission, request_share
 from multiguess.engine.drafter import Drafter, DraftRequest, ModelDrafter, Proposal, SampleSpec, TreeBudget
 from multiguess.engine.grammar import Grammars
 from multiguess.engine.guard import fallback_reason
@@ -53,6 +54,15 @@ from multiguess.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+# ``max_prefill_tokens="auto"``: the largest chunk whose forward takes at most this many
+# one-token (decode) forwards, so a running stream waits about that long for a chunk.
+PREFILL_PAUSE_STEPS = 8
+MIN_PREFILL_CHUNK = 64  # a smaller chunk would pay a whole weight read for a few tokens
+MAX_PREFILL_CHUNK = 8192
+# Prompt positions whose log-probabilities one forward computes at most (a [rows, V] tensor),
+# chunked prefill or not: prompt log-probabilities take bounded memory.
+PROMPT_LOGPROB_ROWS = 256
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -70,7 +80,11 @@ class EngineConfig:
     ``max_batch`` is cut to the sequences whose KV caches fit in ``gpu_memory_utilization`` of
     the device (``memory_probe.fit_to_memory``).
     ``max_prefill_tokens`` caps the prompt tokens prefilled per step (chunked prefill), so a
-    long prompt does not stall the running sequences' tokens; None prefills each prompt whole.
+    long prompt does not stall the running sequences' tokens; ``auto`` measures the largest
+    chunk whose forward stays within ``PREFILL_PAUSE_STEPS`` decode forwards
+    (``measure_prefill_chunk``); None prefills each prompt whole.
+    ``max_request_slots`` caps the batch slots one request's samples (its group) hold at once;
+    None: half the batch (``admission.request_share``).
     ``prefix_caching`` starts a new prompt from the KV of the longest prefix it shares with a
     finished or running sequence, for target and draft (``engine/prefix_cache.py``).
     ``prompt_lookup`` is the longest copy draft (``engine/suffix.py``: the continuation of the
@@ -92,7 +106,8 @@ class EngineConfig:
     cuda_graphs: bool = False
     draft_vocab: bool = True
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
-    max_prefill_tokens: int | None = None
+    max_prefill_tokens: int | str | None = "auto"
+    max_request_slots: int | None = None
     prefix_caching: bool = True
     prompt_lookup: int = 32
     recent_outputs: int = 1 << 16
@@ -107,8 +122,11 @@ class EngineConfig:
         if self.max_batch < 1 or (self.max_model_len is not None and self.max_model_len < 2):
             raise ValueError("max_batch must be >= 1 and max_model_len >= 2")
         check_utilization(self.gpu_memory_utilization)
-        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}")
+        chunk = self.max_prefill_tokens
+        if chunk is not None and chunk != "auto" and (not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"max_prefill_tokens must be 'auto', None or at least 1, got {chunk!r}")
+        if self.max_request_slots is not None and self.max_request_slots < 1:
+            raise ValueError(f"max_request_slots must be at least 1, got {self.max_request_slots}")
         if self.prompt_lookup < 0:
             raise ValueError(f"prompt_lookup must be >= 0, got {self.prompt_lookup}")
         if self.recent_outputs < 0 or self.recent_age < 0:
@@ -117,6 +135,11 @@ class EngineConfig:
     @property
     def budget(self) -> TreeBudget:
         return TreeBudget(self.num_candidates, self.depth, self.max_nodes)
+
+    @property
+    def request_slots(self) -> int:
+        """The most slots one request's samples hold at once."""
+        return self.max_request_slots or request_share(self.max_batch)
 
     @property
     def tree_slack(self) -> int:
@@ -139,17 +162,11 @@ def measure_forward_cost(
     pay); the curve is then made non-decreasing (more tokens never cost less). The measurements
     behind both choices are in docs/ENGINE.md."""
     counts = sorted({min(2**i, limit) for i in range(limit.bit_length() + 1)})
-    context = max(0, min(context, runner.capacity - limit))
-    if context:
-        runner.forward_trees([0], [0], [TokenTree.chain([0] * context)], last_only=True)
+    context = cache_context(runner, context, limit)
     best = dict.fromkeys(counts, float("inf"))
     for _ in range(rounds):
         for count in counts:
-            start = time.perf_counter()
-            runner.forward_trees([0], [context], [TokenTree.chain([0] * count)])
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize(runner.device)
-            best[count] = min(best[count], time.perf_counter() - start)
+            best[count] = min(best[count], time_chain(runner, context, count))
     seconds = list(itertools.accumulate((best[c] for c in counts), max))
     log.info(
         "target forward ms by tokens after %d cached: %s",
@@ -157,6 +174,59 @@ def measure_forward_cost(
         {c: round(s * 1000, 2) for c, s in zip(counts, seconds, strict=True)},
     )
     return ForwardCost(tuple(counts), tuple(seconds))
+
+
+def cache_context(runner: NativeRunner, context: int, limit: int) -> int:
+    """Fill slot 0 with ``context`` tokens (at most what leaves room for ``limit`` more), so
+    timed forwards attend over a cached context as real ones do; returns its length."""
+    context = max(0, min(context, runner.capacity - limit))
+    if context:
+        runner.forward_trees([0], [0], [TokenTree.chain([0] * context)], last_only=True)
+    return context
+
+
+def time_chain(runner: NativeRunner, context: int, count: int, last_only: bool = False) -> float:
+    """Seconds of one target forward of a chain of ``count`` tokens after ``context`` on slot 0
+    (``last_only``: the last position's logits only, as a prefill chunk computes)."""
+    start = time.perf_counter()
+    runner.forward_trees([0], [context], [TokenTree.chain([0] * count)], last_only=last_only)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    return time.perf_counter() - start
+
+
+def measure_prefill_chunk(
+    runner: NativeRunner,
+    limit: int,
+    pause_steps: float = PREFILL_PAUSE_STEPS,
+    rounds: int = 5,
+    context: int = 256,
+) -> int:
+    """The chunk ``max_prefill_tokens="auto"`` prefills per step: the largest power of two
+    (at least ``MIN_PREFILL_CHUNK``, at most ``limit``) whose forward after ``context`` cached
+    tokens takes at most ``pause_steps`` one-token forwards. Each of ``rounds`` rounds times
+    one token, then doubling chains until one is too slow by the fastest times so far: a burst
+    of load on a shared machine slows one round's sample, not the answer, and the measurement
+    costs a few chunks' time. On a CPU, where forward time grows with the tokens almost at
+    once, this is a chunk of about a hundred tokens; on a GPU, whose forwards cost the same up
+    to hundreds of tokens, thousands."""
+    limit = max(1, min(limit, MAX_PREFILL_CHUNK))
+    smallest = min(MIN_PREFILL_CHUNK, limit)
+    context = cache_context(runner, context, limit)
+    best: dict[int, float] = collections.defaultdict(lambda: float("inf"))
+
+    def fits(count: int) -> bool:
+        best[count] = min(best[count], time_chain(runner, context, count, last_only=True))
+        return best[count] <= pause_steps * best[1]
+
+    for _ in range(rounds):
+        fits(1)
+        count = smallest * 2
+        while count <= limit and fits(count):
+            count *= 2
+    chunk = max((c for c in best if c > smallest and best[c] <= pause_steps * best[1]), default=smallest)
+    log.info("prefill chunk: %d tokens (a forward within %.1f ms)", chunk, pause_steps * best[1] * 1000)
+    return chunk
 
 
 @dataclass
@@ -226,13 +296,20 @@ class Engine:
             budget = self.forward_cost.nearly_free(policy.nearly_free)
             if budget > policy.token_budget:  # measured on this device: more nodes ride for free
                 self.config = replace(self.config, policy=replace(policy, token_budget=budget))
+        if self.config.max_prefill_tokens == "auto":
+            chunk = measure_prefill_chunk(self.target, self.config.max_model_len, PREFILL_PAUSE_STEPS)
+            self.config = replace(self.config, max_prefill_tokens=chunk)
         self.steps = 0
         self.copies = CopySource(RecentOutputs(self.config.recent_outputs, self.config.recent_age))
         self.prediction_yields = CopyYield()  # how predictions pay, apart from copies
 
     # -- requests ---------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        """Queue one sample (``params.n`` is handled by callers, one request per sample)."""
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, group: str | None = None
+    ) -> Sequence:
+        """Queue one sample (``params.n`` is handled by callers, one request per sample). The
+        samples of one client request share a ``group`` (default: its own), which admission
+        gives fair turns (``engine/admission.py``)."""
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty")
         limit = self.config.max_model_len
@@ -255,7 +332,7 @@ class Engine:
         generators = None
         if not params.greedy:
             generators = Generators(params.seed if params.seed is not None else random.getrandbits(63))
-        seq = Sequence(request_id, list(prompt_ids), params, generators)
+        seq = Sequence(request_id, list(prompt_ids), params, generators, group=group or request_id)
         seq.prediction = self._prediction_ids(params)
         if params.structured_outputs is not None:
             seq.grammar = self.grammars.start(params.structured_outputs, seq.stop_ids(self.eos_ids))
@@ -369,14 +446,29 @@ class Engine:
         return outputs
 
     def _admit(self) -> None:
-        """Waiting sequences take the free slots, the lowest first (see ``_retire``), each
-        starting from the longest prefix the caches hold of its prompt; ``_prefill`` computes
-        the rest of the prompt."""
+        """Waiting sequences take the free slots, the lowest first (see ``_retire``), in fair
+        turns between requests (``admission.next_admission``), each starting from the longest
+        prefix the caches hold of its prompt; ``_prefill`` computes the rest of the prompt.
+        A sample whose request has a running sample of the same prompt still prefilling waits
+        for it (``_waits_for_twin``): an ``n`` > 1 request prefills its prompt once."""
         while self.waiting and len(self.running) < self.config.max_batch:
-            seq = self.waiting.popleft()
+            held = collections.Counter(s.group for s in self.running)
+            blocked = {i for i, s in enumerate(self.waiting) if self._waits_for_twin(s)}
+            index = next_admission([s.group for s in self.waiting], held, self.config.request_slots, blocked)
+            if index is None:
+                return
+            seq = self.waiting[index]
+            del self.waiting[index]
             seq.slot = len(self.running)
             self._reuse_prefix(seq, self.running)
             self.running.append(seq)
+
+    def _waits_for_twin(self, seq: Sequence) -> bool:
+        """Whether a running sample of ``seq``'s request prefills the same prompt: ``seq``
+        then starts from its KV once it is cached (prefix caching) instead of computing it too."""
+        return any(
+            r.group == seq.group and r.prefilling and r.prompt_ids == seq.prompt_ids for r in self.running
+        )
 
     def _prefill(self) -> None:
         """This step's share of the prompts still being prefilled: ``max_prefill_tokens`` in all
@@ -385,9 +477,9 @@ class Engine:
         steps, and the running sequences decode a step between its chunks. The draft catches up
         on each chunk too, so the first proposal does not feed the whole prompt in one step."""
         pending = [s for s in self.running if s.prefilling]
-        sizes = prefill_chunks(
-            [len(s.prompt_ids) - 1 - s.cache_len for s in pending], self.config.max_prefill_tokens
-        )
+        budget = self.config.max_prefill_tokens
+        assert budget is None or isinstance(budget, int)  # "auto" is resolved at construction
+        sizes = prefill_chunks([prefill_left(s) for s in pending], budget)
         work = [(s, n) for s, n in zip(pending, sizes, strict=True) if n]
         capture = self._feature_layers() if work else ()
         for group in padded_groups([n for _, n in work], self.config.max_model_len):
@@ -688,6 +780,14 @@ class Engine:
                 self.drafter.move(last.slot, seq.slot)
             last.slot = seq.slot
             self.running.sort(key=lambda s: s.slot)
+
+
+def prefill_left(seq: Sequence) -> int:
+    """Prompt tokens ``seq`` may prefill this step before the step's budget: the rest of its
+    prompt, at most ``PROMPT_LOGPROB_ROWS`` when it asks for the prompt's log-probabilities
+    (each position's logits are a row over the vocabulary)."""
+    left = len(seq.prompt_ids) - 1 - seq.cache_len
+    return left if seq.params.prompt_logprobs is None else min(left, PROMPT_LOGPROB_ROWS)
 
 
 def fixed_tree(params: SamplingParams) -> bool:

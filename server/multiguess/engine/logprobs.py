@@ -60,8 +60,17 @@ def step_logprobs(
     return emitted_logprobs(rows, tokens, top)
 
 
+ROWS_AT_ONCE = 64  # prompt positions normalised together: a [64, V] float64 tensor at most
+
+
 def prompt_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
     """The records of prompt ``tokens`` from the raw logits of the positions before each (row
     ``j`` predicts ``tokens[j]``): the model's own distribution, as vLLM reports prompt
-    log-probabilities; penalties and temperature shape what is generated, not what was given."""
-    return emitted_logprobs(torch.log_softmax(logits.double(), dim=-1), tokens, top)
+    log-probabilities; penalties and temperature shape what is generated, not what was given.
+    Rows are normalised ``ROWS_AT_ONCE`` at a time, so the float64 copy stays small however
+    long the chunk."""
+    records: list[TokenLogprob] = []
+    for start in range(0, len(tokens), ROWS_AT_ONCE):
+        rows = torch.log_softmax(logits[start : start + ROWS_AT_ONCE].double(), dim=-1)
+        records += emitted_logprobs(rows, tokens[start : start + ROWS_AT_ONCE], top)
+    return records

@@ -69,6 +69,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked
     prediction: np.ndarray | None = None  # predicted output tokens (engine/prediction.py)
     prediction_anchor: int = 0  # where in the prediction the output was last aligned
+    group: str = ""  # the client request it is a sample of (admission's fair turns)
 
     @property
     def token_ids(self) -> list[int]:
