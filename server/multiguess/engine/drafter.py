@@ -304,7 +304,8 @@ class ModelDrafter:
         slots = [r.slot for r in requests]
         starts = [self.cached.get(r.slot, 0) for r in requests]
         chunks = [TokenTree.chain(r.token_ids[s:]) for r, s in zip(requests, starts, strict=True)]
-        groups = padded_groups([len(c) for c in chunks], self.runner.capacity)  # runs, in order
+        rooms = [self.runner.capacity - s for s in starts]
+        groups = padded_groups([len(c) for c in chunks], self.runner.capacity, rooms)  # runs, in order
         parts = [
             self.runner.forward_trees(
                 [slots[i] for i in g], [starts[i] for i in g], [chunks[i] for i in g], last_only=True

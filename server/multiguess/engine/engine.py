@@ -482,7 +482,8 @@ class Engine:
         sizes = prefill_chunks([prefill_left(s) for s in pending], budget)
         work = [(s, n) for s, n in zip(pending, sizes, strict=True) if n]
         capture = self._feature_layers() if work else ()
-        for group in padded_groups([n for _, n in work], self.config.max_model_len):
+        rooms = [self.target.capacity - s.cache_len for s, _ in work]
+        for group in padded_groups([n for _, n in work], self.config.max_model_len, rooms):
             part = [work[i] for i in group]
             scored = any(s.params.prompt_logprobs is not None for s, _ in part)
             out = self.target.forward_trees(
