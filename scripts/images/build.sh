@@ -34,5 +34,11 @@ build() {
 
 build server "$SERVER_IMAGE"
 build operator "$OPERATOR_IMAGE"
-# Earlier builds' images, now untagged: the layers the tagged ones use stay as the cache.
-"$DOCKER" image prune --force >/dev/null
+# The untagged images of earlier builds are the layer cache (the build stages' layers are never
+# part of a tagged image), so they stay until the private engine's data root passes
+# MULTIGUESS_IMAGE_CACHE_MAX_GB (default 20); then all of them go and the next build is cold.
+used_gb=$(($(du -sk "$CACHE/docker" 2>/dev/null | cut -f1 || echo 0) / 1048576))
+if ((used_gb > ${MULTIGUESS_IMAGE_CACHE_MAX_GB:-20})); then
+  log "the layer cache holds ${used_gb} GB: dropping the untagged images"
+  "$DOCKER" image prune --force >/dev/null
+fi
