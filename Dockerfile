@@ -1,12 +1,17 @@
-# syntax=docker/dockerfile:1
-# Two images from one file (docs/DEPLOY.md):
+# Two images from one file (docs/DEPLOY.md); the classic builder and BuildKit both build it:
 #   docker build --target server   -t multiguess-server:0.1.0 .                      # CPU torch
 #   docker build --target server   -t multiguess-server:0.1.0-cu128 \
 #                --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .  # CUDA torch
 #   docker build --target operator -t multiguess-operator:0.1.0 .                    # no torch
+# Without an image registry or the PyTorch index, scripts/images/build.sh builds both from a
+# local Debian base (BASE_IMAGE) and a local wheelhouse (PIP_FIND_LINKS, PIP_NO_INDEX).
+
+# Any Debian bookworm with Python 3.11 on PATH as `python`, with venv: the public slim image, or
+# the one scripts/images/base_image.sh makes with debootstrap.
+ARG BASE_IMAGE=python:3.11.11-slim-bookworm
 
 # Shared by every stage: quiet, reproducible pip and an unprivileged user (uid 10001).
-FROM python:3.11.11-slim-bookworm AS base
+FROM ${BASE_IMAGE} AS base
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -24,10 +29,18 @@ COPY server/ server/
 COPY operator/ operator/
 
 FROM source AS build-operator
+# pip reads these when given (they are unset otherwise): a wheelhouse served on the build's
+# network, e.g. --network host --build-arg PIP_FIND_LINKS=http://127.0.0.1:8099/ --build-arg
+# PIP_NO_INDEX=1, installs every wheel, torch's CPU build included, without any index.
+ARG PIP_FIND_LINKS
+ARG PIP_NO_INDEX
 RUN python -m venv /opt/venv \
     && pip install "/src[operator]"
 
 FROM base AS build-server
+# As in build-operator: a local wheelhouse instead of the indexes when given.
+ARG PIP_FIND_LINKS
+ARG PIP_NO_INDEX
 # The CPU wheel by default; a CUDA index (cu126, cu128, ...) for GPU nodes. The CUDA wheels
 # bring their own CUDA runtime, so the slim base works with the NVIDIA container runtime.
 ARG TORCH_VERSION=2.13.0

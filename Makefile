@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup tools run test lint format bench e2e clean gpu-check
+.PHONY: setup tools run test lint format bench e2e e2e-images clean gpu-check
 
 setup: $(STAMP)
 
@@ -42,6 +42,12 @@ bench: setup
 
 e2e: setup tools
 	$(PY) -m pytest -q -m e2e tests/e2e
+
+# Both images built and run on this machine (scripts/images/e2e.sh; docs/DEPLOY.md): a private
+# Docker engine, a debootstrap base and a local wheelhouse, cached in ~/.cache/multiguess/images.
+# COLD=1 empties that cache first.
+e2e-images: setup
+	bash scripts/images/e2e.sh
 
 # The CUDA check (bench/gpu_check.py) on a machine with one GPU and only torch + transformers:
 # no set-up, the tree on PYTHONPATH, the venv's python where there is one, else python3.

@@ -101,6 +101,10 @@ def test_real_conversion_then_cli_reports_it(tmp_path: Path, capsys: pytest.Capt
     tokenizer = AutoTokenizer.from_pretrained(target)
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     assert "<|im_start|>user\nhi<|im_end|>" in chat
+    # The image bakes this folder as root and serves it as uid 10001: every file reads for all.
+    assert {f.name: f.stat().st_mode & 0o444 for f in target.iterdir()} == {
+        f.name: 0o444 for f in target.iterdir()
+    }
     weights = (target / "model.safetensors").stat().st_mtime_ns
     assert cli.main(["embedded", "--cache", str(tmp_path)]) == 0
     assert (target / "model.safetensors").stat().st_mtime_ns == weights

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -40,4 +41,23 @@ def missing(
         return f"{cluster} e2e ({mode}) needs {', '.join(absent)} on PATH"
     if not engine():
         return f"{cluster} e2e ({mode}) needs a running Docker engine: `docker info` failed"
+    return None
+
+
+def images_missing(
+    which: Callable[[str], str | None] = shutil.which,
+    is_root: Callable[[], bool] = lambda: os.geteuid() == 0,
+    engine: Callable[[], bool] = docker_engine_answers,
+) -> str | None:
+    """None when scripts/images/e2e.sh can run here, else why not: it needs a docker client and
+    debootstrap, and an engine that answers or one it can start itself (dockerd, as root)."""
+    absent = [tool for tool in ("docker", "debootstrap") if which(tool) is None]
+    if absent:
+        return f"images e2e needs {', '.join(absent)} on PATH (apt-get install docker.io debootstrap)"
+    if engine():
+        return None
+    if which("dockerd") is None:
+        return "images e2e needs a Docker engine: none answers and dockerd is not installed"
+    if not is_root():
+        return "images e2e needs root to start dockerd (no engine answers)"
     return None

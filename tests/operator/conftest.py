@@ -271,7 +271,7 @@ def _now() -> str:
 _parse_path = kmock_parsing.parse_path
 
 
-def _parse_path_with_namespace_list(path: str) -> kmock_parsing.ParsedPath:
+def parse_path_with_namespace_list(path: str) -> kmock_parsing.ParsedPath:
     """kmock reads ``/api/v1/namespaces`` (the namespace list kopf watches in namespaced mode) as
     a namespaced path without a namespace and fails; it is the ``namespaces`` resource."""
     if path.rstrip("/") == "/api/v1/namespaces":
@@ -279,35 +279,43 @@ def _parse_path_with_namespace_list(path: str) -> kmock_parsing.ParsedPath:
     return _parse_path(path)
 
 
+def register_resources(emulator: Cluster) -> None:
+    """The kinds the operator reads and writes, served by the emulator's discovery and API."""
+    for resource, info in _RESOURCES.items():
+        emulator.resources[resource] = kmock.ResourceInfo(
+            kind=info["kind"],
+            namespaced=info.get("namespaced", True),
+            verbs=_VERBS,
+            subresources=info.get("subresources", set()),
+        )
+
+
+def kubeconfig_text(server: str) -> str:
+    """A kubeconfig whose only context is the emulator at ``server``, with a bearer token."""
+    return yaml.safe_dump(
+        {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "emulator",
+            "clusters": [{"name": "emulator", "cluster": {"server": server.rstrip("/")}}],
+            "users": [{"name": "tester", "user": {"token": "test-token"}}],
+            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester"}}],
+        }
+    )
+
+
 @pytest.fixture()
 async def cluster(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Cluster]:
-    monkeypatch.setattr(kmock_parsing, "parse_path", _parse_path_with_namespace_list)
+    monkeypatch.setattr(kmock_parsing, "parse_path", parse_path_with_namespace_list)
     async with Cluster() as emulator, kmock.Server(emulator):
-        for resource, info in _RESOURCES.items():
-            emulator.resources[resource] = kmock.ResourceInfo(
-                kind=info["kind"],
-                namespaced=info.get("namespaced", True),
-                verbs=_VERBS,
-                subresources=info.get("subresources", set()),
-            )
+        register_resources(emulator)
         yield emulator
 
 
 @pytest.fixture()
 def kubeconfig(cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "kubeconfig"
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "current-context": "emulator",
-                "clusters": [{"name": "emulator", "cluster": {"server": str(cluster.url).rstrip("/")}}],
-                "users": [{"name": "tester", "user": {"token": "test-token"}}],
-                "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester"}}],
-            }
-        )
-    )
+    path.write_text(kubeconfig_text(str(cluster.url)))
     monkeypatch.setenv("KUBECONFIG", str(path))
     monkeypatch.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(path))
     return path

@@ -42,8 +42,10 @@ def logical_lines(text: str) -> list[str]:
 
 
 def parse_stages(text: str) -> dict[str, Stage]:
-    """Stages by name (unnamed stages get their index), in file order."""
+    """Stages by name (unnamed stages get their index), in file order. A FROM's image names the
+    default of a global ARG (declared before the first FROM) as the build does without --build-arg."""
     stages: dict[str, Stage] = {}
+    global_args: dict[str, str] = {}
     current: Stage | None = None
     for line in logical_lines(text):
         keyword, _, rest = line.partition(" ")
@@ -52,10 +54,14 @@ def parse_stages(text: str) -> dict[str, Stage]:
             match = re.match(r"(?:--platform=\S+\s+)?(\S+)(?:\s+AS\s+(\S+))?", rest, re.IGNORECASE)
             if match is None:
                 raise ValueError(f"cannot parse FROM {rest!r}")
-            current = Stage(name=match.group(2) or str(len(stages)), base=match.group(1))
+            base = re.sub(r"\$\{?(\w+)\}?", lambda m: global_args.get(m.group(1), m.group(0)), match.group(1))
+            current = Stage(name=match.group(2) or str(len(stages)), base=base)
             stages[current.name] = current
         elif current is not None:
             current.instructions.append((keyword, rest.strip()))
+        elif keyword == "ARG":
+            name, _, default = rest.strip().partition("=")
+            global_args[name] = default
     return stages
 
 

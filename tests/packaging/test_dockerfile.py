@@ -106,7 +106,7 @@ def test_server_image_pins_torch_like_the_project() -> None:
     (torch_pin,) = [
         req for req in pyproject["project"]["optional-dependencies"]["server"] if req.startswith("torch")
     ]
-    args = dict(arg.split("=", 1) for arg in STAGES["build-server"].args("ARG"))
+    args = dict(arg.partition("=")[::2] for arg in STAGES["build-server"].args("ARG"))
     assert f"torch=={args['TORCH_VERSION']}" == torch_pin
     assert args["TORCH_INDEX_URL"].endswith("/whl/cpu")
     runs = " ".join(STAGES["build-server"].args("RUN"))
@@ -144,3 +144,26 @@ def test_every_copied_path_exists_and_survives_dockerignore() -> None:
         assert not dockerignored(source, patterns), f".dockerignore excludes {source}"
     for local in (".venv", ".tools", ".git", "tests", "server/multiguess/__pycache__"):
         assert dockerignored(local, patterns), f".dockerignore lets {local} into the build context"
+
+
+def test_a_global_arg_names_the_base_image() -> None:
+    stages = parse_stages("ARG BASE=python:3.11.11-slim\nFROM ${BASE} AS base\nFROM base AS final\n")
+    assert stages["base"].base == "python:3.11.11-slim" and stages["final"].base == "base"
+    assert "ARG BASE_IMAGE=" in DOCKERFILE.read_text() and STAGES["base"].base.startswith("python:")
+
+
+def test_every_pip_stage_can_install_from_a_local_wheelhouse() -> None:
+    """scripts/images/build.sh serves a wheelhouse (torch's CPU build and every dependency) to pip
+    through these build arguments; a stage that runs pip without them would need an index."""
+    pip_stages = [name for name, stage in STAGES.items() if "pip install" in " ".join(stage.args("RUN"))]
+    assert set(pip_stages) == {"build-operator", "build-server"}
+    for name in pip_stages:
+        assert {"PIP_FIND_LINKS", "PIP_NO_INDEX"} <= set(STAGES[name].args("ARG")), name
+
+
+def test_the_classic_builder_can_build_it() -> None:
+    """No `# syntax=` frontend image to pull and no BuildKit-only flags: an engine without a
+    registry or buildx (scripts/images/engine.sh) builds it."""
+    text = DOCKERFILE.read_text()
+    assert not re.search(r"^#\s*syntax\s*=", text, re.M)
+    assert "--mount=" not in text and "<<" not in text

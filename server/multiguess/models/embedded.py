@@ -74,6 +74,10 @@ def convert_gguf(gguf: Path, destination: Path) -> None:
             model.hf_quantizer.remove_quantization_config(model)
         model.save_pretrained(str(staging), safe_serialization=True)
         tokenizer.save_pretrained(str(staging))
+        # Readable by every user: an image bakes the folder as root and serves it as uid 10001
+        # (safetensors writes the weights owner-only).
+        for file in staging.iterdir():
+            file.chmod(0o644)
         staging.chmod(0o755)
         if destination.exists():
             shutil.rmtree(destination)
