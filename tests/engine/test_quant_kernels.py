@@ -1,0 +1,92 @@
+"""The integer kernels over GGUF block weights (engine/backends/cpu/quant_kernel.py): a row's
+result does not depend on the rows computed with it (why speculation over quantized weights
+equals plain decoding), the arithmetic is the Q8-activation product llama.cpp computes, and the
+portable build is chosen, and right, where the CPU lacks AVX2."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from multiguess.engine.backends.cpu import bf16_kernel, quant_kernel
+from multiguess.models.quantized import FORMATS, dequantize, quantize
+
+needs_kernel = pytest.mark.skipif(
+    quant_kernel.library() is None, reason="the quantized kernels need a C compiler"
+)
+
+
+@pytest.fixture(params=["best", "portable"])
+def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Each test on the library this CPU gets and on the portable one (a CPU without AVX2)."""
+    if request.param == "portable":
+        monkeypatch.setattr(bf16_kernel, "cpu_flags", lambda: frozenset())
+    quant_kernel.library.cache_clear()
+    assert quant_kernel.library() is not None
+    yield bf16_kernel.cpu_variant(quant_kernel.QUANT)
+    quant_kernel.library.cache_clear()
+
+
+def weights(kind: str, outputs: int, inputs: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(outputs, inputs, generator=generator) * torch.rand(inputs, generator=generator)
+    return quantize(weight, kind), torch.randn(outputs, generator=generator)
+
+
+def q8_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows of x as the kernel takes them: per block of 32, int8 at scale max|x| / 127 (rounded
+    to nearest even), decoded back to floats."""
+    blocks = x.view(*x.shape[:-1], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale == 0, 0.0, 1 / scale)
+    return (torch.round(blocks * inverse) * scale).view(x.shape)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_rows_do_not_depend_on_the_row_count(kind: str, variant: str) -> None:
+    """Every row alone and inside batches of 2..19 rows, at every position: the same bits."""
+    blocks, bias = weights(kind, 67, 1536, seed=1)
+    x = torch.randn(19, 1536)
+    together = quant_kernel.matmul(blocks, kind, x, bias)
+    for rows in range(1, 20):
+        for first in range(0, 20 - rows, 5):
+            assert torch.equal(
+                quant_kernel.matmul(blocks, kind, x[first : first + rows], bias),
+                together[first : first + rows],
+            )
+    assert torch.equal(quant_kernel.matmul(blocks, kind, x[7], bias), together[7])  # one row, 1-D
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_the_product_of_q8_rows_and_the_weight_blocks(kind: str, variant: str) -> None:
+    """The kernel's product is the dequantized weight times the Q8-quantized rows (fp32 sums:
+    within 1e-5 of it); against the plain fp32 product, within the error Q8 rows bring."""
+    blocks, bias = weights(kind, 130, 512, seed=2)
+    x = torch.randn(3, 512) * torch.linspace(0.1, 4, 512)
+    x[1, :32] = 0.0  # an all-zero block
+    weight = dequantize(blocks, kind).double()
+    y = quant_kernel.matmul(blocks, kind, x, bias).double()
+    exact = q8_rows(x).double() @ weight.T + bias.double()
+    torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-4)
+    plain = x.double() @ weight.T + bias.double()
+    error = (y - plain).abs().max() / plain.abs().max()
+    assert 0 < error < 0.02
+
+
+def test_the_portable_build_serves_cpus_without_avx2(monkeypatch: pytest.MonkeyPatch) -> None:
+    for cpu, expected in (
+        ({"avx2", "fma", "f16c"}, "avx2"),
+        ({"avx2", "fma"}, "portable"),
+        (set(), "portable"),
+    ):
+        monkeypatch.setattr(bf16_kernel, "cpu_flags", lambda cpu=cpu: frozenset(cpu))
+        assert bf16_kernel.cpu_variant(quant_kernel.QUANT) == expected
+
+
+def test_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MULTIGUESS_QUANT_KERNEL", "0")
+    assert quant_kernel.library.__wrapped__() is None
+    assert not quant_kernel.usable("q4_1")
