@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from multiguess.engine.backends import torch_layers
 from multiguess.engine.backends.cpu import bf16_kernel
 from multiguess.engine.backends.cpu.packed import PackedProjection, packing_supported, place_panels
+from multiguess.engine.backends.cpu.quant import QuantizedProjection
 from multiguess.engine.linear import Projection
 from multiguess.engine.placement import Placement
 
@@ -76,7 +77,8 @@ class CpuBackend:
 
     def __init__(self, dtype: torch.dtype, eager: bool) -> None:
         self.packed = not eager and packing_supported(dtype)
-        self.projection: type[Projection] = PackedProjection if self.packed else Projection
+        # Quantized layers (GGUF blocks) on the integer kernels, the others repacked.
+        self.projection: type[Projection] = QuantizedProjection if self.packed else Projection
         self.layer_weights: list[bf16_kernel.LayerWeights] = []
 
     def attach(self, runner: ModelParts) -> None:
@@ -110,7 +112,7 @@ class CpuBackend:
     def label(self) -> str:
         if self.layer_kernels:
             return "multiguess bf16 on AMX tiles" if bf16_kernel.matrix_units() else "multiguess bf16"
-        return "prepacked" if self.packed else "eager"
+        return "prepacked" if self.packed else "eager"  # quantized layers: multiguess integer kernels
 
     def mask(self, visible: torch.Tensor, plain: bool) -> torch.Tensor:
         """Additive, once per forward: a bool mask is converted by the kernel in every layer."""
