@@ -41,7 +41,7 @@ def test_dequantize_matches_the_reference(kind: str) -> None:
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
 def test_loaded_gguf_is_the_dequantized_reference(tmp_path: Path, family: str, qtype: Q) -> None:
     path = tiny_gguf(tmp_path, family, qtype, embed_qtype=Q.Q8_0, tie_word_embeddings=family == "llama")
-    loaded = load_model(str(path), device="cpu")
+    loaded = load_model(str(path), dtype="float32", device="cpu")
     model = loaded.model
     reference = AutoModelForCausalLM.from_pretrained(  # transformers reads no head_dim from Qwen3 files
         str(path.parent), gguf_file=path.name, dtype=torch.float32, config=model.config

@@ -8,9 +8,13 @@ from pathlib import Path
 
 import gguf
 import pytest
+import torch
 from multiguess import LLM, SamplingParams
+from multiguess.engine.backends import cpu_has_fast_bf16
 from multiguess.engine.backends.cpu import quant_kernel
 from multiguess.engine.backends.cpu.quant import QuantizedProjection
+from multiguess.engine.runner import NativeRunner
+from multiguess.engine.tree import TokenTree
 from multiguess.models.loading import load_model
 
 from tests.engine.test_lossless import random_prompts
@@ -52,6 +56,28 @@ def test_gguf_speculation_equals_its_plain_decoding(
     assert all(isinstance(p, QuantizedProjection) for p in (*runner.qkv, *runner.gate_up, runner.head))
     outputs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)] for llm in (plain, spec)]
     assert outputs[0] == outputs[1]
+
+
+@needs_kernel
+@pytest.mark.skipif(not cpu_has_fast_bf16(), reason="bf16 activations need the bf16 kernels")
+def test_tree_nodes_have_the_logits_of_their_paths_decoded_alone(tmp_path: Path) -> None:
+    """Why: each node of a verified tree gets, bit for bit, the logits of its path decoded one
+    token at a time (products per row on the integer kernels, attention per row in the bf16
+    library's kernel), next to another sequence's tree."""
+    target = tiny_gguf(tmp_path, "llama", Q.Q4_1)
+    loaded = load_model(str(target), device="cpu")
+    tree_runner, step_runner = NativeRunner(loaded, 2, 256), NativeRunner(loaded, 2, 256)
+    assert loaded.dtype == torch.bfloat16 and tree_runner.backend.quantized_layers
+    prefixes = random_prompts(3, (90, 120), vocab=200)
+    for runner in (tree_runner, step_runner):
+        runner.forward_trees([0, 1], [0, 0], [TokenTree.chain(p) for p in prefixes])
+    lens = [len(p) for p in prefixes]
+    paths = [list(range(11, 19)), [5, 6, 7]]
+    tree_logits = tree_runner.forward_trees([0, 1], lens, [TokenTree.chain(p) for p in paths])
+    for b, path in enumerate(paths):
+        for i, token in enumerate(path):
+            step = step_runner.forward_trees([b], [lens[b] + i], [TokenTree.chain([token])])[0, 0]
+            assert torch.equal(step, tree_logits[b, i])
 
 
 @needs_kernel

@@ -88,7 +88,7 @@ def load_model(
     ``quantization="int8"`` applies dynamic int8 quantization to every Linear layer (CPU only);
     activations then stay in fp32, which dynamic quantization requires. A block format
     (``q8_0``, ``q4_0``, ``q4_1``) keeps every Linear in that format's blocks, as a GGUF file's
-    quantized linears are kept (CPU only; activations in fp32 unless ``dtype`` says otherwise).
+    quantized linears are kept (CPU only; ``dtype`` is then the activations' and float tensors').
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}; got {quantization!r}")
@@ -101,11 +101,12 @@ def load_model(
         raise ModelLoadError(f"cannot load model {name!r}: {exc}") from exc
     check_architecture(config, name)
     blocks = quantization in FORMATS
-    torch_dtype = torch.float32 if quantization == "int8" else quantized_dtype(dtype, device, blocks)
+    torch_dtype = torch.float32 if quantization == "int8" else resolve_dtype(dtype, device)
     if quantization != "none" and not device.startswith("cpu"):
         raise ValueError(f"{quantization} quantization runs on the CPU only; use quantization='none'")
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype)
+        # Blocks are quantized from the checkpoint's fp32 weights, whatever the activations' dtype.
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32 if blocks else torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load model {name!r}: {exc}") from exc
@@ -115,15 +116,10 @@ def load_model(
         model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
     elif blocks:
         quantize_linears(model, quantization)
+        model.to(torch_dtype)  # norms, embeddings and biases; the blocks stay uint8
     log.info("loaded %s (%s, %s, quantization=%s)", name, config.model_type, torch_dtype, quantization)
     draft_vocab = load_draft_vocab(name, config.vocab_size)
     return LoadedModel(model, tokenizer, name, torch.device(device), torch_dtype, draft_vocab)
-
-
-def quantized_dtype(dtype: str, device: str, quantized: bool) -> torch.dtype:
-    """The activations' dtype: ``auto`` means fp32 over quantized weights (the integer kernels
-    take fp32 rows), else ``resolve_dtype``'s choice."""
-    return torch.float32 if quantized and dtype == "auto" else resolve_dtype(dtype, device)
 
 
 def load_gguf_model(name: str, dtype: str, device: str, quantization: str) -> LoadedModel:
@@ -137,7 +133,7 @@ def load_gguf_model(name: str, dtype: str, device: str, quantization: str) -> Lo
         raise ValueError(
             f"{name} is quantized already (a GGUF file); --quantization applies to safetensors models"
         )
-    torch_dtype = quantized_dtype(dtype, device, True)
+    torch_dtype = resolve_dtype(dtype, device)
     model, tokenizer = load_gguf(Path(name), torch_dtype)
     check_architecture(model.config, name)
     log.info("loaded %s (GGUF, %s, activations %s)", name, model.config.model_type, torch_dtype)

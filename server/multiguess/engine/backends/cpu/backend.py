@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from multiguess.engine.backends import torch_layers
-from multiguess.engine.backends.cpu import bf16_kernel
+from multiguess.engine.backends.cpu import bf16_kernel, quant
 from multiguess.engine.backends.cpu.packed import PackedProjection, packing_supported, place_panels
 from multiguess.engine.backends.cpu.quant import QuantizedProjection
 from multiguess.engine.linear import Projection
@@ -80,6 +80,7 @@ class CpuBackend:
         # Quantized layers (GGUF blocks) on the integer kernels, the others repacked.
         self.projection: type[Projection] = QuantizedProjection if self.packed else Projection
         self.layer_weights: list[bf16_kernel.LayerWeights] = []
+        self.quantized_layers = False  # GGUF-quantized layers with per-row attention (quant.py)
 
     def attach(self, runner: ModelParts) -> None:
         """Panels onto huge pages; whole layers in the bf16 kernels where every part of a layer
@@ -103,6 +104,7 @@ class CpuBackend:
         self.layer_weights = (
             [self._layer_weights(runner, i) for i in range(len(runner.layers))] if kernels else []
         )
+        self.quantized_layers = self.packed and quant.layers_supported(runner)
 
     @property
     def layer_kernels(self) -> bool:
@@ -112,7 +114,9 @@ class CpuBackend:
     def label(self) -> str:
         if self.layer_kernels:
             return "multiguess bf16 on AMX tiles" if bf16_kernel.matrix_units() else "multiguess bf16"
-        return "prepacked" if self.packed else "eager"  # quantized layers: multiguess integer kernels
+        if self.quantized_layers:
+            return "multiguess quantized"
+        return "prepacked" if self.packed else "eager"
 
     def mask(self, visible: torch.Tensor, plain: bool) -> torch.Tensor:
         """Additive, once per forward: a bool mask is converted by the kernel in every layer."""
@@ -125,6 +129,8 @@ class CpuBackend:
     def run_layers(self, runner: ModelParts, x: torch.Tensor, at: Placement) -> torch.Tensor:
         if self.layer_kernels:
             return self._layers_in_kernels(runner, x, at)
+        if self.quantized_layers:
+            return quant.run_layers(runner, x, at)
         at = at._replace(mask=fold_mask(at.mask, runner.num_heads // runner.num_kv_heads))
         return torch_layers.run_layers(runner, x, at, attention)
 

@@ -3,18 +3,26 @@
 The runner fuses layers that read one input (q/k/v, gate/up) into one product; for quantized
 layers the fused weight is their blocks' rows concatenated, which the modules then view (no
 copy kept twice). Norm, gating and residual run as torch ops around the product
-(``Projection.__call__``); each is per row, as the product is, so a row's result never depends
-on the rows beside it. Layers that are not quantized go to ``PackedProjection`` as before.
+(``Projection.__call__``); each is per row, as the product is, and with bf16 activations
+``run_layers`` takes rotary, the cache write and attention to the bf16 library's per-row
+kernels, so a row's result never depends on the rows beside it. Layers that are not quantized
+go to ``PackedProjection`` as before.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from multiguess.engine.backends.cpu import quant_kernel
+from multiguess.engine.backends.cpu import bf16_kernel, quant_kernel
 from multiguess.engine.backends.cpu.packed import PackedProjection
 from multiguess.engine.linear import CACHE_ATTRIBUTE, Projection
+from multiguess.engine.placement import Placement
 from multiguess.models.quantized import QuantizedLinear
+
+if TYPE_CHECKING:
+    from multiguess.engine.backends.parts import ModelParts
 
 
 class QuantizedProjection(Projection):
@@ -77,3 +85,39 @@ class QuantizedProjection(Projection):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return quant_kernel.matmul(self.blocks, self.kind, x, self.bias).to(x.dtype)
+
+
+def layers_supported(runner: ModelParts) -> bool:
+    """Whether every layer can run ``run_layers``: quantized projections throughout, bf16
+    activations (the rotary and attention kernels' dtype), pre-norm SiLU-gated layers without
+    q/k norms, a head width the attention kernel holds."""
+    projections = (*runner.qkv, *runner.o, *runner.gate_up, *runner.down)
+    return (
+        runner.dtype == torch.bfloat16
+        and runner.silu_gated
+        and all(isinstance(p, QuantizedProjection) for p in projections)
+        and not hasattr(runner.layers[0].self_attn, "q_norm")
+        and bf16_kernel.attention_supported(runner.head_dim)
+    )
+
+
+def run_layers(runner: ModelParts, x: torch.Tensor, at: Placement) -> torch.Tensor:
+    """Every layer on bf16 ``x`` ``[B, T, D]``: quantized products, and rotary, cache write and
+    attention in the bf16 library's kernels, each row computed alone (torch's attention blocks
+    by the number of queries, so a tree node's bits would differ from its token decoded alone)."""
+    cos, sin = (table[:, :, 0].contiguous() for table in at.rope)
+    mask, slots = at.mask[:, 0].contiguous(), torch.tensor(at.slots)
+    starts = at.write_from.to(torch.int64).contiguous()
+    batch, width = x.shape[:2]
+    for i, layer in enumerate(runner.layers):
+        if at.captured is not None and i in at.captured:
+            at.captured[i] = x.clone()
+        qkv = runner.qkv[i](x, norm=layer.input_layernorm).view(batch, width, -1, runner.head_dim)
+        cache = runner.cache.kv[i]
+        queries = bf16_kernel.rope_into_cache(
+            qkv.contiguous(), cos, sin, cache, slots, starts, runner.num_heads
+        )
+        out = bf16_kernel.attention(queries, cache, slots, mask, runner.attention_scale(i), at.length)
+        h = runner.o[i](out, residual=x)
+        x = runner.down[i](runner.gate_up[i](h, norm=layer.post_attention_layernorm), gated=True, residual=h)
+    return x
