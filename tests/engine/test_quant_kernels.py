@@ -88,5 +88,8 @@ def test_the_portable_build_serves_cpus_without_avx2(monkeypatch: pytest.MonkeyP
 
 def test_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MULTIGUESS_QUANT_KERNEL", "0")
-    assert quant_kernel.library.__wrapped__() is None
-    assert not quant_kernel.usable("q4_1")
+    quant_kernel.library.cache_clear()
+    try:
+        assert quant_kernel.library() is None and not quant_kernel.usable("q4_1")
+    finally:
+        quant_kernel.library.cache_clear()  # recomputed with the switch back on

@@ -137,10 +137,10 @@ def build(compiler: str, variant: str, sources: Sources = BF16) -> Path:
     return target
 
 
-def open_library(sources: Sources, what: str) -> ctypes.CDLL | None:
-    """The best variant of ``sources`` this CPU runs, built first where it is missing; None (and
-    one log line saying why, ``what`` naming the fallback) where it cannot be."""
-    variant = cpu_variant(sources)
+def open_library(sources: Sources, variant: str | None, no_compiler: str, failed: str) -> ctypes.CDLL | None:
+    """The ``variant`` of ``sources`` (the best this CPU runs), built first where it is missing;
+    None where there is none, with one log line: ``no_compiler`` says what runs without a
+    compiler, ``failed`` prefixes a failed build's or load's error."""
     if sys.platform != "linux" or variant is None:
         return None
     path = compiled_path(variant, sources)
@@ -148,13 +148,13 @@ def open_library(sources: Sources, what: str) -> ctypes.CDLL | None:
         if not path.exists():
             compiler = find_compiler()
             if compiler is None:
-                log.info("no C compiler found: %s", what)
+                log.info("no C compiler found: %s", no_compiler)
                 return None
             path = build(compiler, variant, sources)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", b"") or str(error).encode()
-        log.warning("%s unavailable (%s): %s", sources.name, what, detail.decode(errors="replace").strip())
+        log.warning("%s: %s", failed, detail.decode(errors="replace").strip())
         return None
     log.info("%s (%s) loaded from %s", sources.name, variant, path)
     return lib
@@ -192,7 +192,12 @@ def library() -> ctypes.CDLL | None:
     """The compiled kernel, or None (and one log line saying why) when it cannot be used."""
     if os.environ.get(SWITCH, "1") == "0":
         return None
-    lib = open_library(BF16, "bf16 projections use oneDNN (slower on decode steps)")
+    lib = open_library(
+        BF16,
+        cpu_variant(),
+        "bf16 projections use oneDNN (slower on decode steps)",
+        "bf16 kernel unavailable, using oneDNN",
+    )
     if lib is None:
         return None
     lib.multiguess_bf16_matmul.argtypes = [

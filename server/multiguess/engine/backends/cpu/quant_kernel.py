@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from multiguess.engine.backends.cpu.bf16_kernel import KERNELS, Sources, Variant, open_library
+from multiguess.engine.backends.cpu.bf16_kernel import KERNELS, Sources, Variant, cpu_variant, open_library
 
 QUANT = Sources(
     "quant_kernels",
@@ -38,7 +38,12 @@ def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None (and one log line saying why) where they cannot be used."""
     if os.environ.get(SWITCH, "1") == "0":
         return None
-    lib = open_library(QUANT, "quantized linears decode their weights on every call (slow)")
+    lib = open_library(
+        QUANT,
+        cpu_variant(QUANT),
+        "quantized linears decode their weights on every call (slow)",
+        "quantized kernels unavailable, decoding weights on every call",
+    )
     if lib is None:
         return None
     lib.multiguess_quant_matmul.argtypes = [
