@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from multiguess.benchmark import weight_bytes
 from multiguess.errors import UnsupportedModelError
 from multiguess.models.loading import load_model
 from multiguess.models.quantized import FORMATS, QuantizedEmbedding, QuantizedLinear, dequantize, quantize
@@ -111,3 +112,12 @@ def test_safetensors_quantized_at_load(tmp_path: Path) -> None:
     plain = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).model.layers[0].self_attn.q_proj
     assert isinstance(q, QuantizedLinear) and q.kind == "q4_1"
     assert torch.equal(q.blocks, quantize(plain.weight, "q4_1"))
+
+
+def test_the_benchmark_counts_the_blocks_a_step_reads(tmp_path: Path) -> None:
+    """``multiguess bench``'s bandwidth bound reads quantized weights' blocks, not only parameters."""
+    path = tiny_gguf(tmp_path, "llama", Q.Q4_1)
+    model = load_model(str(path), device="cpu").model
+    blocks = sum(m.blocks.numel() for m in model.modules() if isinstance(m, QuantizedLinear))
+    source = AutoModelForCausalLM.from_pretrained(path.parent / "llama-source", dtype=torch.float32)
+    assert blocks < weight_bytes(model) < weight_bytes(source) / 4
