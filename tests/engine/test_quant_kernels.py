@@ -76,6 +76,36 @@ def test_the_product_of_q8_rows_and_the_weight_blocks(kind: str, variant: str) -
     assert 0 < error < 0.02
 
 
+@needs_kernel
+@pytest.mark.parametrize("fused", ["norm", "gated", "residual"])
+def test_fused_inputs_and_residual(fused: str, variant: str) -> None:
+    """RMSNorm, SiLU gating and the residual in the call: bf16 rows stay independent of the row
+    count, and in fp32 the result is the product of the prepared rows (torch's ops) within the
+    Q8 rows' rounding."""
+    blocks, bias = weights("q4_1", 96, 256, seed=3)
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(11, 512 if fused == "gated" else 256, generator=generator)
+    norm = (torch.rand(256, generator=generator) + 0.5, 1e-5) if fused == "norm" else None
+    residual = torch.randn(11, 96, generator=generator) if fused == "residual" else None
+    gated = fused == "gated"
+    half = (x.bfloat16(), None if norm is None else (norm[0].bfloat16(), norm[1]), residual)
+    together = quant_kernel.matmul(blocks, "q4_1", half[0], bias, half[1], gated, half[2])
+    for rows in (1, 2, 5, 8):
+        part = None if residual is None else half[2][3 : 3 + rows]
+        alone = quant_kernel.matmul(blocks, "q4_1", half[0][3 : 3 + rows], bias, half[1], gated, part)
+        assert torch.equal(alone, together[3 : 3 + rows])
+    y = quant_kernel.matmul(blocks, "q4_1", x, bias, norm, gated, residual).double()
+    prepared = x
+    if norm is not None:
+        prepared = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm[1]) * norm[0]
+    if gated:
+        prepared = torch.nn.functional.silu(x[:, :256]) * x[:, 256:]
+    exact = q8_rows(prepared).double() @ dequantize(blocks, "q4_1").double().T + bias.double()
+    if residual is not None:
+        exact += residual.double()
+    torch.testing.assert_close(y, exact, rtol=1e-3, atol=2e-2)
+
+
 def test_the_portable_build_serves_cpus_without_avx2(monkeypatch: pytest.MonkeyPatch) -> None:
     for cpu, expected in (
         ({"avx2", "fma", "f16c"}, "avx2"),

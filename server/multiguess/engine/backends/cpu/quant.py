@@ -2,8 +2,8 @@
 
 The runner fuses layers that read one input (q/k/v, gate/up) into one product; for quantized
 layers the fused weight is their blocks' rows concatenated, which the modules then view (no
-copy kept twice). Norm, gating and residual run as torch ops around the product
-(``Projection.__call__``); each is per row, as the product is, and with bf16 activations
+copy kept twice). Norm, gating and residual run in the kernel's call, in fp32 (one call instead of a handful of
+torch ops); each is per row, as the product is, and with bf16 activations
 ``run_layers`` takes rotary, the cache write and attention to the bf16 library's per-row
 kernels, so a row's result never depends on the rows beside it. Layers that are not quantized
 go to ``PackedProjection`` as before.
@@ -82,6 +82,17 @@ class QuantizedProjection(Projection):
             return None
         bias = None if linear.bias is None else linear.bias.detach()[rows]
         return cls(linear.blocks[rows].contiguous(), linear.kind, bias, [len(rows)])
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        norm: torch.nn.Module | None = None,
+        gated: bool = False,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The product with norm, gating and residual in the kernel call (fp32 inside)."""
+        weight = None if norm is None else (norm.weight, norm.variance_epsilon)
+        return quant_kernel.matmul(self.blocks, self.kind, x, self.bias, weight, gated, residual).to(x.dtype)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return quant_kernel.matmul(self.blocks, self.kind, x, self.bias).to(x.dtype)

@@ -52,6 +52,11 @@ def library() -> ctypes.CDLL | None:
         *[ctypes.c_void_p] * 3,
         *[ctypes.c_int64] * 3,
         ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_float,
+        ctypes.c_int,
+        ctypes.c_void_p,
     ]
     lib.multiguess_quant_matmul.restype = ctypes.c_int
     return lib
@@ -62,15 +67,31 @@ def usable(kind: str) -> bool:
     return kind in CODES and library() is not None
 
 
-def matmul(blocks: torch.Tensor, kind: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` for ``W`` in ``kind`` blocks ``[out, row_bytes]``; x ``[..., in]`` (any
-    float dtype, taken in fp32); fp32 ``[..., out]``."""
+def matmul(
+    blocks: torch.Tensor,
+    kind: str,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm: tuple[torch.Tensor, float] | None = None,
+    gated: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W.T + bias`` for ``W`` in ``kind`` blocks ``[out, row_bytes]``, x ``[..., in]`` in
+    bf16 (kept) or another float dtype (taken, and returned, in fp32). ``norm`` (weight,
+    epsilon) multiplies ``RMSNorm(x)`` instead, ``gated`` takes x as ``[..., 2 * in]`` (gate,
+    then up) and multiplies ``silu(gate) * up``, ``residual`` (the output's shape) is added: in
+    fp32 inside, each row from itself alone."""
     lib = library()
     if lib is None:
         raise RuntimeError("the quantized kernels are not available: check usable() first")
+    dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     out_features = blocks.shape[0]
-    rows = x.reshape(-1, x.shape[-1]).float().contiguous()
-    y = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+    rows = x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
+    in_features = rows.shape[1] // 2 if gated else rows.shape[1]
+    y = torch.empty(rows.shape[0], out_features, dtype=dtype)
+    if residual is not None:
+        residual = residual.reshape(y.shape).to(dtype).contiguous()
+    weight = None if norm is None else norm[0].to(dtype).contiguous()
     bias = None if bias is None else bias.float().contiguous()
     status = lib.multiguess_quant_matmul(
         blocks.data_ptr(),
@@ -79,10 +100,15 @@ def matmul(blocks: torch.Tensor, kind: str, x: torch.Tensor, bias: torch.Tensor 
         None if bias is None else bias.data_ptr(),
         y.data_ptr(),
         rows.shape[0],
-        rows.shape[1],
+        in_features,
         out_features,
         torch.get_num_threads(),
+        int(dtype == torch.bfloat16),
+        None if weight is None else weight.data_ptr(),
+        0.0 if norm is None else norm[1],
+        int(gated),
+        None if residual is None else residual.data_ptr(),
     )
     if status != 0:
-        raise MemoryError("quantized kernel: no memory for the quantized inputs")
+        raise MemoryError("quantized kernel: no memory for the prepared inputs")
     return y.view(*x.shape[:-1], out_features)

@@ -150,25 +150,75 @@ static void output_rows(const uint8_t *wrow, int format, const int8_t *xq, const
   }
 }
 
-/* x: [m][k] fp32 (k a multiple of 32), w: [n] rows of k / 32 blocks of `format`, bias: [n] or
- * NULL, y: [m][n] fp32. Returns -1 when out of memory. */
-int multiguess_quant_matmul(const uint8_t *w, int format, const float *x, const float *bias, float *y, int64_t m,
-                            int64_t k, int64_t n, int threads) {
+static inline float widen(const void *p, int64_t i, int bf16) {
+  if (!bf16) return ((const float *)p)[i];
+  const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+/* Round to nearest even, as torch converts float to bfloat16 (NaN stays NaN). */
+static inline void store(void *p, int64_t i, float f, int bf16) {
+  if (!bf16) {
+    ((float *)p)[i] = f;
+    return;
+  }
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof bits);
+  ((uint16_t *)p)[i] = (bits & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((bits >> 16) | 0x40)
+                                                          : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* Row r of the product's input in fp32 into `row` [k]: x itself, RMSNorm(x) * norm_weight
+ * (epsilon eps), or silu(gate) * up with x's row [2k] holding gate then up. In fp32 throughout,
+ * from this row alone. */
+static void input_row(const void *x, int64_t r, int64_t k, int bf16, const void *norm_weight, float eps, int gated,
+                      float *row) {
+  if (gated) {
+    for (int64_t j = 0; j < k; j++) {
+      const float gate = widen(x, r * 2 * k + j, bf16), up = widen(x, r * 2 * k + k + j, bf16);
+      row[j] = gate / (1.0f + expf(-gate)) * up;
+    }
+    return;
+  }
+  for (int64_t j = 0; j < k; j++) row[j] = widen(x, r * k + j, bf16);
+  if (!norm_weight) return;
+  float squares = 0.0f;
+  for (int64_t j = 0; j < k; j++) squares += row[j] * row[j];
+  const float scale = 1.0f / sqrtf(squares / (float)k + eps);
+  for (int64_t j = 0; j < k; j++) row[j] = row[j] * scale * widen(norm_weight, j, bf16);
+}
+
+/* x: [m][k] (or [m][2k] when gated), norm_weight [k], residual and y [m][n]: bf16 when `bf16`
+ * is set, else fp32 (k a multiple of 32); w: [n] rows of k / 32 blocks of `format`; bias [n]
+ * fp32 or NULL. y = input @ W^T + bias (+ residual), the input being x, RMSNorm(x) * norm_weight
+ * or silu(gate) * up (input_row). Returns -1 when out of memory. */
+int multiguess_quant_matmul(const uint8_t *w, int format, const void *x, const float *bias, void *y, int64_t m,
+                            int64_t k, int64_t n, int threads, int bf16, const void *norm_weight, float eps,
+                            int gated, const void *residual) {
   if (m == 0) return 0;
   const int64_t blocks = k / QK, row = blocks * BLOCK_BYTES[format];
   int8_t *xq = malloc((size_t)(m * k));
   float *xd = malloc((size_t)(m * blocks) * sizeof *xd), *xs = malloc((size_t)(m * blocks) * sizeof *xs);
-  if (!xq || !xd || !xs) {
-    free(xq), free(xd), free(xs);
+  float *prepared = malloc((size_t)k * sizeof *prepared), *sums = malloc((size_t)(m * n) * sizeof *sums);
+  if (!xq || !xd || !xs || !prepared || !sums) {
+    free(xq), free(xd), free(xs), free(prepared), free(sums);
     return -1;
   }
-  for (int64_t r = 0; r < m; r++) quantize_row(x + r * k, k, xq + r * k, xd + r * blocks, xs + r * blocks);
+  for (int64_t r = 0; r < m; r++) {
+    input_row(x, r, k, bf16, norm_weight, eps, gated, prepared);
+    quantize_row(prepared, k, xq + r * k, xd + r * blocks, xs + r * blocks);
+  }
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t j = 0; j < n; j++) {
     const float start = bias ? bias[j] : 0.0f;
     for (int64_t r0 = 0; r0 < m; r0 += ROWS)
-      output_rows(w + j * row, format, xq, xd, xs, m - r0 < ROWS ? m - r0 : ROWS, r0, k, start, y, n, j);
+      output_rows(w + j * row, format, xq, xd, xs, m - r0 < ROWS ? m - r0 : ROWS, r0, k, start, sums, n, j);
   }
-  free(xq), free(xd), free(xs);
+  for (int64_t i = 0; i < m * n; i++) {
+    store(y, i, residual ? widen(residual, i, bf16) + sums[i] : sums[i], bf16);
+  }
+  free(xq), free(xd), free(xs), free(prepared), free(sums);
   return 0;
 }
