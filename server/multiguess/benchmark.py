@@ -186,9 +186,10 @@ def step_against_bound(
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes read per decode step: every parameter once (tied embeddings counted once)."""
+    """Bytes read per decode step: every parameter and buffer once (tied embeddings counted
+    once; quantized weights are buffers of blocks)."""
     seen, total = set(), 0
-    for p in model.parameters():
+    for p in [*model.parameters(), *model.buffers()]:
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()

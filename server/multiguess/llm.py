@@ -29,12 +29,13 @@ def load_pair(
     draft_quantization: str | None,
     speculate: bool = True,
     draft_dtype: str | None = None,
+    quantization: str = "none",
 ) -> tuple[LoadedModel, LoadedModel | None]:
     """Load target and draft; ``target=None`` means the embedded default pair.
 
     ``speculate=False`` loads no draft model at all. ``draft_dtype`` None is the target's
     ``dtype`` setting; ``auto`` is resolved on each model's own device (a V100 draft beside an
-    A100 target: fp16 and bf16).
+    A100 target: fp16 and bf16). ``quantization`` is the target's (``load_model``).
     """
     if target is None:
         from multiguess.models.embedded import prepare_embedded
@@ -44,7 +45,7 @@ def load_pair(
         if draft_quantization is None:
             draft_quantization = embedded.draft_quantization
         dtype = embedded.dtype if dtype == "auto" else dtype
-    target_model = load_model(target, dtype=dtype, device=device)
+    target_model = load_model(target, dtype=dtype, device=device, quantization=quantization)
     if draft is None or not speculate:
         return target_model, None
     draft_model = load_model(
@@ -67,6 +68,7 @@ def build_engine(
     draft_device: str | None = None,
     draft_quantization: str | None = None,
     draft_dtype: str | None = None,
+    quantization: str = "none",
 ) -> Engine:
     """An engine with the chosen drafter: a draft ``model``, an ``eagle3`` head (``draft`` is its
     folder; the embedded target's shipped head by default), ``ngram`` lookup, ``suffix`` (copy
@@ -74,7 +76,15 @@ def build_engine(
     if drafter not in DRAFTERS:
         raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}; got {drafter!r}")
     target_model, draft_model = load_pair(
-        target, draft, dtype, device, draft_device, draft_quantization, drafter == "model", draft_dtype
+        target,
+        draft,
+        dtype,
+        device,
+        draft_device,
+        draft_quantization,
+        drafter == "model",
+        draft_dtype,
+        quantization,
     )
     own = {"ngram": NgramDrafter, "suffix": SuffixDrafter}.get(drafter)
     engine = Engine(target_model, draft_model, config, own() if own is not None else None)
@@ -125,6 +135,7 @@ class LLM:
         max_prefill_tokens: int | str | None = "auto",
         prefix_caching: bool = True,
         prompt_lookup: int = 32,
+        quantization: str = "none",
     ) -> None:
         config = EngineConfig(
             num_candidates,
@@ -142,7 +153,16 @@ class LLM:
             prompt_lookup=prompt_lookup,
         )
         self.engine = build_engine(
-            config, target, draft, drafter, dtype, device, draft_device, draft_quantization, draft_dtype
+            config,
+            target,
+            draft,
+            drafter,
+            dtype,
+            device,
+            draft_device,
+            draft_quantization,
+            draft_dtype,
+            quantization,
         )
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -9,7 +9,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from multiguess.engine.backends.cpu import bf16_kernel
+from multiguess.engine.backends.cpu import bf16_kernel, quant_kernel
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,7 +42,9 @@ def test_the_wheel_holds_the_kernel_sources_and_headers(tmp_path: Path) -> None:
     (wheel,) = wheels.glob("multiguess-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     needed = [
-        path.relative_to(ROOT / "server").as_posix() for path in (*bf16_kernel.SOURCES, *bf16_kernel.HEADERS)
+        path.relative_to(ROOT / "server").as_posix()
+        for sources in (bf16_kernel.BF16, quant_kernel.QUANT)
+        for path in (*sources.files, *sources.headers)
     ]
     assert len(needed) >= 3, "the kernel sources were not found beside bf16_kernel.py"
     missing = [name for name in needed if name not in names]

@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         args.draft_device,
         args.draft_quantization,
         draft_dtype=args.draft_dtype,
+        quantization=args.quantization,
     )
     if draft is None:
         print("error: the benchmark needs a draft (--draft)", file=sys.stderr)

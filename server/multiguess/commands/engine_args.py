@@ -38,9 +38,24 @@ def add_flag(
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    add_flag(parser, "--target", None, help="target model folder or hub id (default: embedded pair)")
+    add_flag(
+        parser, "--target", None, help="target model folder, hub id or GGUF file (default: embedded pair)"
+    )
     add_flag(parser, "--draft", None, help="draft model folder or hub id (default: embedded draft)")
-    add_flag(parser, "--draft-quantization", None, choices=QUANTIZATIONS, help="int8: dynamic int8 draft")
+    add_flag(
+        parser,
+        "--quantization",
+        "none",
+        choices=QUANTIZATIONS,
+        help="the target's linears in GGUF blocks (q8_0, q4_0, q4_1; CPUs), or int8 dynamic; a .gguf --target is quantized already",
+    )
+    add_flag(
+        parser,
+        "--draft-quantization",
+        None,
+        choices=QUANTIZATIONS,
+        help="int8: dynamic int8 draft; q8_0, q4_0, q4_1: GGUF blocks",
+    )
     add_flag(
         parser,
         "--drafter",
@@ -162,6 +177,7 @@ def build_llm(args: argparse.Namespace) -> Any:
         device=args.device,
         draft_device=args.draft_device,
         draft_quantization=args.draft_quantization,
+        quantization=args.quantization,
         max_batch=args.max_batch,
         max_model_len=args.max_model_len,
         drafter=args.drafter,

@@ -76,7 +76,9 @@ def build_engine(args: argparse.Namespace, registry: Any = None) -> Any:
             prefix_caching=args.enable_prefix_caching,
             prompt_lookup=args.prompt_lookup,
         )
-        engine = build_local(config, args.target, None, "none", args.dtype, args.device)
+        engine = build_local(
+            config, args.target, None, "none", args.dtype, args.device, quantization=args.quantization
+        )
         engine.drafter = RemoteDrafter(
             args.draft_url,
             engine.tokenizer,

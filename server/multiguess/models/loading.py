@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from multiguess.errors import IncompatibleDraftError, ModelLoadError, UnsupportedModelError
 from multiguess.models.draft_vocab import load_draft_vocab
+from multiguess.models.gguf import is_gguf, load_gguf
+from multiguess.models.quantized import FORMATS, quantize_linears
 from multiguess.options import QUANTIZATIONS
 
 log = logging.getLogger(__name__)
@@ -80,24 +83,30 @@ def load_model(
     device: str = "auto",
     quantization: str = "none",
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer from a local folder or a hub id.
+    """Load a causal LM and its tokenizer from a local folder, a hub id or a GGUF file.
 
     ``quantization="int8"`` applies dynamic int8 quantization to every Linear layer (CPU only);
-    activations then stay in fp32, which dynamic quantization requires.
+    activations then stay in fp32, which dynamic quantization requires. A block format
+    (``q8_0``, ``q4_0``, ``q4_1``) keeps every Linear in that format's blocks, as a GGUF file's
+    quantized linears are kept (CPU only; ``dtype`` is then the activations' and float tensors').
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}; got {quantization!r}")
     device = resolve_device(device)
+    if is_gguf(name):
+        return load_gguf_model(name, dtype, device, quantization)
     try:
         config = AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load model {name!r}: {exc}") from exc
     check_architecture(config, name)
+    blocks = quantization in FORMATS
     torch_dtype = torch.float32 if quantization == "int8" else resolve_dtype(dtype, device)
-    if quantization == "int8" and not device.startswith("cpu"):
-        raise ValueError("int8 dynamic quantization runs on the CPU only; use quantization='none'")
+    if quantization != "none" and not device.startswith("cpu"):
+        raise ValueError(f"{quantization} quantization runs on the CPU only; use quantization='none'")
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype)
+        # Blocks are quantized from the checkpoint's fp32 weights, whatever the activations' dtype.
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32 if blocks else torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load model {name!r}: {exc}") from exc
@@ -105,9 +114,30 @@ def load_model(
     model.eval()
     if quantization == "int8":
         model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    elif blocks:
+        quantize_linears(model, quantization)
+        model.to(torch_dtype)  # norms, embeddings and biases; the blocks stay uint8
     log.info("loaded %s (%s, %s, quantization=%s)", name, config.model_type, torch_dtype, quantization)
     draft_vocab = load_draft_vocab(name, config.vocab_size)
     return LoadedModel(model, tokenizer, name, torch.device(device), torch_dtype, draft_vocab)
+
+
+def load_gguf_model(name: str, dtype: str, device: str, quantization: str) -> LoadedModel:
+    """A GGUF file, its quantized linears kept in their blocks (``models/gguf.py``): CPUs only."""
+    if not device.startswith("cpu"):
+        raise UnsupportedModelError(
+            f"{name}: GGUF files run on CPUs only (multiguess's integer kernels); use --device cpu, "
+            "or a safetensors checkpoint on a GPU"
+        )
+    if quantization != "none":
+        raise ValueError(
+            f"{name} is quantized already (a GGUF file); --quantization applies to safetensors models"
+        )
+    torch_dtype = resolve_dtype(dtype, device)
+    model, tokenizer = load_gguf(Path(name), torch_dtype)
+    check_architecture(model.config, name)
+    log.info("loaded %s (GGUF, %s, activations %s)", name, model.config.model_type, torch_dtype)
+    return LoadedModel(model, tokenizer, name, torch.device("cpu"), torch_dtype)
 
 
 def check_draft_compatible(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from multiguess.engine.backends import torch_layers
-from multiguess.engine.backends.cpu import bf16_kernel
+from multiguess.engine.backends.cpu import bf16_kernel, quant
 from multiguess.engine.backends.cpu.packed import PackedProjection, packing_supported, place_panels
+from multiguess.engine.backends.cpu.quant import QuantizedProjection
 from multiguess.engine.linear import Projection
 from multiguess.engine.placement import Placement
 
@@ -76,8 +77,10 @@ class CpuBackend:
 
     def __init__(self, dtype: torch.dtype, eager: bool) -> None:
         self.packed = not eager and packing_supported(dtype)
-        self.projection: type[Projection] = PackedProjection if self.packed else Projection
+        # Quantized layers (GGUF blocks) on the integer kernels, the others repacked.
+        self.projection: type[Projection] = QuantizedProjection if self.packed else Projection
         self.layer_weights: list[bf16_kernel.LayerWeights] = []
+        self.quantized_layers = False  # GGUF-quantized layers with per-row attention (quant.py)
 
     def attach(self, runner: ModelParts) -> None:
         """Panels onto huge pages; whole layers in the bf16 kernels where every part of a layer
@@ -101,6 +104,7 @@ class CpuBackend:
         self.layer_weights = (
             [self._layer_weights(runner, i) for i in range(len(runner.layers))] if kernels else []
         )
+        self.quantized_layers = self.packed and quant.layers_supported(runner)
 
     @property
     def layer_kernels(self) -> bool:
@@ -110,6 +114,8 @@ class CpuBackend:
     def label(self) -> str:
         if self.layer_kernels:
             return "multiguess bf16 on AMX tiles" if bf16_kernel.matrix_units() else "multiguess bf16"
+        if self.quantized_layers:
+            return "multiguess quantized"
         return "prepacked" if self.packed else "eager"
 
     def mask(self, visible: torch.Tensor, plain: bool) -> torch.Tensor:
@@ -123,6 +129,8 @@ class CpuBackend:
     def run_layers(self, runner: ModelParts, x: torch.Tensor, at: Placement) -> torch.Tensor:
         if self.layer_kernels:
             return self._layers_in_kernels(runner, x, at)
+        if self.quantized_layers:
+            return quant.run_layers(runner, x, at)
         at = at._replace(mask=fold_mask(at.mask, runner.num_heads // runner.num_kv_heads))
         return torch_layers.run_layers(runner, x, at, attention)
 

@@ -46,8 +46,6 @@ from multiguess.cache_dirs import cache_roots
 log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = (KERNELS / "bf16_kernels.c", KERNELS / "seeded_race.c")  # one library
-HEADERS = tuple(sorted(KERNELS.glob("isa_*.h")))
 PANEL = 64
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 
@@ -60,6 +58,17 @@ class Variant:
     flags: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class Sources:
+    """One library's C sources and headers and the variants it is built in (best first); the
+    quantized kernels (``quant_kernel.py``) are another such library, built the same way."""
+
+    name: str
+    files: tuple[Path, ...]
+    headers: tuple[Path, ...]
+    variants: dict[str, Variant]
+
+
 VARIANTS = {  # best first
     "avx512": Variant(
         frozenset({"avx512_bf16"}),
@@ -67,6 +76,12 @@ VARIANTS = {  # best first
     ),
     "avx2": Variant(frozenset({"avx2", "fma"}), ("-mavx2", "-mfma")),
 }
+BF16 = Sources(
+    "bf16_kernels",
+    (KERNELS / "bf16_kernels.c", KERNELS / "seeded_race.c"),  # one library
+    tuple(sorted(KERNELS.glob("isa_*.h"))),
+    VARIANTS,
+)
 SWITCH = "MULTIGUESS_BF16_KERNEL"
 PRODUCT = "MULTIGUESS_BF16_PRODUCT"  # auto (measured), amx or avx512
 
@@ -80,9 +95,9 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
-def cpu_variant() -> str | None:
+def cpu_variant(sources: Sources = BF16) -> str | None:
     """The best variant of the kernels this CPU runs (None: none, the forward uses oneDNN)."""
-    return next((name for name, variant in VARIANTS.items() if variant.needs <= cpu_flags()), None)
+    return next((name for name, variant in sources.variants.items() if variant.needs <= cpu_flags()), None)
 
 
 def cpu_has_amx_bf16() -> bool:
@@ -90,16 +105,16 @@ def cpu_has_amx_bf16() -> bool:
     return {"amx_tile", "amx_bf16"} <= cpu_flags()
 
 
-def flags(variant: str) -> list[str]:
-    return [*COMMON_FLAGS, *VARIANTS[variant].flags]
+def flags(variant: str, sources: Sources = BF16) -> list[str]:
+    return [*COMMON_FLAGS, *sources.variants[variant].flags]
 
 
-def compiled_path(variant: str) -> Path:
+def compiled_path(variant: str, sources: Sources = BF16) -> Path:
     """Where the library of this variant of these sources is: the first cache folder that has
     it (an image bakes it in a read-only one), else where it is built, in the first folder."""
-    sources = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    digest = hashlib.sha256(sources + " ".join(flags(variant)).encode()).hexdigest()[:16]
-    places = [root / "kernels" / f"bf16_kernels-{variant}-{digest}.so" for root in cache_roots()]
+    text = b"".join(path.read_bytes() for path in (*sources.files, *sources.headers))
+    digest = hashlib.sha256(text + " ".join(flags(variant, sources)).encode()).hexdigest()[:16]
+    places = [root / "kernels" / f"{sources.name}-{variant}-{digest}.so" for root in cache_roots()]
     return next((p for p in places if p.exists()), places[0])
 
 
@@ -108,18 +123,41 @@ def find_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build(compiler: str, variant: str) -> Path:
+def build(compiler: str, variant: str, sources: Sources = BF16) -> Path:
     """Compile the library unless it is there; any CPU can build any variant (an image build
     host)."""
-    target = compiled_path(variant)
+    target = compiled_path(variant, sources)
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
             built = Path(scratch) / target.name
-            command = [compiler, *flags(variant), *map(str, SOURCES), "-o", str(built), "-lm"]
+            command = [compiler, *flags(variant, sources), *map(str, sources.files), "-o", str(built), "-lm"]
             subprocess.run(command, check=True, capture_output=True)
             os.replace(built, target)  # atomic: concurrent loaders see a whole file or none
     return target
+
+
+def open_library(sources: Sources, variant: str | None, no_compiler: str, failed: str) -> ctypes.CDLL | None:
+    """The ``variant`` of ``sources`` (the best this CPU runs), built first where it is missing;
+    None where there is none, with one log line: ``no_compiler`` says what runs without a
+    compiler, ``failed`` prefixes a failed build's or load's error."""
+    if sys.platform != "linux" or variant is None:
+        return None
+    path = compiled_path(variant, sources)
+    try:
+        if not path.exists():
+            compiler = find_compiler()
+            if compiler is None:
+                log.info("no C compiler found: %s", no_compiler)
+                return None
+            path = build(compiler, variant, sources)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", b"") or str(error).encode()
+        log.warning("%s: %s", failed, detail.decode(errors="replace").strip())
+        return None
+    log.info("%s (%s) loaded from %s", sources.name, variant, path)
+    return lib
 
 
 class LayerWeights(ctypes.Structure):
@@ -152,21 +190,15 @@ class StepPlaces(ctypes.Structure):
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, or None (and one log line saying why) when it cannot be used."""
-    variant = cpu_variant()
-    if os.environ.get(SWITCH, "1") == "0" or sys.platform != "linux" or variant is None:
+    if os.environ.get(SWITCH, "1") == "0":
         return None
-    path = compiled_path(variant)
-    try:
-        if not path.exists():
-            compiler = find_compiler()
-            if compiler is None:
-                log.info("no C compiler found: bf16 projections use oneDNN (slower on decode steps)")
-                return None
-            path = build(compiler, variant)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", b"") or str(error).encode()
-        log.warning("bf16 kernel unavailable, using oneDNN: %s", detail.decode(errors="replace").strip())
+    lib = open_library(
+        BF16,
+        cpu_variant(),
+        "bf16 projections use oneDNN (slower on decode steps)",
+        "bf16 kernel unavailable, using oneDNN",
+    )
+    if lib is None:
         return None
     lib.multiguess_bf16_matmul.argtypes = [
         *[ctypes.c_void_p] * 4,
@@ -215,7 +247,6 @@ def library() -> ctypes.CDLL | None:
     lib.multiguess_kept.restype = ctypes.c_int64
     lib.multiguess_kept_race.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64]
     lib.multiguess_kept_race.restype = ctypes.c_int64
-    log.info("bf16 kernels (%s) loaded from %s", variant, path)
     return lib
 
 
@@ -475,5 +506,8 @@ if __name__ == "__main__":
     compiler = find_compiler()
     if compiler is None:
         sys.exit("no C compiler: install gcc or set CC")
-    for name in VARIANTS:
-        print(build(compiler, name))
+    from multiguess.engine.backends.cpu.quant_kernel import QUANT
+
+    for sources in (BF16, QUANT):
+        for name in sources.variants:
+            print(build(compiler, name, sources))

@@ -1,0 +1,93 @@
+"""Lossless against the quantized model: greedy speculation over a GGUF target (or a
+safetensors model quantized at load) gives token for token what plain decoding of the same
+quantized weights gives, its linears on the integer kernels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from multiguess import LLM, SamplingParams
+from multiguess.engine.backends import cpu_has_fast_bf16
+from multiguess.engine.backends.cpu import quant_kernel
+from multiguess.engine.backends.cpu.quant import QuantizedProjection
+from multiguess.engine.runner import NativeRunner
+from multiguess.engine.tree import TokenTree
+from multiguess.models.loading import load_model
+
+from tests.engine.test_lossless import random_prompts
+from tests.gguf_files import tiny_gguf
+from tests.tiny_models import save_noisy_copy
+
+Q = gguf.GGMLQuantizationType
+needs_kernel = pytest.mark.skipif(
+    quant_kernel.library() is None, reason="the quantized kernels need a C compiler"
+)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MULTIGUESS_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def draft_beside(target: Path, family: str, folder: Path) -> Path:
+    """A noisy copy of the target's source model with the GGUF's own tokenizer (transformers'
+    GGUF conversion adds ``<|endoftext|>``: a draft must share the target's vocabulary)."""
+    draft = save_noisy_copy(target.parent / f"{family}-source", folder, noise=0.3, seed=5)
+    load_model(str(target), device="cpu").tokenizer.save_pretrained(draft)
+    return draft
+
+
+@needs_kernel
+@pytest.mark.parametrize(("family", "qtype"), [("llama", Q.Q4_1), ("qwen2", Q.Q4_0), ("mistral", Q.Q8_0)])
+@pytest.mark.parametrize(("num_candidates", "depth"), [(1, 4), (3, 3)])
+def test_gguf_speculation_equals_its_plain_decoding(
+    tmp_path: Path, family: str, qtype: Q, num_candidates: int, depth: int
+) -> None:
+    target = tiny_gguf(tmp_path, family, qtype, tie_word_embeddings=family == "llama")
+    draft = draft_beside(target, family, tmp_path / "draft")
+    prompts = random_prompts(12, (1, 7, 30, 200), vocab=200)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = LLM(str(target), None, max_batch=4)
+    spec = LLM(str(target), str(draft), num_candidates, depth, max_batch=4, adaptive=False)
+    runner = spec.engine.target
+    assert all(isinstance(p, QuantizedProjection) for p in (*runner.qkv, *runner.gate_up, runner.head))
+    outputs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)] for llm in (plain, spec)]
+    assert outputs[0] == outputs[1]
+
+
+@needs_kernel
+@pytest.mark.skipif(not cpu_has_fast_bf16(), reason="bf16 activations need the bf16 kernels")
+def test_tree_nodes_have_the_logits_of_their_paths_decoded_alone(tmp_path: Path) -> None:
+    """Why: each node of a verified tree gets, bit for bit, the logits of its path decoded one
+    token at a time (products per row on the integer kernels, attention per row in the bf16
+    library's kernel), next to another sequence's tree."""
+    target = tiny_gguf(tmp_path, "llama", Q.Q4_1)
+    loaded = load_model(str(target), device="cpu")
+    tree_runner, step_runner = NativeRunner(loaded, 2, 256), NativeRunner(loaded, 2, 256)
+    assert loaded.dtype == torch.bfloat16 and tree_runner.backend.quantized_layers
+    prefixes = random_prompts(3, (90, 120), vocab=200)
+    for runner in (tree_runner, step_runner):
+        runner.forward_trees([0, 1], [0, 0], [TokenTree.chain(p) for p in prefixes])
+    lens = [len(p) for p in prefixes]
+    paths = [list(range(11, 19)), [5, 6, 7]]
+    tree_logits = tree_runner.forward_trees([0, 1], lens, [TokenTree.chain(p) for p in paths])
+    for b, path in enumerate(paths):
+        for i, token in enumerate(path):
+            step = step_runner.forward_trees([b], [lens[b] + i], [TokenTree.chain([token])])[0, 0]
+            assert torch.equal(step, tree_logits[b, i])
+
+
+@needs_kernel
+def test_safetensors_quantized_at_load_speculates_losslessly(tmp_path: Path) -> None:
+    source = tiny_gguf(tmp_path, "qwen2", Q.F32).parent / "qwen2-source"
+    draft = save_noisy_copy(source, tmp_path / "draft", noise=0.3, seed=5)
+    prompts = random_prompts(4, (3, 50), vocab=200)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    plain = LLM(str(source), None, max_batch=2, quantization="q8_0")
+    spec = LLM(str(source), str(draft), 3, 3, max_batch=2, adaptive=False, quantization="q8_0")
+    assert isinstance(spec.engine.target.qkv[0], QuantizedProjection)
+    outputs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)] for llm in (plain, spec)]
+    assert outputs[0] == outputs[1]

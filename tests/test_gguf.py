@@ -1,0 +1,123 @@
+"""GGUF files load natively: quantized linears stay in their blocks and decode to what the
+``gguf`` package's reference dequantizer gives (through transformers' own GGUF loading, which
+dequantizes every tensor with it); unsupported architectures and formats fail clearly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from multiguess.benchmark import weight_bytes
+from multiguess.errors import UnsupportedModelError
+from multiguess.models.loading import load_model
+from multiguess.models.quantized import FORMATS, QuantizedEmbedding, QuantizedLinear, dequantize, quantize
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.gguf_files import tiny_gguf
+
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Converted metadata goes to the test's own cache folder."""
+    monkeypatch.setenv("MULTIGUESS_CACHE_DIR", str(tmp_path / "cache"))
+
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_dequantize_matches_the_reference(kind: str) -> None:
+    weight = torch.randn(48, 256) * torch.linspace(0.01, 3, 256)
+    blocks = quantize(weight, kind)
+    reference = gguf.quants.dequantize(blocks.numpy(), FORMATS[kind])
+    assert torch.equal(dequantize(blocks, kind), torch.from_numpy(np.ascontiguousarray(reference)))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_loaded_gguf_is_the_dequantized_reference(tmp_path: Path, family: str, qtype: Q) -> None:
+    path = tiny_gguf(tmp_path, family, qtype, embed_qtype=Q.Q8_0, tie_word_embeddings=family == "llama")
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    model = loaded.model
+    reference = AutoModelForCausalLM.from_pretrained(  # transformers reads no head_dim from Qwen3 files
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, config=model.config
+    )
+    assert loaded.dtype == torch.float32 and isinstance(model.model.embed_tokens, QuantizedEmbedding)
+    for layer, ref in zip(model.model.layers, reference.model.layers, strict=True):
+        for name in LINEARS:
+            where = f"self_attn.{name}" if name[0] in "qkvo" else f"mlp.{name}"
+            module, expected = layer.get_submodule(where), ref.get_submodule(where)
+            assert isinstance(module, QuantizedLinear) and module.kind == qtype.name.lower()
+            assert torch.equal(dequantize(module.blocks, module.kind), expected.weight)
+            if expected.bias is not None:
+                assert torch.equal(module.bias, expected.bias)
+    assert isinstance(model.lm_head, QuantizedLinear)
+    assert torch.equal(dequantize(model.lm_head.blocks, model.lm_head.kind), reference.lm_head.weight)
+    ids = loaded.tokenizer('w1 hello {"name": true}', return_tensors="pt").input_ids
+    assert ids.tolist() == reference_tokens(path, 'w1 hello {"name": true}')
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def reference_tokens(path: Path, text: str) -> list[list[int]]:
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)(
+        text, return_tensors="pt"
+    ).input_ids.tolist()
+
+
+def test_float_gguf_loads_as_plain_linears(tmp_path: Path) -> None:
+    path = tiny_gguf(tmp_path, "qwen2", Q.F32)
+    model = load_model(str(path), device="cpu").model
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    assert type(model.model.embed_tokens) is torch.nn.Embedding
+
+
+def test_unsupported_architecture_names_the_supported(tmp_path: Path) -> None:
+    path = tmp_path / "phi.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi2")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    with pytest.raises(
+        UnsupportedModelError, match="'phi2' is not supported; supported: llama, qwen2, qwen3"
+    ):
+        load_model(str(path), device="cpu")
+
+
+def test_unsupported_format_names_the_tensor_and_the_supported(tmp_path: Path) -> None:
+    path = tiny_gguf(tmp_path, "qwen2", Q.Q5_0)
+    with pytest.raises(
+        UnsupportedModelError, match=r"is Q5_0, .* supported tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1"
+    ):
+        load_model(str(path), device="cpu")
+
+
+def test_gguf_on_a_gpu_is_refused_clearly(tmp_path: Path) -> None:
+    path = tiny_gguf(tmp_path, "qwen2", Q.Q8_0)
+    with pytest.raises(UnsupportedModelError, match="GGUF files run on CPUs only"):
+        load_model(str(path), device="cuda")
+
+
+def test_safetensors_quantized_at_load(tmp_path: Path) -> None:
+    path = tiny_gguf(tmp_path, "llama", Q.F32)
+    source = path.parent / "llama-source"
+    model = load_model(str(source), device="cpu", quantization="q4_1").model
+    q = model.model.layers[0].self_attn.q_proj
+    plain = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).model.layers[0].self_attn.q_proj
+    assert isinstance(q, QuantizedLinear) and q.kind == "q4_1"
+    assert torch.equal(q.blocks, quantize(plain.weight, "q4_1"))
+
+
+def test_the_benchmark_counts_the_blocks_a_step_reads(tmp_path: Path) -> None:
+    """``multiguess bench``'s bandwidth bound reads quantized weights' blocks, not only parameters."""
+    path = tiny_gguf(tmp_path, "llama", Q.Q4_1)
+    model = load_model(str(path), device="cpu").model
+    blocks = sum(m.blocks.numel() for m in model.modules() if isinstance(m, QuantizedLinear))
+    source = AutoModelForCausalLM.from_pretrained(path.parent / "llama-source", dtype=torch.float32)
+    assert blocks < weight_bytes(model) < weight_bytes(source) / 4
