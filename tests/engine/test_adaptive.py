@@ -360,10 +360,12 @@ def test_seeded_samples_probe_by_observation_unseeded_ones_with_trees(
     tiny_llama: Path, tiny_llama_draft: Path, seed: int | None, probe_trees: bool
 ) -> None:
     """While no tree pays, a seeded sample probes without a tree (its output stays plain seeded
-    decoding's) and an unseeded one with a one-level tree; both keep the sampled estimates."""
+    decoding's) and an unseeded one with a one-level tree; both keep the sampled estimates.
+    Copy drafts are off: their own policy grafts them, and these trees are the model's probes."""
     target, draft = (load_model(str(path), dtype="float32") for path in (tiny_llama, tiny_llama_draft))
     policy = AdaptivePolicy(min_speedup=100.0, probe_every=2, probe_every_max=2)
-    engine = Engine(target, draft, EngineConfig(3, 4, 16, max_batch=1, max_model_len=128, policy=policy))
+    config = EngineConfig(3, 4, 16, max_batch=1, max_model_len=128, policy=policy, prompt_lookup=0)
+    engine = Engine(target, draft, config)
     prompt = random_prompts(25, (9,))[0]
     params = SamplingParams(max_tokens=30, temperature=1.0, seed=seed, ignore_eos=True)
     seq = engine.add_request("0", prompt, params)
