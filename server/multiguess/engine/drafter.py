@@ -158,6 +158,33 @@ class Drafter(Protocol):
         ...
 
 
+class StatelessDrafter:
+    """The calls a drafter that keeps nothing per sequence (it proposes from the sequence's own
+    text) answers with nothing: subclasses write ``propose`` alone."""
+
+    def commit(self, slot: int, proposal: Proposal, acceptance: Acceptance) -> None:
+        """Nothing to keep."""
+
+    def release(self, slot: int) -> None:
+        """Nothing to free."""
+
+    def retain(self, slot: int, length: int) -> None:
+        """Nothing to keep."""
+
+    def share(self, src: int, dst: int, length: int) -> int:
+        """Nothing to share: the target may skip every shared token."""
+        return length
+
+    def move(self, src: int, dst: int) -> None:
+        """Nothing to move."""
+
+    def observe(
+        self, slot: int, token_ids: list[int], width: int, since: int, sample: SampleSpec | None = None
+    ) -> None:
+        """None, it cannot tell: what it would have guessed depends on where the text repeated
+        itself, so probe trees (or the engine's copy policy) measure it."""
+
+
 def seeded_guesses(
     dists: torch.Tensor,
     seed: int,

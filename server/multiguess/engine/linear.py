@@ -7,6 +7,8 @@ layout of their own (``backends/cpu/packed.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -39,13 +41,7 @@ class Projection:
         so the fused (and any repacked) weights exist once."""
         if not all(type(m) is torch.nn.Linear for m in linears):
             return None
-        key = (tuple(id(m) for m in linears), cls)
-        cached = getattr(linears[0], CACHE_ATTRIBUTE, None)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        projection = cls._build(linears)
-        setattr(linears[0], CACHE_ATTRIBUTE, (key, projection))
-        return projection
+        return built_once(linears, cls, lambda: cls._build(linears))
 
     @classmethod
     def rows(cls, linear: torch.nn.Module, rows: torch.Tensor) -> Projection | None:
@@ -101,3 +97,15 @@ class Projection:
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The fused layers' outputs, one per original layer."""
         return self(x).split(self.sizes, dim=-1)
+
+
+def built_once(linears: list[torch.nn.Module], kind: type, build: Callable[[], Projection]) -> Projection:
+    """``build()``'s projection of ``linears``, made once per model and kind: it is cached on the
+    first layer, so runners over the same model share the fused (and any repacked) weights."""
+    key = (tuple(id(m) for m in linears), kind)
+    cached = getattr(linears[0], CACHE_ATTRIBUTE, None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    projection = build()
+    setattr(linears[0], CACHE_ATTRIBUTE, (key, projection))
+    return projection

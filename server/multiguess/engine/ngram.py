@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from multiguess.engine.acceptance import Acceptance
-from multiguess.engine.drafter import DraftRequest, Proposal, SampleSpec
+from multiguess.engine.drafter import DraftRequest, Proposal, StatelessDrafter
 from multiguess.engine.tree import TokenTree
 
 
@@ -89,7 +88,7 @@ def graft(
     return TokenTree(tuple(tokens), tuple(parents)), tuple(appended)
 
 
-class NgramDrafter:
+class NgramDrafter(StatelessDrafter):
     """Stateless prompt-lookup drafter; children are deterministic (exact under sampling too)."""
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
@@ -109,25 +108,3 @@ class NgramDrafter:
                 chains = [c[: req.grammar.valid_prefix(c)] for c in chains]
             proposals.append(Proposal(trie(req.token_ids[-1], chains, budget.max_nodes)))
         return proposals
-
-    def commit(self, slot: int, proposal: Proposal, acceptance: Acceptance) -> None:
-        """Nothing to keep: every proposal is computed from the sequence itself."""
-
-    def release(self, slot: int) -> None:
-        """Nothing to free."""
-
-    def retain(self, slot: int, length: int) -> None:
-        """Nothing to keep."""
-
-    def share(self, src: int, dst: int, length: int) -> int:
-        """Nothing to share: the target may skip every shared token."""
-        return length
-
-    def move(self, src: int, dst: int) -> None:
-        """Nothing to move."""
-
-    def observe(
-        self, slot: int, token_ids: list[int], width: int, since: int, sample: SampleSpec | None = None
-    ) -> None:
-        """A lookup ranks nothing: what it would have guessed depends on where the sequence
-        repeated itself, so probe trees measure it."""

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.adaptive import CopyYield
-from multiguess.engine.drafter import DraftRequest, Proposal, SampleSpec
+from multiguess.engine.drafter import DraftRequest, Proposal, StatelessDrafter
 from multiguess.engine.tree import TokenTree
 from multiguess.params import SHARED_SCOPE
 
@@ -228,7 +227,7 @@ class CopySource:
         self.recent.add(output, scope)
 
 
-class SuffixDrafter:
+class SuffixDrafter(StatelessDrafter):
     """The ``suffix`` drafter: no model; every tree is the engine's copy draft (``CopySource``
     over the sequence and recent outputs), sized by the engine's copy policy (``copy_only``:
     the engine does not ask it for trees). It keeps no state, so its calls do nothing."""
@@ -239,24 +238,3 @@ class SuffixDrafter:
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         """Nothing of its own: root-only trees, which the engine's copy drafts graft onto."""
         return [Proposal(TokenTree.chain([r.token_ids[-1]])) for r in requests]
-
-    def commit(self, slot: int, proposal: Proposal, acceptance: Acceptance) -> None:
-        """Nothing to keep."""
-
-    def release(self, slot: int) -> None:
-        """Nothing to free."""
-
-    def retain(self, slot: int, length: int) -> None:
-        """Nothing to keep."""
-
-    def share(self, src: int, dst: int, length: int) -> int:
-        """Nothing to share: the target may skip every shared token."""
-        return length
-
-    def move(self, src: int, dst: int) -> None:
-        """Nothing to move."""
-
-    def observe(
-        self, slot: int, token_ids: list[int], width: int, since: int, sample: SampleSpec | None = None
-    ) -> None:
-        """Copy drafts are measured by the engine's copy policy, not by the model policy."""

@@ -17,7 +17,7 @@ import torch
 
 from multiguess.engine.backends.cpu import bf16_kernel, quant_kernel
 from multiguess.engine.backends.cpu.packed import PackedProjection
-from multiguess.engine.linear import CACHE_ATTRIBUTE, Projection
+from multiguess.engine.linear import Projection, built_once
 from multiguess.engine.placement import Placement
 from multiguess.models.quantized import QuantizedLinear
 
@@ -50,13 +50,7 @@ class QuantizedProjection(Projection):
             return PackedProjection.of(linears)
         if not cls.fusable(linears):
             return None
-        key = (tuple(id(m) for m in linears), cls)
-        cached = getattr(linears[0], CACHE_ATTRIBUTE, None)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        projection = cls._fuse(linears)
-        setattr(linears[0], CACHE_ATTRIBUTE, (key, projection))
-        return projection
+        return built_once(linears, cls, lambda: cls._fuse(linears))
 
     @classmethod
     def _fuse(cls, linears: list[QuantizedLinear]) -> QuantizedProjection:
