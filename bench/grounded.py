@@ -8,8 +8,8 @@ each starts every repeat with an empty recent-output index, so no repeat copies 
 one's replies. Reported per workload and setup: the median over repeats of tokens per second
 of the workload's prompts, the ratio to plain decoding of the same repeat, the mean accepted
 length, and whether every output is plain decoding's token for token. Run from the repo root
-under the shared lock: ``flock /tmp/mg-bench.lock .venv/bin/python bench/grounded.py``; the
-JSON goes to docs/bench/grounded.json and docs/BENCHMARKS.md is rendered again.
+on an otherwise idle machine: ``.venv/bin/python bench/grounded.py``; the JSON goes to
+docs/bench/grounded.json and docs/BENCHMARKS.md is rendered again.
 """
 
 from __future__ import annotations

@@ -472,7 +472,7 @@ def sampling_section(report: Report | None) -> list[str]:
 
 
 def grounded_section(report: Report | None) -> list[str]:
-    command = "flock /tmp/mg-bench.lock .venv/bin/python bench/grounded.py"
+    command = ".venv/bin/python bench/grounded.py"
     lines = ["## Grounded workloads (`bench/grounded.py`)", ""]
     if report is None:
         return lines + missing(command, "the grounded-workload results")
