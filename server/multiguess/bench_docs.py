@@ -629,6 +629,21 @@ def headline_rows(bench: Path) -> list[list[Any]]:
                 f"`{report.get('commit', 'unknown')}`",
             ]
         )
+    report = load(bench, LONG_FILE)
+    if report is not None:
+        chunked, whole = (report["setups"][key] for key in sorted(report["setups"]))
+        rows.append(
+            [
+                "long prompt during a stream",
+                f"the stream's longest pause under a {report['long_tokens']:,}-token prompt: "
+                f"{chunked['pause_max']:.2f} s with chunked prefill (default), "
+                f"{whole['pause_max']:.2f} s prefilling it whole",
+                f"`{report.get('commit', 'unknown')}`",
+            ]
+        )
+    report = load(bench, GROUNDED_FILE)
+    if report is not None:
+        rows.append(["grounded workloads, batch 1", grounded_headline(report), f"`{report.get('commit')}`"])
     report = load(bench, SAMPLING_FILE)
     if report is not None:
         exact = [c["p_value"] for c in report["cases"] if not c.get("must_reject")]
@@ -647,6 +662,21 @@ def headline_rows(bench: Path) -> list[list[Any]]:
         verdict = "passed" if report.get("passed") else "FAILED"
         rows.append(["GPU check", f"{verdict} on {record['machine']}", f"`{record['commit']}`"])
     return rows
+
+
+def grounded_headline(report: Report) -> str:
+    """The default drafter's range over the workloads that copy their input, open chat, and
+    the suffix drafter's best, against plain decoding."""
+    rows = [r for r in report["rows"] if r["setup"] != "plain"]
+    copying = [r["vs_plain"] for r in rows if r["setup"] == "default" and r["workload"] != "open chat"]
+    chat = next(r["vs_plain"] for r in rows if r["setup"] == "default" and r["workload"] == "open chat")
+    best = max((r for r in rows if r["setup"] == "suffix"), key=lambda r: r["vs_plain"])
+    same = sum(r["identical_to_plain"] for r in rows)
+    return (
+        f"replies that copy their input {fmt(min(copying))}–{fmt(max(copying))}× plain decoding, open chat "
+        f"{fmt(chat)}× (default drafter); `--drafter suffix` up to {fmt(best['vs_plain'])}× ({best['workload']}); "
+        f"output identical to plain in {same} of {len(rows)} runs"
+    )
 
 
 def headline(bench: Path) -> str:
