@@ -2,10 +2,12 @@
 # `make e2e-images`: build both images here (build.sh) and run them (tests/e2e/image_checks.py):
 # the serving image answers the README's requests and the OpenAI client under the pod's
 # restrictions, the operator image reconciles examples/speculative.yaml against kmock's emulator.
-# Starts a private Docker engine when none answers, and stops it again afterwards.
+# Installs docker.io and debootstrap where missing (prerequisites.sh), starts a private Docker
+# engine when none answers, and stops it again afterwards.
 # COLD=1 first empties the cache (base filesystem, wheelhouse, layer cache): the cold path.
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
+"$IMAGES_DIR/prerequisites.sh"
 PYTHON="${PYTHON:-$REPO_ROOT/.venv/bin/python}"
 export PYTHON
 started=$(date +%s)

@@ -42,6 +42,7 @@ def test_image_scripts_are_the_expected_ones() -> None:
         "e2e.sh",
         "engine.sh",
         "lib.sh",
+        "prerequisites.sh",
         "wheelhouse.sh",
     ]
     for path in IMAGE_SCRIPTS:
