@@ -57,12 +57,12 @@ RUN pip install "/src[server]" \
 # Bake the converted embedded target (~20 s) so `multiguess serve` with no model arguments
 # starts in seconds and offline. The GGUF stays installed for caches prepared elsewhere.
 RUN MULTIGUESS_CACHE=/opt/multiguess/models multiguess embedded
-# The bf16 CPU kernels (engine/backends/cpu/bf16_kernel.py), every variant (AVX512-BF16, AVX2), compiled
+# The CPU kernels (engine/backends/cpu: bf16 and quantized), every variant (AVX512-BF16, AVX2, ...), compiled
 # here so the runtime image needs no compiler; each host loads the one its CPU runs. gcc stays in this stage.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
-    && MULTIGUESS_CACHE=/opt/multiguess/models python -m multiguess.engine.backends.cpu.bf16_kernel \
+    && MULTIGUESS_CACHE=/opt/multiguess/models python -m multiguess.engine.backends.cpu.build_kernels \
     && rm -rf /var/lib/apt/lists/*
 
 FROM base AS operator

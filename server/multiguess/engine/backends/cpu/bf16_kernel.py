@@ -18,8 +18,8 @@ bf16 path is several times slower than fp32.
 
 They are built with the system C compiler into the cache folder (keyed by the sources, the
 variant and its flags) the first time a model loads, in about a second, or ahead of time, every
-variant, by ``python -m multiguess.engine.backends.cpu.bf16_kernel`` (the server image does, so
-it needs no compiler); without a compiler, on other CPUs, or with ``MULTIGUESS_BF16_KERNEL=0``
+variant, by ``python -m multiguess.engine.backends.cpu.build_kernels`` (the server image does,
+so it needs no compiler); without a compiler, on other CPUs, or with ``MULTIGUESS_BF16_KERNEL=0``
 the forward uses oneDNN and torch. The same library holds sampling's work over a row of logits
 (``kernels/seeded_race.c``: ``seeded_argmax``, ``kept_set``, ``kept_race``).
 """
@@ -500,14 +500,3 @@ def run_layer(layer: LayerWeights, step: StepPlaces, x: torch.Tensor) -> None:
     the same kernels as the per-op calls, in one call (``multiguess_bf16_layer``)."""
     if loaded().multiguess_bf16_layer(ctypes.byref(layer), ctypes.byref(step), x.data_ptr()) != 0:
         raise MemoryError("bf16 layer kernel: no memory for the prepared inputs")
-
-
-if __name__ == "__main__":
-    compiler = find_compiler()
-    if compiler is None:
-        sys.exit("no C compiler: install gcc or set CC")
-    from multiguess.engine.backends.cpu.quant_kernel import QUANT
-
-    for sources in (BF16, QUANT):
-        for name in sources.variants:
-            print(build(compiler, name, sources))
