@@ -84,12 +84,14 @@ if __name__ == "__main__" and version_problems(INSTALLED):
     sys.exit(2)
 
 from multiguess.engine.backends import backend_for  # noqa: E402
-from multiguess.engine.engine import Engine, EngineConfig  # noqa: E402
+from multiguess.engine.config import EngineConfig  # noqa: E402
+from multiguess.engine.engine import Engine  # noqa: E402
+from multiguess.engine.loaded_model import LoadedModel  # noqa: E402
 from multiguess.engine.ngram import NgramDrafter  # noqa: E402
 from multiguess.engine.placement import region_attention_mask  # noqa: E402
 from multiguess.engine.sampling import Processing, processed_probs  # noqa: E402
 from multiguess.errors import EngineConfigError, InsufficientMemoryError  # noqa: E402
-from multiguess.models.loading import LoadedModel, resolve_dtype  # noqa: E402
+from multiguess.models.loading import resolve_dtype  # noqa: E402
 from multiguess.params import SamplingParams  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402

@@ -39,11 +39,12 @@ import torch
 import uvicorn
 from local_server import free_port, start_ready
 from multiguess import bench_docs
+from multiguess.engine.config import EngineConfig
 from multiguess.engine.drafter import TreeBudget
-from multiguess.engine.eagle3 import eagle3_drafter
-from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.engine.engine import Engine
 from multiguess.engine.tree import TokenTree
 from multiguess.llm import load_pair
+from multiguess.models.eagle3_checkpoint import eagle3_drafter
 from multiguess.params import SamplingParams
 from multiguess.remote.client import RemoteDrafter
 from multiguess.remote.protocol import Drafted, Request, StepMessage, StepReply, encode_reply, encode_step

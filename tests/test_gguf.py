@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 from multiguess.benchmark import weight_bytes
+from multiguess.engine.quantized import FORMATS, QuantizedEmbedding, QuantizedLinear, dequantize, quantize
 from multiguess.errors import UnsupportedModelError
 from multiguess.models.loading import load_model
-from multiguess.models.quantized import FORMATS, QuantizedEmbedding, QuantizedLinear, dequantize, quantize
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.gguf_files import tiny_gguf

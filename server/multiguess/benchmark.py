@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from multiguess.engine.engine import Engine
+from multiguess.engine.loaded_model import LoadedModel
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.tree import TokenTree
-from multiguess.models.loading import LoadedModel
 from multiguess.params import SamplingParams
 
 METHODS = (

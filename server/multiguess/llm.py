@@ -6,13 +6,14 @@ import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 
-from multiguess.engine.eagle3 import eagle3_drafter
-from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.engine.config import EngineConfig
+from multiguess.engine.engine import Engine
+from multiguess.engine.loaded_model import LoadedModel
 from multiguess.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION
 from multiguess.engine.ngram import NgramDrafter
 from multiguess.engine.suffix import SuffixDrafter
-from multiguess.models.eagle3_checkpoint import embedded_head
-from multiguess.models.loading import LoadedModel, check_draft_compatible, load_model
+from multiguess.models.eagle3_checkpoint import eagle3_drafter, embedded_head
+from multiguess.models.loading import check_draft_compatible, load_model
 from multiguess.options import DRAFTERS
 from multiguess.outputs import CompletionOutput, RequestOutput
 from multiguess.params import SamplingParams

@@ -15,7 +15,8 @@ import uvicorn
 from fastapi import FastAPI
 from multiguess.api import ServerSettings, create_app
 from multiguess.api.connections import ConnectionLimits, server_config
-from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.engine.config import EngineConfig
+from multiguess.engine.engine import Engine
 from multiguess.engine.guard import GuardedDrafter
 from multiguess.llm import load_pair
 from multiguess.scheduler import Scheduler

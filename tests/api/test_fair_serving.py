@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 from multiguess.engine import engine as engine_module
-from multiguess.engine.engine import EngineConfig
+from multiguess.engine.config import EngineConfig
 
 from tests.api.conftest import MODEL, LiveServer, tiny_loader
 from tests.engine.test_lossless import random_prompts

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from multiguess.engine.engine import EngineConfig
+from multiguess.engine.config import EngineConfig
 
 from tests.api.conftest import LiveServer, tiny_loader
 from tests.api.faults import Faults

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from multiguess.engine.engine import EngineConfig
+from multiguess.engine.config import EngineConfig
 from schemathesis.checks import (
     content_type_conformance,
     not_a_server_error,

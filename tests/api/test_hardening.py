@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 from multiguess.api.gate import text_problem
-from multiguess.engine.engine import EngineConfig
+from multiguess.engine.config import EngineConfig
 
 from tests.api.conftest import MODEL, LiveServer, tiny_loader
 from tests.api.faults import Faults

@@ -11,7 +11,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from multiguess.api import ServerSettings, create_app
-from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.engine.config import EngineConfig
+from multiguess.engine.engine import Engine
 from multiguess.errors import ModelLoadError
 
 from tests.api.conftest import LiveServer, tiny_loader

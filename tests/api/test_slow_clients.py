@@ -16,7 +16,7 @@ import pytest
 from multiguess.api.connections import ConnectionLimits
 from multiguess.api.gate import BODY_TIMEOUT
 from multiguess.commands import serve
-from multiguess.engine.engine import EngineConfig
+from multiguess.engine.config import EngineConfig
 
 from tests.api.conftest import LiveServer, tiny_loader
 

@@ -14,7 +14,7 @@ import pytest
 from multiguess.api.prompt_text import text_ids
 from multiguess.api.schemas import ChatMessage, FunctionDefinition, Tool
 from multiguess.api.translate import chat_prompt
-from multiguess.engine.engine import EngineConfig
+from multiguess.engine.config import EngineConfig
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tests.api.conftest import LiveServer, tiny_loader

@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 from multiguess import LLM, SamplingParams
-from multiguess.engine.engine import EngineConfig
+from multiguess.engine.config import EngineConfig
 from multiguess.params import StructuredOutputsParams
 
 from tests.api.conftest import MODEL, LiveServer, tiny_loader

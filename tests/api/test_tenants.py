@@ -14,7 +14,7 @@ import pytest
 from multiguess.api.keys import parse_keys
 from multiguess.cli import build_parser
 from multiguess.commands.serve import api_keys
-from multiguess.engine.engine import EngineConfig
+from multiguess.engine.config import EngineConfig
 
 from tests.api.conftest import MODEL, LiveServer, tiny_loader
 from tests.api.helpers import metric

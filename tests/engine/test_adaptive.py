@@ -14,8 +14,9 @@ from multiguess.engine.adaptive import (
     expected_tokens,
     level_outcomes,
 )
+from multiguess.engine.config import EngineConfig
 from multiguess.engine.drafter import DraftRequest, ModelDrafter, SampleSpec, TreeBudget
-from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.engine.engine import Engine
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.sampling import Generators, Processing
 from multiguess.engine.tree import TokenTree

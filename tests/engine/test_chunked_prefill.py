@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from multiguess import LLM, SamplingParams
-from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.engine.config import EngineConfig
+from multiguess.engine.engine import Engine
 from multiguess.models.loading import load_model
 from transformers import AutoModelForCausalLM
 

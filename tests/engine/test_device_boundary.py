@@ -1,4 +1,5 @@
-"""The device boundary: nothing above the runner reaches a device family's backend directly.
+"""The engine's boundaries: nothing above the runner reaches a device family's backend directly,
+and the engine never imports the loaders above it.
 
 Device-specific code lives in ``engine/backends/<family>/``; the rest of the serving package
 (and the benchmarks) reaches it only through the interface in ``engine/backends/__init__.py``
@@ -41,6 +42,17 @@ def above_the_runner() -> list[Path]:
 def test_nothing_above_the_runner_imports_a_device_family() -> None:
     crossing = {str(f.relative_to(ROOT)): family_imports(f) for f in above_the_runner()}
     assert {f: m for f, m in crossing.items() if m} == {}
+
+
+def test_the_engine_does_not_import_its_loaders() -> None:
+    """``models/`` loads checkpoints into what the engine runs (``engine/loaded_model.py``,
+    ``engine/quantized.py``): the engine sits below its loaders and never imports them."""
+    engine = PACKAGE / "engine"
+    loaders = {
+        str(f.relative_to(ROOT)): sorted(m for m in imported_modules(f) if m.startswith("multiguess.models"))
+        for f in engine.rglob("*.py")
+    }
+    assert {f: m for f, m in loaders.items() if m} == {}
 
 
 def test_the_check_sees_lazy_and_from_imports(tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ import torch
 from multiguess import SamplingParams
 from multiguess.engine import engine as engine_module
 from multiguess.engine.admission import next_admission, request_share
-from multiguess.engine.engine import MIN_PREFILL_CHUNK, PROMPT_LOGPROB_ROWS, Engine, EngineConfig
+from multiguess.engine.config import EngineConfig
+from multiguess.engine.engine import MIN_PREFILL_CHUNK, PROMPT_LOGPROB_ROWS, Engine
 from multiguess.models.loading import load_model
 
 from tests.engine.test_lossless import random_prompts

@@ -10,7 +10,8 @@ import pytest
 import torch
 from multiguess.commands.engine_args import add_engine_args
 from multiguess.engine import memory_probe
-from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.engine.config import EngineConfig
+from multiguess.engine.engine import Engine
 from multiguess.engine.memory_plan import (
     UNPLANNED_DEFAULT_LEN,
     DeviceMemory,

@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 from multiguess import LLM, SamplingParams
 from multiguess.engine.adaptive import ForwardCost
+from multiguess.engine.config import EngineConfig
 from multiguess.engine.drafter import DraftRequest, TreeBudget
-from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.engine.engine import Engine
 from multiguess.engine.ngram import NgramDrafter, find_continuations, trie
 from multiguess.models.loading import load_model
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from multiguess import SamplingParams
-from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.engine.config import EngineConfig
+from multiguess.engine.engine import Engine
 from multiguess.engine.padding import padded_groups, prefill_chunks
 from multiguess.models.loading import load_model
 

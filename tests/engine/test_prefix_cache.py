@@ -12,10 +12,11 @@ import pytest
 import torch
 from multiguess import SamplingParams
 from multiguess.engine.backends.cpu import bf16_kernel
-from multiguess.engine.eagle3 import eagle3_drafter
-from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.engine.config import EngineConfig
+from multiguess.engine.engine import Engine
 from multiguess.engine.prefix_cache import PrefixIndex, Reuse, common_prefix, plan_reuse
 from multiguess.engine.sequence import Sequence
+from multiguess.models.eagle3_checkpoint import eagle3_drafter
 from multiguess.models.loading import load_model
 
 from tests.engine.test_eagle3 import saved_head, small_vocab_target  # noqa: F401 (a fixture)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from multiguess.engine.backends.cpu import bf16_kernel, quant_kernel
-from multiguess.models.quantized import FORMATS, dequantize, quantize
+from multiguess.engine.quantized import FORMATS, dequantize, quantize
 
 needs_kernel = pytest.mark.skipif(
     quant_kernel.library() is None, reason="the quantized kernels need a C compiler"

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from multiguess import SamplingParams
 from multiguess.engine.backends.cuda import attention as cuda_attention
 from multiguess.engine.backends.cuda.attention import attention, causal, masked_attention
-from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.engine.config import EngineConfig
+from multiguess.engine.engine import Engine
 from multiguess.engine.placement import region_attention_mask, sees_only_its_own
 from multiguess.models.loading import auto_dtype, load_model
 

@@ -10,9 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.engine.config import EngineConfig
+from multiguess.engine.engine import Engine
 from multiguess.engine.guard import GuardedDrafter
-from multiguess.models.loading import LoadedModel, load_model
+from multiguess.engine.loaded_model import LoadedModel
+from multiguess.models.loading import load_model
 from multiguess.params import SamplingParams
 from multiguess.remote import handshake
 from multiguess.remote.client import RemoteDrafter

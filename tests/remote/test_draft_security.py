@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from multiguess.engine.drafter import TreeBudget
-from multiguess.models.loading import LoadedModel
+from multiguess.engine.loaded_model import LoadedModel
 from multiguess.remote import handshake
 from multiguess.remote.client import RemoteDrafter
 from multiguess.remote.handshake import AuthenticationFailed

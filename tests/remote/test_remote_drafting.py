@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 from multiguess.engine.drafter import DraftRequest, TreeBudget
+from multiguess.engine.loaded_model import LoadedModel
 from multiguess.errors import IncompatibleDraftError
-from multiguess.models.loading import LoadedModel
 from multiguess.params import SamplingParams
 from multiguess.remote.client import RemoteDrafter, RemoteDraftError
 from websockets.exceptions import ConnectionClosed

@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 from multiguess import LLM
+from multiguess.engine.config import EngineConfig
 from multiguess.engine.drafter import DraftRequest, TreeBudget
-from multiguess.engine.eagle3 import eagle3_drafter
-from multiguess.engine.engine import Engine, EngineConfig
+from multiguess.engine.engine import Engine
 from multiguess.engine.guard import GuardedDrafter
 from multiguess.errors import IncompatibleDraftError
 from multiguess.models.draft_head import load_draft_head, read_embedding
+from multiguess.models.eagle3_checkpoint import eagle3_drafter
 from multiguess.models.loading import load_model
 from multiguess.params import SamplingParams
 from multiguess.remote.client import FeatureBuffer, RemoteDrafter, closed_for_protocol, rows_within

@@ -13,8 +13,9 @@ import pytest
 import torch
 from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.drafter import DraftRequest, ModelDrafter, TreeBudget
+from multiguess.engine.loaded_model import LoadedModel
 from multiguess.engine.runner import NativeRunner
-from multiguess.models.loading import LoadedModel, load_model
+from multiguess.models.loading import load_model
 from multiguess.remote.protocol import Commit, Drafted, Failed, Request, Resend, Sampling, StepMessage
 from multiguess.remote.service import DraftService, WireExactDrafter
 

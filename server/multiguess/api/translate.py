@@ -25,7 +25,7 @@ from multiguess.api.schemas import (
     TopLogprob,
     Usage,
 )
-from multiguess.engine.engine import EngineConfig
+from multiguess.engine.config import EngineConfig
 from multiguess.engine.logprobs import TokenLogprob
 from multiguess.engine.sequence import SpecStats
 from multiguess.params import SamplingParams

@@ -36,9 +36,10 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from multiguess import benchmark as bm
-    from multiguess.engine.eagle3 import eagle3_drafter
-    from multiguess.engine.engine import Engine, EngineConfig
+    from multiguess.engine.config import EngineConfig
+    from multiguess.engine.engine import Engine
     from multiguess.llm import load_pair
+    from multiguess.models.eagle3_checkpoint import eagle3_drafter
     from multiguess.models.loading import load_model
 
     configure_threads(args.threads)

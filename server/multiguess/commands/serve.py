@@ -57,7 +57,7 @@ def build_engine(args: argparse.Namespace, registry: Any = None) -> Any:
     from multiguess.engine.guard import GuardedDrafter
 
     if args.draft_url:
-        from multiguess.engine.engine import EngineConfig
+        from multiguess.engine.config import EngineConfig
         from multiguess.llm import build_engine as build_local
         from multiguess.remote.client import RemoteDrafter
         from multiguess.remote.handshake import load_secret

@@ -74,8 +74,8 @@ def load_teacher(target: Path, dtype: str):
 def teacher_runner(model, tokenizer, target: Path, plan: DataPlan):
     """The engine's own forward over the teacher's weights, one cache slot per batch row."""
     import torch
+    from multiguess.engine.loaded_model import LoadedModel
     from multiguess.engine.runner import NativeRunner
-    from multiguess.models.loading import LoadedModel
 
     loaded = LoadedModel(model, tokenizer, str(target), torch.device("cpu"), model.dtype)
     return NativeRunner(loaded, plan.batch, MAX_PROMPT_TOKENS + plan.max_new_tokens)

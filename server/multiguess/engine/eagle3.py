@@ -14,8 +14,6 @@ arrive with the next verification and are fed then, as EAGLE does.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,9 +24,7 @@ from multiguess.engine.eagle3_head import Eagle3Head
 from multiguess.engine.kv_cache import exchange_slots
 from multiguess.engine.linear import Projection
 from multiguess.engine.prefix_cache import swap_keys
-from multiguess.engine.runner import NativeRunner
 from multiguess.engine.tree import TokenTree
-from multiguess.models.eagle3_checkpoint import load_head
 
 
 class HeadCache:
@@ -321,13 +317,3 @@ class Eagle3Drafter(ModelDrafter):
         return self._ranks(
             logits[first - 2 - start : len(token_ids) - 2 - start], token_ids, first, width, sample
         )
-
-
-def eagle3_drafter(folder: str | Path, target: NativeRunner) -> Eagle3Drafter:
-    """The EAGLE-3 head in ``folder`` drafting for ``target`` (its device, dtype, slots and
-    context), reading the target's embeddings unless the head ships its own."""
-    head, embed = load_head(folder, target.model.config, target.dtype, target.device)
-    runner = HeadRunner(
-        head, embed or target.embed, target.cache.num_slots, target.capacity, target.backend.projection
-    )
-    return Eagle3Drafter(runner)

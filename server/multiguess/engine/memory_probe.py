@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from multiguess.engine.loaded_model import LoadedModel
 from multiguess.engine.memory_plan import (
     DeviceMemory,
     MemoryPlan,
@@ -28,10 +29,9 @@ from multiguess.engine.memory_plan import (
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.tree import TokenTree
 from multiguess.errors import InsufficientMemoryError
-from multiguess.models.loading import LoadedModel
 
 if TYPE_CHECKING:
-    from multiguess.engine.engine import EngineConfig
+    from multiguess.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ import torch
 from multiguess.engine.backends import backend_for
 from multiguess.engine.kv_cache import StaticKVCache
 from multiguess.engine.linear import rms_norm
+from multiguess.engine.loaded_model import LoadedModel
 from multiguess.engine.placement import Placement, region_attention_mask, rotary_tables, sees_only_its_own
 from multiguess.engine.tree import TokenTree, pack_trees
-from multiguess.models.loading import LoadedModel
 
 
 class Captured(NamedTuple):

@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from multiguess.engine.eagle3 import Eagle3Drafter, HeadRunner
 from multiguess.engine.eagle3_head import Eagle3Config, Eagle3Head, default_aux_layers
+from multiguess.engine.runner import NativeRunner
 from multiguess.errors import IncompatibleDraftError, ModelLoadError
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -226,3 +228,13 @@ def save_head(head: Eagle3Head, folder: Path, dtype: torch.dtype = torch.bfloat1
     if folder.exists():
         shutil.rmtree(folder)
     os.replace(staging, folder)
+
+
+def eagle3_drafter(folder: str | Path, target: NativeRunner) -> Eagle3Drafter:
+    """The EAGLE-3 head in ``folder`` drafting for ``target`` (its device, dtype, slots and
+    context), reading the target's embeddings unless the head ships its own."""
+    head, embed = load_head(folder, target.model.config, target.dtype, target.device)
+    runner = HeadRunner(
+        head, embed or target.embed, target.cache.num_slots, target.capacity, target.backend.projection
+    )
+    return Eagle3Drafter(runner)

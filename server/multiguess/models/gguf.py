@@ -23,8 +23,8 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from multiguess.cache_dirs import cache_roots
+from multiguess.engine.quantized import FORMATS, QuantizedEmbedding, QuantizedLinear, format_of
 from multiguess.errors import ModelLoadError, UnsupportedModelError
-from multiguess.models.quantized import FORMATS, QuantizedEmbedding, QuantizedLinear, format_of
 
 # GGUF ``general.architecture`` values (llama.cpp writes Mistral models as ``llama``).
 ARCHITECTURES = ("llama", "qwen2", "qwen3")

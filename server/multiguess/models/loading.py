@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from multiguess.engine.loaded_model import LoadedModel
+from multiguess.engine.quantized import FORMATS, quantize_linears
 from multiguess.errors import IncompatibleDraftError, ModelLoadError, UnsupportedModelError
 from multiguess.models.draft_vocab import load_draft_vocab
 from multiguess.models.gguf import is_gguf, load_gguf
-from multiguess.models.quantized import FORMATS, quantize_linears
 from multiguess.options import QUANTIZATIONS
 
 log = logging.getLogger(__name__)
@@ -52,16 +52,6 @@ def auto_dtype(
     if device_type == "cuda":
         return torch.bfloat16 if cuda_capability is not None and cuda_capability >= (8, 0) else torch.float16
     return torch.bfloat16 if cpu_bf16 else torch.float32
-
-
-@dataclass
-class LoadedModel:
-    model: torch.nn.Module
-    tokenizer: PreTrainedTokenizerBase
-    name: str
-    device: torch.device
-    dtype: torch.dtype  # activation dtype the runner feeds the model
-    draft_vocab: torch.Tensor | None = None  # the tokens its head scores as a draft (draft_vocab.py)
 
 
 def check_architecture(config: object, name: str) -> None:

@@ -30,9 +30,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from multiguess.engine.backends import backend_for
 from multiguess.engine.eagle3 import HeadRunner
+from multiguess.engine.loaded_model import LoadedModel
 from multiguess.engine.runner import NativeRunner
 from multiguess.models.draft_head import LoadedHead
-from multiguess.models.loading import LoadedModel
 from multiguess.options import DRAFT_MAX_FRAME_BYTES
 from multiguess.remote import handshake
 from multiguess.remote.handshake import AuthenticationFailed

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from multiguess.engine.acceptance import Acceptance
+from multiguess.engine.config import EngineConfig
 from multiguess.engine.drafter import DraftRequest, ModelDrafter, Proposal, SampleSpec
 from multiguess.engine.eagle3 import Eagle3Drafter
-from multiguess.engine.engine import EngineConfig
 from multiguess.engine.sampling import Generators, Processing
 from multiguess.remote.protocol import (
     Commit,

@@ -19,7 +19,7 @@ from multiguess.engine.backends.cpu import bf16_kernel, quant_kernel
 from multiguess.engine.backends.cpu.packed import PackedProjection
 from multiguess.engine.linear import Projection, built_once
 from multiguess.engine.placement import Placement
-from multiguess.models.quantized import QuantizedLinear
+from multiguess.engine.quantized import QuantizedLinear
 
 if TYPE_CHECKING:
     from multiguess.engine.backends.parts import ModelParts
