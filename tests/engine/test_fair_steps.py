@@ -38,6 +38,27 @@ def test_admission_gives_the_slot_to_the_request_holding_fewest() -> None:
     assert [request_share(b) for b in (1, 2, 7, 8)] == [1, 1, 4, 4]
 
 
+def test_admission_looks_at_a_long_queue_of_one_request_once() -> None:
+    """Thousands of one request's samples waiting (n large): admission reads the queue only up
+    to each open group's first admissible sample, not every sample every step."""
+    read = []
+
+    def queue(groups: list[str]):
+        for group in groups:
+            read.append(group)
+            yield group
+
+    many = ["big"] * 10_000 + ["small"]
+    assert next_admission(queue(many), Counter(big=1, small=1), 4, set(), open_groups=2) == 0
+    assert len(read) == len(many)  # both open groups hold a slot: the scan must reach "small"
+    read.clear()
+    assert next_admission(queue(many), Counter(big=1, small=1), 4, set(), open_groups=1) == 0
+    assert len(read) == 1
+    read.clear()
+    assert next_admission(queue(many), Counter(big=0), 4, set()) == 0  # holds nothing: none does better
+    assert len(read) == 1
+
+
 def test_chunked_prefill_is_on_by_default_and_interleaves(
     target: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:

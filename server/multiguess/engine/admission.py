@@ -11,6 +11,7 @@ for its own to finish, and the other slots stay open to the requests behind it.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Container, Iterable
 
 
 def request_share(max_batch: int) -> int:
@@ -18,14 +19,29 @@ def request_share(max_batch: int) -> int:
     return max(1, (max_batch + 1) // 2)
 
 
-def next_admission(waiting: list[str], held: Counter[str], share: int, blocked: set[int]) -> int | None:
+def next_admission(
+    waiting: Iterable[str],
+    held: Counter[str],
+    share: int,
+    blocked: Container[int],
+    open_groups: int | None = None,
+) -> int | None:
     """The index in ``waiting`` (each entry a sample's group, in queue order) that takes the
     next free slot, given the slots each group ``held`` and the per-group ``share``; entries in
-    ``blocked`` are skipped this time. None when no waiting sample may start."""
+    ``blocked`` are skipped this time. None when no waiting sample may start. The scan stops at
+    a group holding nothing (none can do better) or, given ``open_groups`` (how many groups
+    are under their share), once each of them has shown its first admissible entry, so a long
+    queue of one request's samples costs one look, not one per sample."""
     best: tuple[int, int] | None = None
+    decided: set[str] = set()
     for i, group in enumerate(waiting):
-        if i in blocked or held[group] >= share:
+        if group in decided or held[group] >= share or i in blocked:
             continue
+        decided.add(group)
         if best is None or held[group] < best[0]:
             best = (held[group], i)
+            if best[0] == 0:
+                break
+        if open_groups is not None and len(decided) == open_groups:
+            break
     return None if best is None else best[1]

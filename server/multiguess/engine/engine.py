@@ -185,6 +185,7 @@ class Engine:
         self.eos_ids = frozenset(eos_token_ids(target))
         self.grammars = Grammars(self.tokenizer, self.target.vocab_size, self.eos_ids)
         self.waiting: deque[Sequence] = deque()
+        self.waiting_groups: collections.Counter[str] = collections.Counter()  # waiting samples by group
         self.running: list[Sequence] = []
         self.prefixes = PrefixIndex()  # what the free slots keep of finished sequences
         self.totals = SpecStats()
@@ -250,6 +251,7 @@ class Engine:
         if params.structured_outputs is not None:
             seq.grammar = self.grammars.start(params.structured_outputs, seq.stop_ids(self.eos_ids))
         self.waiting.append(seq)
+        self.waiting_groups[seq.group] += 1
         return seq
 
     def _prediction_ids(self, params: SamplingParams) -> np.ndarray | None:
@@ -272,6 +274,7 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
+        self.waiting_groups = collections.Counter(s.group for s in self.waiting)
         for seq in [s for s in self.running if s.request_id == request_id]:
             self._retire(seq)
 
@@ -363,25 +366,25 @@ class Engine:
         turns between requests (``admission.next_admission``), each starting from the longest
         prefix the caches hold of its prompt; ``_prefill`` computes the rest of the prompt.
         A sample whose request has a running sample of the same prompt still prefilling waits
-        for it (``_waits_for_twin``): an ``n`` > 1 request prefills its prompt once."""
+        for it (``Twins``): an ``n`` > 1 request prefills its prompt once."""
+        share = self.config.request_slots
         while self.waiting and len(self.running) < self.config.max_batch:
             held = collections.Counter(s.group for s in self.running)
-            blocked = {i for i, s in enumerate(self.waiting) if self._waits_for_twin(s)}
-            index = next_admission([s.group for s in self.waiting], held, self.config.request_slots, blocked)
+            open_groups = {g for g, n in self.waiting_groups.items() if n and held[g] < share}
+            if not open_groups:
+                return
+            twins = {(r.group, tuple(r.prompt_ids)) for r in self.running if r.prefilling}
+            blocked = Twins(self.waiting, twins)
+            groups = (s.group for s in self.waiting)  # lazily: the scan stops early
+            index = next_admission(groups, held, share, blocked, len(open_groups))
             if index is None:
                 return
             seq = self.waiting[index]
             del self.waiting[index]
+            self.waiting_groups[seq.group] -= 1
             seq.slot = len(self.running)
             self._reuse_prefix(seq, self.running)
             self.running.append(seq)
-
-    def _waits_for_twin(self, seq: Sequence) -> bool:
-        """Whether a running sample of ``seq``'s request prefills the same prompt: ``seq``
-        then starts from its KV once it is cached (prefix caching) instead of computing it too."""
-        return any(
-            r.group == seq.group and r.prefilling and r.prompt_ids == seq.prompt_ids for r in self.running
-        )
 
     def _prefill(self) -> None:
         """This step's share of the prompts still being prefilled: ``max_prefill_tokens`` in all
@@ -744,3 +747,17 @@ def eos_token_ids(model: LoadedModel) -> set[int]:
         elif source:
             ids.update(source)
     return ids
+
+
+class Twins:
+    """The waiting samples (by index) whose request has a running sample of the same prompt
+    still prefilling: they start from its KV once it is cached (prefix caching) instead of
+    computing the prompt too. Looked up only for the entries admission examines."""
+
+    def __init__(self, waiting: deque[Sequence], prefilling: set[tuple[str, tuple[int, ...]]]) -> None:
+        self.waiting, self.prefilling = waiting, prefilling
+        self.groups = {group for group, _ in prefilling}
+
+    def __contains__(self, index: object) -> bool:
+        seq = self.waiting[index]  # type: ignore[index]
+        return seq.group in self.groups and (seq.group, tuple(seq.prompt_ids)) in self.prefilling
