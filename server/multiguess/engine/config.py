@@ -94,5 +94,6 @@ class EngineConfig:
 
     @property
     def tree_slack(self) -> int:
-        """Cache room past a sequence's end for a tree (and a drafter's level-by-level region)."""
-        return max(self.max_nodes, self.num_candidates * self.depth, self.prompt_lookup) + 2
+        """Cache room past a sequence's end for a tree (and a drafter's level-by-level region),
+        copy drafts grafted onto it included."""
+        return max(self.budget.slack, self.prompt_lookup + 2)

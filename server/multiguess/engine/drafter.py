@@ -69,6 +69,11 @@ class TreeBudget:
         if self.max_nodes < 1:
             raise ValueError(f"max_nodes must be at least 1, got {self.max_nodes}")
 
+    @property
+    def slack(self) -> int:
+        """Cache room past a sequence's end for such a tree (and a drafter's level-by-level region)."""
+        return max(self.max_nodes, self.num_candidates * self.depth) + 2
+
 
 @dataclass
 class DraftRequest:

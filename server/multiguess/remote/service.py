@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 from multiguess.engine.acceptance import Acceptance
-from multiguess.engine.config import EngineConfig
 from multiguess.engine.drafter import DraftRequest, ModelDrafter, Proposal, SampleSpec
 from multiguess.engine.eagle3 import Eagle3Drafter
 from multiguess.engine.sampling import Generators, Processing
@@ -235,8 +234,7 @@ class DraftService:
             return f"token id {max(sequence)} is outside the draft's vocabulary of {self.vocab_size}"
         if len(sequence) > self.max_model_len:
             return f"{len(sequence)} tokens exceed the draft server's max model length ({self.max_model_len})"
-        slack = EngineConfig(req.budget.num_candidates, req.budget.depth, req.budget.max_nodes).tree_slack
-        if self.max_model_len + slack > self.drafter.runner.capacity:
+        if self.max_model_len + req.budget.slack > self.drafter.runner.capacity:
             return f"tree budget {req.budget} is larger than the draft server allows (--max-tree-nodes)"
         return None
 
