@@ -49,7 +49,8 @@ def test_bench_writes_results_table_and_plot(
         # Depth 1 is verified at every drafted step; deeper levels only where a tree reached them.
         assert 1 <= len(row["acceptance_by_depth"]) <= 4
         assert all(0.0 <= a <= 1.0 for a in row["acceptance_by_depth"])
-        assert row["draft_ms_per_level"] > 0
+        # Measured (present), but a timing: under load the fitted slope can be 0 (CostMeter).
+        assert row["draft_ms_per_level"] >= 0
     # The step and its bound come from the same rounds: the ratio is theirs (medians of pairs).
     bound = report["bandwidth_bound_step_ms"]
     assert report["step_over_bound"] > 0

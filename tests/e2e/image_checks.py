@@ -159,7 +159,7 @@ def check_server(image: str) -> dict[str, Any]:
         logs = docker_logs(cid)
         expect("converting" not in logs, "the first start converted the embedded target")
         expect(
-            re.search(r"bf16 kernels \(\w+\) loaded from /opt/multiguess/models", logs) is not None,
+            re.search(r"bf16_kernels \(\w+\) loaded from /opt/multiguess/models", logs) is not None,
             "the server did not load the baked bf16 kernels",
         )
         written = docker("exec", cid, "find", CACHE_DIR, TMP_DIR, USER_CACHE_DIR, "-type", "f").split()
