@@ -103,6 +103,17 @@ SYSTEM_PROMPT = " ".join(
 )
 
 
+def start_servers(
+    servers: dict[str, tuple[subprocess.Popen, int]], setups: dict[str, list[str]], args: argparse.Namespace
+) -> None:
+    """One server per setup, each on a free port, recorded in ``servers`` as it starts (so the
+    caller stops those already started if a later one fails)."""
+    for name, flags in setups.items():
+        port = free_port()
+        print(f"starting {name} ...", file=sys.stderr)
+        servers[name] = (start_server([*flags, *args.serve_args.split()], port, args.threads), port)
+
+
 def start_server(extra: list[str], port: int, threads: int) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     cmd = [
@@ -280,13 +291,7 @@ def measure(
     servers: dict[str, tuple[subprocess.Popen, int]] = {}
     runs: dict[str, list[list]] = {name: [[] for _ in levels] for name in names}
     try:
-        for name in names:
-            port = free_port()
-            print(f"starting {name} ...", file=sys.stderr)
-            servers[name] = (
-                start_server([*setups[name], *args.serve_args.split()], port, args.threads),
-                port,
-            )
+        start_servers(servers, setups, args)
         for li, c in enumerate(levels):
             for repeat in range(args.repeats):
                 turn = names[repeat % len(names) :] + names[: repeat % len(names)]
@@ -368,13 +373,7 @@ def measure_interference(setups: dict[str, list[str]], args: argparse.Namespace)
     trials: dict[str, list[dict]] = {name: [] for name in names}
     ids = random.Random(args.long_tokens)
     try:
-        for name in names:
-            port = free_port()
-            print(f"starting {name} ...", file=sys.stderr)
-            servers[name] = (
-                start_server([*setups[name], *args.serve_args.split()], port, args.threads),
-                port,
-            )
+        start_servers(servers, setups, args)
         for repeat in range(args.repeats):
             for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
                 prompt = [ids.randrange(1000, 40000) for _ in range(args.long_tokens)]
