@@ -67,6 +67,7 @@ class Sources:
     files: tuple[Path, ...]
     headers: tuple[Path, ...]
     variants: dict[str, Variant]
+    switch: str  # the environment variable that, set to 0, keeps the library unused
 
 
 VARIANTS = {  # best first
@@ -81,8 +82,8 @@ BF16 = Sources(
     (KERNELS / "bf16_kernels.c", KERNELS / "seeded_race.c"),  # one library
     tuple(sorted(KERNELS.glob("isa_*.h"))),
     VARIANTS,
+    "MULTIGUESS_BF16_KERNEL",
 )
-SWITCH = "MULTIGUESS_BF16_KERNEL"
 PRODUCT = "MULTIGUESS_BF16_PRODUCT"  # auto (measured), amx or avx512
 
 
@@ -140,8 +141,9 @@ def build(compiler: str, variant: str, sources: Sources = BF16) -> Path:
 def open_library(sources: Sources, variant: str | None, no_compiler: str, failed: str) -> ctypes.CDLL | None:
     """The ``variant`` of ``sources`` (the best this CPU runs), built first where it is missing;
     None where there is none, with one log line: ``no_compiler`` says what runs without a
-    compiler, ``failed`` prefixes a failed build's or load's error."""
-    if sys.platform != "linux" or variant is None:
+    compiler, ``failed`` prefixes a failed build's or load's error. None, silently, where the
+    library's switch is set to 0."""
+    if os.environ.get(sources.switch, "1") == "0" or sys.platform != "linux" or variant is None:
         return None
     path = compiled_path(variant, sources)
     try:
@@ -190,8 +192,6 @@ class StepPlaces(ctypes.Structure):
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, or None (and one log line saying why) when it cannot be used."""
-    if os.environ.get(SWITCH, "1") == "0":
-        return None
     lib = open_library(
         BF16,
         cpu_variant(),

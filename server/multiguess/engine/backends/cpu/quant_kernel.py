@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
@@ -28,16 +27,14 @@ QUANT = Sources(
         "avx2": Variant(frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
         "portable": Variant(frozenset(), ()),
     },
+    "MULTIGUESS_QUANT_KERNEL",
 )
 CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # quant_kernels.c's format numbers
-SWITCH = "MULTIGUESS_QUANT_KERNEL"
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None (and one log line saying why) where they cannot be used."""
-    if os.environ.get(SWITCH, "1") == "0":
-        return None
     lib = open_library(
         QUANT,
         cpu_variant(QUANT),
