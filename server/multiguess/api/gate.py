@@ -84,7 +84,7 @@ def text_problem(body: bytes) -> str | None:
 def has_lone_surrogate(text: str) -> bool:
     """Whether the JSON text holds a string (a key or a value, at any depth) that escapes a
     lone surrogate."""
-    if "\\ud" not in text.lower():
+    if "\\ud" not in text and "\\uD" not in text:  # JSON's escapes spell "u" in lower case
         return False
     try:
         value = json.loads(text)
