@@ -1,41 +1,39 @@
-"""The step loop: admit requests, draft trees, verify them in one target forward, accept.
+"""The step loop: admit, plan, draft, verify, accept, compact, emit (docs/ENGINE.md).
 
 Every running sequence advances by at least one token per step; speculation only adds the
 drafted tokens the target agrees with. Plain decoding is the same loop with root-only trees,
-so it is also the fallback when the drafter fails.
+so it is also the fallback when the drafter fails. The loop holds the parts together: the
+planner plans and drafts each step's trees (``planner.py``), the verifier takes each
+sequence's acceptance rule (``verifier.py``), and the slots keep the running sequences in the
+caches' lowest slots (``slots.py``).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import random
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-import numpy as np
 import torch
 
-from multiguess.engine.acceptance import Acceptance
-from multiguess.engine.adaptive import Outcome
 from multiguess.engine.admission import next_admission
 from multiguess.engine.config import PREFILL_PAUSE_STEPS, EngineConfig
 from multiguess.engine.drafter import Drafter, ModelDrafter, Proposal
 from multiguess.engine.grammar import Grammars
 from multiguess.engine.guard import fallback_reason
+from multiguess.engine.intake import new_sequence
 from multiguess.engine.loaded_model import LoadedModel
 from multiguess.engine.logprobs import TokenLogprob, prompt_logprobs, step_logprobs
 from multiguess.engine.memory_probe import fit_to_memory
 from multiguess.engine.padding import padded_groups, prefill_chunks
-from multiguess.engine.planner import Planner
-from multiguess.engine.prefix_cache import PrefixIndex, plan_reuse
+from multiguess.engine.planner import Outcome, Planner
 from multiguess.engine.runner import NativeRunner
-from multiguess.engine.sampling import Generators
 from multiguess.engine.sequence import Sequence, SpecStats
+from multiguess.engine.slots import Slots
 from multiguess.engine.timing import measure_prefill_chunk
 from multiguess.engine.tree import TokenTree
 from multiguess.engine.verifier import Verdict, accept_trees, record
-from multiguess.errors import InvalidRequestError
 from multiguess.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -55,12 +53,6 @@ class StepOutput:
     sequence: Sequence
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens whose text is out
     prompt_logprobs: list[TokenLogprob] | None = None  # with the first output, when asked
-
-
-def check_prompt_ids(prompt_ids: list[int], vocab: int) -> None:
-    """Refuse token ids the target has no embedding for (they would index past its tables)."""
-    if prompt_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab):
-        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
 
 
 class Engine:
@@ -85,12 +77,12 @@ class Engine:
                 NativeRunner(draft, self.config.max_batch, capacity, eager, vocab, **runner)
             )
         self.drafter = drafter
-        self.eos_ids = frozenset(eos_token_ids(target))
+        self.eos_ids = target.eos_ids
         self.grammars = Grammars(self.tokenizer, self.target.vocab_size, self.eos_ids)
         self.waiting: deque[Sequence] = deque()
         self.waiting_groups: collections.Counter[str] = collections.Counter()  # waiting samples by group
         self.running: list[Sequence] = []
-        self.prefixes = PrefixIndex()  # what the free slots keep of finished sequences
+        self.slots = Slots(self.target.cache, self.config.max_batch, self.config.prefix_caching)
         self.totals = SpecStats()
         self.last_draft_error: str | None = None
         self.last_tree_sizes: list[int] = []  # drafted nodes per sequence in the last step
@@ -109,53 +101,13 @@ class Engine:
         """Queue one sample (``params.n`` is handled by callers, one request per sample). The
         samples of one client request share a ``group`` (default: its own), which admission
         gives fair turns (``engine/admission.py``)."""
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty")
-        limit = self.config.max_model_len
-        if len(prompt_ids) + params.max_tokens > limit:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context length of {limit} tokens"
-            )
-        cfg = self.config
-        if (params.num_candidates or 0) > cfg.num_candidates or (params.depth or 0) > cfg.depth:
-            raise InvalidRequestError(
-                f"num_candidates and depth may be at most the server's ({cfg.num_candidates}, {cfg.depth})"
-            )
         vocab = self.target.vocab_size
-        check_prompt_ids(prompt_ids, vocab)
-        if any(not 0 <= token < vocab for token, _ in params.logit_bias):
-            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})")
-        if any(not 0 <= token < vocab for token in params.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})")
-        generators = None
-        if not params.greedy:
-            generators = Generators(params.seed if params.seed is not None else random.getrandbits(63))
-        seq = Sequence(request_id, list(prompt_ids), params, generators, group=group or request_id)
-        seq.prediction = self._prediction_ids(params)
+        seq = new_sequence(request_id, prompt_ids, params, group, self.config, self.tokenizer, vocab)
         if params.structured_outputs is not None:
             seq.grammar = self.grammars.start(params.structured_outputs, seq.stop_ids(self.eos_ids))
         self.waiting.append(seq)
         self.waiting_groups[seq.group] += 1
         return seq
-
-    def _prediction_ids(self, params: SamplingParams) -> np.ndarray | None:
-        """The request's predicted output as token ids (None: none or empty); a prediction
-        longer than the context is refused, since no reply could follow it."""
-        if params.prediction is None:
-            return None
-        predicted = params.prediction
-        if isinstance(predicted, str):
-            predicted = self.tokenizer.encode(predicted, add_special_tokens=False)
-        limit = self.config.max_model_len
-        if len(predicted) > limit:
-            raise InvalidRequestError(
-                f"the prediction ({len(predicted)} tokens) is longer than the context length of {limit} tokens"
-            )
-        vocab = self.target.vocab_size
-        if any(not 0 <= token < vocab for token in predicted):
-            raise InvalidRequestError(f"prediction token ids must be in [0, {vocab})")
-        return np.asarray(predicted, dtype=np.int64) if predicted else None
 
     def abort(self, request_id: str) -> None:
         self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
@@ -182,7 +134,7 @@ class Engine:
         outputs = []
         for b, (seq, proposal, verdict) in enumerate(zip(batch, proposals, verdicts, strict=True)):
             # 6. compact the caches to the accepted path, 7. emit its tokens
-            self._compact(seq, proposal, verdict.acceptance, None if features is None else features[b])
+            self._compact(seq, proposal, verdict, None if features is None else features[b])
             for stats in (seq.stats, self.totals):
                 record(stats, proposal, verdict.acceptance)
             outputs.append(self._emit(seq, verdict))
@@ -207,10 +159,11 @@ class Engine:
         return (verified.logits, verified.features) if capture else (verified, None)
 
     def _compact(
-        self, seq: Sequence, proposal: Proposal, acceptance: Acceptance, features: torch.Tensor | None
+        self, seq: Sequence, proposal: Proposal, verdict: Verdict, features: torch.Tensor | None
     ) -> None:
         """Keep the accepted path's cache entries after ``seq``'s prefix, the target's and the
         draft's (the draft is handed the path's features when it reads them)."""
+        acceptance = verdict.acceptance
         self.target.cache.compact(seq.slot, seq.cache_len, acceptance.path)
         if features is not None:
             self._hand_features(seq, seq.cache_len, features[acceptance.path])
@@ -239,7 +192,7 @@ class Engine:
         )
 
     def _admit(self) -> None:
-        """Waiting sequences take the free slots, the lowest first (see ``_retire``), in fair
+        """Waiting sequences take the free slots, the lowest first (see ``engine/slots.py``), in fair
         turns between requests (``admission.next_admission``), each starting from the longest
         prefix the caches hold of its prompt; ``_prefill`` computes the rest of the prompt.
         A sample whose request has a running sample of the same prompt still prefilling waits
@@ -260,7 +213,7 @@ class Engine:
             del self.waiting[index]
             self.waiting_groups[seq.group] -= 1
             seq.slot = len(self.running)
-            self._reuse_prefix(seq, self.running)
+            self.slots.reuse_prefix(seq, self.running, self.drafter)
             self.running.append(seq)
 
     def _prefill(self) -> None:
@@ -310,33 +263,6 @@ class Engine:
         except Exception as exc:  # a failing drafter must never fail a request
             self._decode_without_drafter(exc, [seq])
 
-    def _reuse_prefix(self, seq: Sequence, others: list[Sequence]) -> None:
-        """Bring the longest prefix of ``seq``'s prompt that a kept or running sequence holds
-        into ``seq``'s new slot, target and draft (``prefix_cache.plan_reuse``); its cache
-        then starts after it."""
-        if not self.config.prefix_caching:
-            return
-        slot, scope = seq.slot, seq.params.cache_scope
-        running = {s.slot: (s.params.cache_scope, s.token_ids[: s.cache_len]) for s in others}
-        # A request for its prompt's log-probabilities computes the whole prompt (reused KV has
-        # no logits): it matches nothing, and the slot's kept entry is handled as on a miss.
-        prompt = seq.prompt_ids if seq.params.prompt_logprobs is None else seq.prompt_ids[:1]
-        free = range(slot, self.config.max_batch)
-        plan = plan_reuse(prompt, slot, free, running, self.prefixes, scope)
-        if plan.swap_with is not None:
-            incoming = plan.length if plan.copy_from is None else 0  # a victim's entry is not needed
-            self.target.cache.exchange(slot, plan.swap_with, len(self.prefixes.kept(slot)), incoming)
-            self.prefixes.swap(slot, plan.swap_with)
-            if self.drafter is not None:
-                self.drafter.move(plan.swap_with, slot)
-        self.prefixes.drop(slot)
-        reused = plan.length
-        if self.drafter is not None:
-            reused = self.drafter.share(plan.source, slot, plan.length)
-        if plan.copy_from is not None:
-            self.target.cache.move(plan.copy_from, slot, reused)
-        seq.cache_len = seq.cached_tokens = reused
-
     def _feature_layers(self) -> tuple[int, ...]:
         """The target layers whose hidden states the drafter reads (EAGLE-3); every target
         forward captures them then, and none otherwise."""
@@ -362,28 +288,12 @@ class Engine:
         self.fallback_reasons[fallback_reason(exc)] += len(seqs)
 
     def _retire(self, seq: Sequence) -> None:
-        """Free ``seq``'s slot, moving the sequence in the highest slot into it.
-
-        Running sequences thus always hold slots ``0..n-1`` in order, which the caches read as
-        one view; scattered slots would be gathered (copied) in every layer of every step. A
-        move copies one sequence's committed entries once, in the draft's cache too. With
-        prefix caching the freed slot keeps ``seq``'s tokens and KV, and a move swaps them into
-        the slot the moved sequence leaves."""
+        """Take ``seq`` out of the batch and free its slot (``Slots.free``); its output joins
+        the recent outputs that copy drafts read."""
         self.running.remove(seq)
         if self.config.prompt_lookup and self.config.recent_outputs:
             self.planner.copies.record(seq.output_ids, seq.params.cache_scope)
-        kept = seq.token_ids[: seq.cache_len] if self.config.prefix_caching else []
-        self.prefixes.keep(seq.slot, kept, seq.params.cache_scope)
-        if self.drafter is not None:
-            self.drafter.retain(seq.slot, len(kept))
-        last = max(self.running, key=lambda s: s.slot, default=None)
-        if last is not None and last.slot > seq.slot:
-            self.target.cache.exchange(last.slot, seq.slot, last.cache_len, len(kept))
-            self.prefixes.swap(last.slot, seq.slot)
-            if self.drafter is not None:
-                self.drafter.move(last.slot, seq.slot)
-            last.slot = seq.slot
-            self.running.sort(key=lambda s: s.slot)
+        self.slots.free(seq, self.running, self.drafter)
 
 
 def prefill_left(seq: Sequence) -> int:
@@ -392,19 +302,6 @@ def prefill_left(seq: Sequence) -> int:
     (each position's logits are a row over the vocabulary)."""
     left = len(seq.prompt_ids) - 1 - seq.cache_len
     return left if seq.params.prompt_logprobs is None else min(left, PROMPT_LOGPROB_ROWS)
-
-
-def eos_token_ids(model: LoadedModel) -> set[int]:
-    ids = set()
-    for source in (
-        model.tokenizer.eos_token_id,
-        getattr(model.model.generation_config, "eos_token_id", None),
-    ):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(source)
-    return ids
 
 
 class Twins:

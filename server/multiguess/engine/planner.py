@@ -41,10 +41,13 @@ Fallback = Callable[[Exception, list[Sequence]], None]
 
 
 class Planner:
+    """The policy's state and each step's trees. ``config`` comes back with the token budget
+    the target's measured forward times allow (``ForwardCost.nearly_free``)."""
+
     def __init__(self, config: EngineConfig, target: NativeRunner, fallback: Fallback) -> None:
         self.config = config
         self.fallback = fallback
-        self.steps = 0
+        self.steps = 0  # steps proposed for; a sequence's ``drafted_at`` counts in them
         self.costs = CostMeter()
         # The draft's coverage by width on this traffic, for greedy (True) and sampled requests
         # apart: the policy's prior until anything was drafted, then running rates over every
