@@ -137,7 +137,9 @@ def main() -> int:
         order = list(SETUPS)[repeat % len(SETUPS) :] + list(SETUPS)[: repeat % len(SETUPS)]
         for name in order:
             engine = llms[name].engine
-            engine.copies.recent = RecentOutputs(engine.config.recent_outputs, engine.config.recent_age)
+            engine.planner.copies.recent = RecentOutputs(
+                engine.config.recent_outputs, engine.config.recent_age
+            )
             for workload, ids in prompts.items():
                 predicted = PREDICTIONS.get(workload) if name != "plain" else None
                 runs[workload][name].append(

@@ -128,8 +128,8 @@ def engine_generator(
             engine.step()
             for outcomes in engine.last_outcomes:
                 result.record_levels(outcomes)
-        if engine.costs.draft_per_level is not None:
-            result.draft_ms_per_level.append(engine.costs.draft_per_level * 1000)
+        if engine.planner.costs.draft_per_level is not None:
+            result.draft_ms_per_level.append(engine.planner.costs.draft_per_level * 1000)
         result.verify_steps += seq.stats.verify_steps
         result.draft_tokens += seq.stats.draft_tokens
         result.accepted_tokens += seq.stats.accepted_tokens

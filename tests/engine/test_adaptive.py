@@ -251,12 +251,13 @@ def test_new_requests_start_from_the_rate_measured_on_earlier_ones(
     target = load_model(str(tiny_llama), dtype="float32")
     for draft in (tiny_llama, tiny_llama_draft):
         engine = Engine(target, load_model(str(draft), dtype="float32"), config)
-        assert engine.coverage[True] == config.policy.initial(3, config.depth)  # before anything was drafted
+        # before anything was drafted
+        assert engine.planner.coverage[True] == config.policy.initial(3, config.depth)
         for i, prompt in enumerate(random_prompts(4, (6, 12))):
             engine.add_request(str(i), prompt, SamplingParams(max_tokens=24, ignore_eos=True))
         while engine.has_unfinished():
             engine.step()
-        measured.append(engine.coverage[True].rates[0])
+        measured.append(engine.planner.coverage[True].rates[0])
     perfect, noisy = measured
     assert perfect > 0.8 and noisy < perfect - 0.1
 
@@ -271,8 +272,8 @@ def test_sampled_requests_keep_their_own_estimates(tiny_llama: Path, tiny_llama_
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
-    assert engine.coverage[True] == config.policy.initial(3, config.depth)
-    assert engine.coverage[False] != config.policy.initial(3, config.depth)
+    assert engine.planner.coverage[True] == config.policy.initial(3, config.depth)
+    assert engine.planner.coverage[False] != config.policy.initial(3, config.depth)
 
 
 def test_one_sequence_probes_at_a_time_the_one_observed_longest_ago(
@@ -375,8 +376,8 @@ def test_seeded_samples_probe_by_observation_unseeded_ones_with_trees(
         engine.step()
         drafted.append(sum(engine.last_tree_sizes))
     assert any(drafted) == probe_trees
-    assert engine.coverage[False] != policy.initial(3, 4)
-    assert engine.coverage[True] == policy.initial(3, 4)
+    assert engine.planner.coverage[False] != policy.initial(3, 4)
+    assert engine.planner.coverage[True] == policy.initial(3, 4)
     if seed is not None:
         plain = LLM(str(tiny_llama), None, dtype="float32").generate([prompt], params)[0].outputs[0]
         assert seq.output_ids == plain.token_ids
@@ -398,7 +399,7 @@ def test_draft_cost_leaves_out_steps_that_caught_a_draft_cache_up(
         while engine.has_unfinished():
             engine.step()
         assert engine.totals.draft_tokens > 0
-        assert (engine.costs.draft_per_level is not None) == measured
+        assert (engine.planner.costs.draft_per_level is not None) == measured
 
 
 def test_the_token_budget_grows_only_where_the_measured_curve_is_flat() -> None:

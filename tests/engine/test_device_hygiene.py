@@ -88,7 +88,7 @@ def test_ngram_drafting_stays_on_the_device(tiny_llama: Path) -> None:
 
 
 def test_observation_probes_stay_on_the_device(tiny_llama: Path, tiny_llama_draft: Path) -> None:
-    """A greedy sequence probes by observation while drafting is off (engine._observe)."""
+    """A greedy sequence probes by observation while drafting is off (Planner._observe)."""
     llm = LLM(str(tiny_llama), str(tiny_llama_draft), 3, 3, dtype="float32", adaptive=False)
     drafter, tokens = llm.engine.drafter, random_prompts(23, (20,))[0]
     expected = drafter.observe(0, tokens, 3, 10)

@@ -15,7 +15,8 @@ from multiguess import SamplingParams
 from multiguess.engine import engine as engine_module
 from multiguess.engine.admission import next_admission, request_share
 from multiguess.engine.config import EngineConfig
-from multiguess.engine.engine import MIN_PREFILL_CHUNK, PROMPT_LOGPROB_ROWS, Engine
+from multiguess.engine.engine import PROMPT_LOGPROB_ROWS, Engine
+from multiguess.engine.timing import MIN_PREFILL_CHUNK, measure_prefill_chunk
 from multiguess.models.loading import load_model
 
 from tests.engine.test_lossless import random_prompts
@@ -85,9 +86,9 @@ def test_chunked_prefill_is_on_by_default_and_interleaves(
 def test_the_measured_chunk_grows_with_the_pause(target: object) -> None:
     engine = Engine(target, None, EngineConfig(max_model_len=256, adaptive=False))  # type: ignore[arg-type]
     runner = engine.target
-    assert engine_module.measure_prefill_chunk(runner, 256, 0) == MIN_PREFILL_CHUNK
-    assert engine_module.measure_prefill_chunk(runner, 256, 1e9) == 256
-    assert engine_module.measure_prefill_chunk(runner, 8, 1e9) == 8
+    assert measure_prefill_chunk(runner, 256, 0) == MIN_PREFILL_CHUNK
+    assert measure_prefill_chunk(runner, 256, 1e9) == 256
+    assert measure_prefill_chunk(runner, 8, 1e9) == 8
 
 
 def test_prompt_logprobs_take_bounded_rows_and_equal_chunked_ones(

@@ -122,7 +122,7 @@ def test_grafts_widen_the_forward_only_where_the_widening_is_cheap(
             load_model(str(tiny_llama_draft), dtype="float32"),
             config,
         )
-        engine.forward_cost = cost
+        engine.planner.forward_cost = cost
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, params)
         while engine.has_unfinished():

@@ -79,7 +79,8 @@ def test_predicted_outputs_are_lossless_whatever_the_prediction(
     }[kind]
     draft = str(tiny_llama_draft) if drafter == "model" else None
     llm = LLM(str(tiny_llama), draft, drafter=drafter, dtype="float32", max_batch=2, max_model_len=512)
-    llm.engine.forward_cost = ForwardCost()  # every width costs alike: acceptance, not timing, is tested
+    # every width costs alike: acceptance, not timing, is tested
+    llm.engine.planner.forward_cost = ForwardCost()
     for i, (prompt, predicted) in enumerate(zip(prompts, predictions, strict=True)):
         llm.engine.add_request(
             str(i), prompt, SamplingParams(**{**vars(PARAMS[setting]), "prediction": predicted})

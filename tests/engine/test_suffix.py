@@ -168,9 +168,10 @@ def test_copy_drafts_are_lossless_whatever_the_index_holds(
         "wrong": random_prompts(13, (40,) * len(prompts)),
         "empty": [],
     }[index]
-    llm.engine.forward_cost = ForwardCost()  # every width costs alike: acceptance, not timing, is tested
+    # every width costs alike: acceptance, not timing, is tested
+    llm.engine.planner.forward_cost = ForwardCost()
     for prompt, out in zip(prompts, held, strict=False):
-        llm.engine.copies.record(prompt + out)
+        llm.engine.planner.copies.record(prompt + out)
     outs = llm.generate(prompts, PARAMS[setting])
     assert [o.outputs[0].token_ids for o in outs] == expected
     totals = llm.engine.totals
@@ -185,7 +186,8 @@ def test_repeated_requests_copy_from_recent_outputs(tiny_llama: Path, plain: dic
     time, almost every token is an accepted copy."""
     prompts, expected = plain["greedy"]
     llm = LLM(str(tiny_llama), None, drafter="suffix", dtype="float32", max_batch=1)
-    llm.engine.forward_cost = ForwardCost()  # every width costs alike: acceptance, not timing, is tested
+    # every width costs alike: acceptance, not timing, is tested
+    llm.engine.planner.forward_cost = ForwardCost()
     prompt = prompts[-1]  # random: nothing of its reply repeats its prompt
     first = llm.generate(prompt, PARAMS["greedy"])[0]
     copied = llm.engine.totals.copy_accepted_tokens
@@ -200,11 +202,12 @@ def test_recent_outputs_steer_only_their_own_tenants_drafts(tiny_llama: Path, pl
     tenant's repeat copies it; output is plain decoding's throughout."""
     prompts, expected = plain["greedy"]
     llm = LLM(str(tiny_llama), None, drafter="suffix", dtype="float32", max_batch=1)
-    llm.engine.forward_cost = ForwardCost()  # every width costs alike: acceptance, not timing, is tested
+    # every width costs alike: acceptance, not timing, is tested
+    llm.engine.planner.forward_cost = ForwardCost()
     prompt, reply = prompts[-1], expected[-1]
     alice = replace(PARAMS["greedy"], tenant="alice")
     assert llm.generate(prompt, alice)[0].outputs[0].token_ids == reply
-    recent = llm.engine.copies.recent
+    recent = llm.engine.planner.copies.recent
     probe = [*prompt, *reply[:4]]
     assert recent.matches(probe, scope=alice.cache_scope)
     for other in (replace(alice, tenant="bob"), replace(alice, cache_salt="s"), PARAMS["greedy"]):
@@ -218,4 +221,4 @@ def test_copy_drafts_off_draft_nothing(tiny_llama: Path, plain: dict) -> None:
     prompts, expected = plain["greedy"]
     llm = LLM(str(tiny_llama), None, drafter="suffix", dtype="float32", max_batch=4, prompt_lookup=0)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS["greedy"])] == expected
-    assert llm.engine.totals.draft_tokens == 0 and len(llm.engine.copies.recent) == 0
+    assert llm.engine.totals.draft_tokens == 0 and len(llm.engine.planner.copies.recent) == 0

@@ -51,7 +51,7 @@ from multiguess.api.translate import (
     refuse_unsupported,
     sampling_params,
 )
-from multiguess.engine.engine import check_prompt_ids
+from multiguess.engine.intake import check_prompt_ids
 from multiguess.engine.logprobs import TokenLogprob
 from multiguess.scheduler import EngineFailure, Event, Job, RequestTimeout, Sample, Scheduler
 

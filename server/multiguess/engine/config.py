@@ -40,7 +40,7 @@ class EngineConfig:
     finished or running sequence, for target and draft (``engine/prefix_cache.py``).
     ``prompt_lookup`` is the longest copy draft (``engine/suffix.py``: the continuation of the
     sequence's suffix where it occurred before, in its own text or in recent outputs) grafted
-    onto a sequence's tree, in tokens, where it pays (0: none; ``_graft_copies`` says where).
+    onto a sequence's tree, in tokens, where it pays (0: none; ``Planner._graft_copies`` says where).
     ``recent_outputs`` and ``recent_age`` bound the index of recent outputs copy drafts read
     (tokens, seconds; 0 tokens: none).
     """

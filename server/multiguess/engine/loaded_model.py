@@ -18,3 +18,17 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype  # activation dtype the runner feeds the model
     draft_vocab: torch.Tensor | None = None  # the tokens its head scores as a draft (draft_vocab.py)
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """The tokens that end a sequence: the tokenizer's and the generation config's."""
+        ids: set[int] = set()
+        for source in (
+            self.tokenizer.eos_token_id,
+            getattr(self.model.generation_config, "eos_token_id", None),
+        ):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(source)
+        return frozenset(ids)

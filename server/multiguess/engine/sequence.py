@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerBase
 from multiguess.engine.detokenizer import IncrementalText
 from multiguess.engine.grammar import GrammarState
 from multiguess.engine.logprobs import TokenLogprob
-from multiguess.engine.sampling import Generators
+from multiguess.engine.sampling import Generators, Processing
 from multiguess.params import SamplingParams
 
 
@@ -91,6 +91,12 @@ class Sequence:
     @property
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
+
+    @property
+    def processing(self) -> Processing:
+        """How a sampled sequence's distributions are processed: by the draft drawing its
+        children and by acceptance alike."""
+        return Processing(self.params.temperature, self.params.top_p, self.params.top_k)
 
     def stop_ids(self, eos_ids: frozenset[int]) -> frozenset[int]:
         """Tokens that end this sequence: end-of-sequence (unless ignored) and its stop tokens."""

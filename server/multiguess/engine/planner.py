@@ -1,0 +1,285 @@
+"""Steps 2 and 3 of the loop: plan each sequence's tree, have the drafter draft it, graft copies.
+
+The planner holds the policy's state: the draft's measured coverage (greedy and sampled
+requests apart), the target's forward-cost curve, the draft's time per level, the probe
+schedule, and how copy and prediction drafts pay. It reads them to decide each step's trees
+(``adaptive.AdaptivePolicy``) and learns from every verified step. A failing drafter never
+fails a request: the engine's ``fallback`` decodes the sequences it failed for plainly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from multiguess.engine.acceptance import Acceptance
+from multiguess.engine.adaptive import (
+    CopyYield,
+    CostMeter,
+    ForwardCost,
+    Outcome,
+    ProbeSchedule,
+    copy_width,
+    expected_tokens,
+    graft_outcome,
+    level_outcomes,
+)
+from multiguess.engine.config import EngineConfig
+from multiguess.engine.drafter import Drafter, DraftRequest, Proposal, SampleSpec, TreeBudget
+from multiguess.engine.ngram import graft
+from multiguess.engine.prediction import prediction_draft
+from multiguess.engine.runner import NativeRunner
+from multiguess.engine.sequence import Sequence
+from multiguess.engine.suffix import CopyDraft, CopySource, RecentOutputs
+from multiguess.engine.timing import measure_forward_cost
+from multiguess.engine.tree import TokenTree
+from multiguess.params import SamplingParams
+
+# What the engine does with sequences whose drafter call failed: decode them plainly this step.
+Fallback = Callable[[Exception, list[Sequence]], None]
+
+
+class Planner:
+    """The policy's state and each step's trees. ``config`` comes back with the token budget
+    the target's measured forward times allow (``ForwardCost.nearly_free``)."""
+
+    def __init__(self, config: EngineConfig, target: NativeRunner, fallback: Fallback) -> None:
+        self.config = config
+        self.fallback = fallback
+        self.steps = 0  # steps proposed for; a sequence's ``drafted_at`` counts in them
+        self.costs = CostMeter()
+        # The draft's coverage by width on this traffic, for greedy (True) and sampled requests
+        # apart: the policy's prior until anything was drafted, then running rates over every
+        # verified tree, so a new request does not spend its first steps on an optimistic guess.
+        policy = self.config.policy
+        self.coverage = dict.fromkeys(
+            (True, False), policy.initial(self.config.num_candidates, self.config.depth)
+        )
+        self.probes = ProbeSchedule(policy.probe_every)
+        # Measured whatever the drafter: a server attaches a remote drafter after construction.
+        self.forward_cost = ForwardCost()
+        if self.config.adaptive:
+            limit = max(policy.token_budget, self.config.max_batch, target.backend.cost_tokens)
+            self.forward_cost = measure_forward_cost(target, min(limit, target.capacity))
+            budget = self.forward_cost.nearly_free(policy.nearly_free)
+            if budget > policy.token_budget:  # measured on this device: more nodes ride for free
+                self.config = replace(self.config, policy=replace(policy, token_budget=budget))
+        self.copies = CopySource(RecentOutputs(self.config.recent_outputs, self.config.recent_age))
+        self.prediction_yields = CopyYield()  # how predictions pay, apart from copies
+
+    def propose(self, batch: list[Sequence], drafter: Drafter | None) -> list[Proposal]:
+        """This step's tree per sequence of ``batch``: the drafter's where the policy gives one,
+        with copy or prediction drafts grafted on where they pay; a root-only tree otherwise.
+        The time it took feeds the draft's cost per level (see ``CostMeter``)."""
+        self.steps += 1
+        started = time.perf_counter()
+        proposals = [Proposal(TokenTree.chain([s.token_ids[-1]])) for s in batch]
+        base = [1.0] * len(batch)  # tokens each sequence's tree is expected to yield
+        if drafter is not None and not getattr(drafter, "copy_only", False):
+            self._draft(batch, proposals, base, drafter)
+        self._graft_copies(batch, proposals, base, getattr(drafter, "takes_grafts", False))
+        drafted = time.perf_counter()
+        # Draft time per level only from steps that drafted on caught-up caches (see CostMeter).
+        drafting = [s for s, p in zip(batch, proposals, strict=True) if p.own_nodes > 1]
+        steady = all(s.drafted_at == self.steps - 1 for s in drafting)
+        levels = max(p.drafted_depth for p in proposals) if steady else 0
+        self.costs.record(drafted - started, levels)
+        for seq in drafting:
+            seq.drafted_at = self.steps
+        return proposals
+
+    def learn(
+        self, batch: list[Sequence], proposals: list[Proposal], acceptances: list[Acceptance]
+    ) -> list[list[Outcome]]:
+        """Fold the verified step into the coverage and a grafted copy draft's outcome into the
+        copy policy's yields; returns each sequence's verified levels."""
+        outcomes: list[list[Outcome]] = []
+        observed: dict[bool, list[list[Outcome]]] = {True: [], False: []}
+        for seq, proposal, acceptance in zip(batch, proposals, acceptances, strict=True):
+            if proposal.copy_match:
+                tried, accepted = graft_outcome(proposal.tree, proposal.own_nodes, acceptance.path)
+                yields = self.prediction_yields if proposal.predicted else self.copies.yields
+                yields.observe(proposal.copy_match, tried, accepted)
+            outcomes.append(level_outcomes(*proposal.drafted_part(acceptance.path)))
+            observed[seq.params.greedy].append(outcomes[-1])
+        for greedy, levels in observed.items():
+            self.coverage[greedy] = self.config.policy.update(self.coverage[greedy], levels)
+        return outcomes
+
+    def _draft(
+        self, batch: list[Sequence], proposals: list[Proposal], base: list[float], drafter: Drafter
+    ) -> None:
+        """The drafter's trees for the sequences the policy gives one, into ``proposals``, and
+        the tokens each is expected to yield into ``base``."""
+        requests = []
+        planned = self._planned(batch, drafter)
+        for i, seq in enumerate(batch):
+            budget = self._budget(seq, planned[i])
+            if budget.depth > 0:
+                base[i] = expected_tokens(self.coverage[seq.params.greedy], budget)
+                requests.append(
+                    (i, DraftRequest(seq.slot, seq.token_ids, budget, sample_spec(seq), seq.grammar))
+                )
+        if not requests:
+            return
+        try:
+            drafted = drafter.propose([r for _, r in requests])
+        except Exception as exc:  # a failing drafter must never fail a request
+            self.fallback(exc, [batch[i] for i, _ in requests])
+            for i, _ in requests:
+                base[i] = 1.0
+            return
+        for (i, _), proposal in zip(requests, drafted, strict=True):
+            proposals[i] = proposal
+
+    def _planned(self, batch: list[Sequence], drafter: Drafter) -> list[TreeBudget]:
+        """The adaptive policy's tree for each sequence of ``batch`` this step.
+
+        One tree serves the whole batch: trees are padded to the widest in the batch, and one
+        deep tree would make every sequence pay for its width and its draft forwards. While no
+        tree pays, the sequence observed longest ago probes when the schedule says so."""
+        cfg, cost = self.config, self.forward_cost
+        if not cfg.adaptive:
+            return [cfg.budget] * len(batch)
+        fixed, per_level = self.costs.ratios(cost(len(batch)))
+        coverages = [self.coverage[s.params.greedy] for s in batch]
+        planned = cfg.policy.plan(cfg.budget, coverages, per_level, cost, fixed)
+        trees = [planned] * len(batch)
+        if planned.depth > 0:
+            self.probes.reset()
+        elif self.probes.due(cfg.policy.probe_interval(len(batch))):
+            adaptive = [i for i, seq in enumerate(batch) if not fixed_tree(seq.params)]
+            if adaptive:
+                oldest = min(adaptive, key=lambda i: batch[i].drafted_at)
+                if not self._observe(batch[oldest], drafter):
+                    trees[oldest] = cfg.policy.probe(cfg.budget, len(batch))
+        return trees
+
+    def _observe(self, seq: Sequence, drafter: Drafter) -> bool:
+        """Probe a greedy or seeded sequence without a tree: rank the tokens the target chose
+        since the draft last saw the sequence among the draft's guesses (``Drafter.observe``; a
+        seeded sample's guesses are its race's winners). A probe tree pads every sequence of the
+        batch to its width in the target's forward (docs/ENGINE.md); this costs one draft
+        forward over the catch-up that drafting would make anyway.
+        False when the drafter cannot (an unseeded sample's children are draws, not ranks)."""
+        if not seq.params.greedy and seq.params.seed is None:
+            return False
+        width = self.config.num_candidates
+        try:
+            ranks = drafter.observe(seq.slot, seq.token_ids, width, len(seq.prompt_ids), sample_spec(seq))
+        except Exception as exc:  # a failing drafter must never fail a request
+            self.fallback(exc, [seq])
+            return True
+        if ranks is None:
+            return False
+        observed = [[(width, rank)] for rank in ranks]  # each a first-level guess
+        greedy = seq.params.greedy
+        self.coverage[greedy] = self.config.policy.update(self.coverage[greedy], observed)
+        seq.drafted_at = self.steps
+        return True
+
+    def _budget(self, seq: Sequence, planned: TreeBudget) -> TreeBudget:
+        """This step's tree for ``seq``: the ``planned`` one, or the request's own override,
+        clipped to what is left."""
+        cfg, params = self.config, seq.params
+        budget = planned
+        if fixed_tree(params):
+            budget = TreeBudget(
+                params.num_candidates or cfg.num_candidates,
+                cfg.depth if params.depth is None else params.depth,
+                cfg.max_nodes,
+            )
+        return replace(budget, depth=max(0, min(budget.depth, self._room(seq))))
+
+    def _room(self, seq: Sequence) -> int:
+        """Levels a tree of ``seq`` may reach below its root: the tokens it may still produce
+        and the context has room for, less the bonus token."""
+        return min(seq.remaining, self.config.max_model_len - len(seq.token_ids)) - 1
+
+    def _graft_copies(
+        self, batch: list[Sequence], proposals: list[Proposal], base: list[float], takes_grafts: bool
+    ) -> None:
+        """Graft each sequence's copy draft onto its tree, drafted or not: its prediction's
+        continuation where it has one that aligns with the output (``engine/prediction.py``),
+        else the continuation of its suffix where it occurred before, in its text or in recent
+        outputs (``CopySource``; with a drafter that takes grafts). Where a reply repeats text
+        (code edits, quotes, extraction, an agent's tool calls) it goes on far past where a
+        draft's guesses fade, and costs microseconds. The forward pads every tree to the
+        widest, so grafts fill that padding for free and widen the batch only while their
+        expected tokens pay for the wider forward (``adaptive.copy_width`` over the measured
+        ``ForwardCost``, against what each tree is expected to yield: ``base``), which they never
+        do where matches are short and rarely accepted. Not onto a tree the request chose
+        itself, nor onto sampled children (exact sampling needs the distribution each was drawn
+        from; greedy and seeded acceptance hold for any tree, and an unseeded sample's tree of
+        copies alone is deterministic); under a grammar, only a prediction's chain, cut where
+        the grammar stops allowing it."""
+        cfg = self.config
+        copying = bool(cfg.prompt_lookup) and takes_grafts
+        drafts: dict[int, tuple[TokenTree, tuple[float, ...], int, bool]] = {}
+        for i, (seq, proposal) in enumerate(zip(batch, proposals, strict=True)):
+            exact_for_any_tree = seq.params.greedy or seq.params.seed is not None or not proposal.draft_probs
+            if not cfg.prompt_lookup or not exact_for_any_tree or fixed_tree(seq.params):
+                continue
+            room = min(cfg.prompt_lookup, self._room(seq))
+            copy, predicted = self._predicted(seq, room), True
+            if copy is None and copying and seq.grammar is None:
+                copy, predicted = (
+                    self.copies.draft(seq.token_ids, room, cfg.prompt_lookup, seq.params.cache_scope),
+                    False,
+                )
+            if copy is not None and len(copy.tree) > 1:
+                grafted, reach = graft(proposal.tree, copy.tree, copy.reach, cfg.prompt_lookup)
+                drafts[i] = grafted, reach, copy.match, predicted
+        if not drafts:
+            return
+        own = [len(p.tree) for p in proposals]
+        reach = [drafts[i][1] if i in drafts else () for i in range(len(batch))]
+        width = copy_width(own, base, reach, self.forward_cost, 1 + cfg.prompt_lookup)
+        for i, (tree, _, match, predicted) in drafts.items():
+            keep = min(len(tree) - own[i], max(0, width - own[i]))
+            if keep:
+                trimmed = TokenTree(tree.tokens[: own[i] + keep], tree.parents[: own[i] + keep])
+                proposals[i] = replace(
+                    proposals[i], tree=trimmed, drafted=own[i], copy_match=match, predicted=predicted
+                )
+            else:
+                (self.prediction_yields if predicted else self.copies.yields).relax(match)
+
+    def _predicted(self, seq: Sequence, room: int) -> CopyDraft | None:
+        """``seq``'s prediction's chain after its output (``prediction.prediction_draft``), cut
+        to what its grammar allows; None without a prediction or where none aligns."""
+        if seq.prediction is None:
+            return None
+        found = prediction_draft(
+            seq.token_ids[-1],
+            seq.prediction,
+            seq.output_ids,
+            seq.prediction_anchor,
+            room,
+            self.prediction_yields,
+        )
+        if found is None:
+            return None
+        draft, seq.prediction_anchor = found
+        if seq.grammar is not None:
+            allowed = seq.grammar.valid_prefix(list(draft.tree.tokens[1:]))
+            draft = replace(
+                draft, tree=TokenTree.chain(draft.tree.tokens[: 1 + allowed]), reach=draft.reach[:allowed]
+            )
+        return draft
+
+
+def fixed_tree(params: SamplingParams) -> bool:
+    """Whether a request drafts its own fixed tree instead of the policy's: it set one. A
+    seeded sample follows the policy too: its output does not depend on the trees drafted
+    (``acceptance.SeededChoices``), so timing and batch neighbours cannot change it."""
+    return params.depth is not None or params.num_candidates is not None
+
+
+def sample_spec(seq: Sequence) -> SampleSpec | None:
+    """Sampled requests draw their children from the draft (seeded ones take the draft's best
+    under the noise their target draws with); greedy ones take its top-k."""
+    if seq.params.greedy:
+        return None
+    return SampleSpec(seq.processing, seq.generators, coupled=seq.params.seed is not None)

@@ -1,0 +1,69 @@
+"""The batch's cache slots: which sequence holds which, in the target's cache and the draft's,
+and what the free slots keep of finished sequences (prefix caching).
+
+Running sequences always hold slots ``0..n-1`` in order, which the caches read as one view;
+scattered slots would be gathered (copied) in every layer of every step. So a retiring
+sequence's slot takes the sequence in the highest slot (``free``), and a new one takes the
+lowest free slot, starting from the longest prefix of its prompt that a slot holds
+(``reuse_prefix``).
+"""
+
+from __future__ import annotations
+
+from multiguess.engine.drafter import Drafter
+from multiguess.engine.kv_cache import StaticKVCache
+from multiguess.engine.prefix_cache import PrefixIndex, plan_reuse
+from multiguess.engine.sequence import Sequence
+
+
+class Slots:
+    def __init__(self, cache: StaticKVCache, max_batch: int, prefix_caching: bool) -> None:
+        self.cache = cache  # the target's
+        self.max_batch = max_batch
+        self.prefix_caching = prefix_caching
+        self.prefixes = PrefixIndex()  # what the free slots keep of finished sequences
+
+    def reuse_prefix(self, seq: Sequence, others: list[Sequence], drafter: Drafter | None) -> None:
+        """Bring the longest prefix of ``seq``'s prompt that a kept or running sequence holds
+        into ``seq``'s new slot, target and draft (``prefix_cache.plan_reuse``); its cache
+        then starts after it."""
+        if not self.prefix_caching:
+            return
+        slot, scope = seq.slot, seq.params.cache_scope
+        running = {s.slot: (s.params.cache_scope, s.token_ids[: s.cache_len]) for s in others}
+        # A request for its prompt's log-probabilities computes the whole prompt (reused KV has
+        # no logits): it matches nothing, and the slot's kept entry is handled as on a miss.
+        prompt = seq.prompt_ids if seq.params.prompt_logprobs is None else seq.prompt_ids[:1]
+        free = range(slot, self.max_batch)
+        plan = plan_reuse(prompt, slot, free, running, self.prefixes, scope)
+        if plan.swap_with is not None:
+            incoming = plan.length if plan.copy_from is None else 0  # a victim's entry is not needed
+            self.cache.exchange(slot, plan.swap_with, len(self.prefixes.kept(slot)), incoming)
+            self.prefixes.swap(slot, plan.swap_with)
+            if drafter is not None:
+                drafter.move(plan.swap_with, slot)
+        self.prefixes.drop(slot)
+        reused = plan.length
+        if drafter is not None:
+            reused = drafter.share(plan.source, slot, plan.length)
+        if plan.copy_from is not None:
+            self.cache.move(plan.copy_from, slot, reused)
+        seq.cache_len = seq.cached_tokens = reused
+
+    def free(self, seq: Sequence, running: list[Sequence], drafter: Drafter | None) -> None:
+        """Free the slot of ``seq`` (no longer in ``running``), moving the sequence in the
+        highest slot into it. A move copies one sequence's committed entries once, in the
+        draft's cache too. With prefix caching the freed slot keeps ``seq``'s tokens and KV,
+        and a move swaps them into the slot the moved sequence leaves."""
+        kept = seq.token_ids[: seq.cache_len] if self.prefix_caching else []
+        self.prefixes.keep(seq.slot, kept, seq.params.cache_scope)
+        if drafter is not None:
+            drafter.retain(seq.slot, len(kept))
+        last = max(running, key=lambda s: s.slot, default=None)
+        if last is not None and last.slot > seq.slot:
+            self.cache.exchange(last.slot, seq.slot, last.cache_len, len(kept))
+            self.prefixes.swap(last.slot, seq.slot)
+            if drafter is not None:
+                drafter.move(last.slot, seq.slot)
+            last.slot = seq.slot
+            running.sort(key=lambda s: s.slot)

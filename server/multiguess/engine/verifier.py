@@ -1,0 +1,90 @@
+"""Step 5 of the loop: which drafted path each sequence keeps of its verified tree, and the count.
+
+Every rule reads the target's logits after each node as the request adjusts them (penalties,
+bias, grammar: ``penalties.node_logits``). A greedy sequence keeps the path of the target's
+argmax. A seeded sample's output is fixed by its seed alone, so it is verified like greedy
+output against the choices the seed makes (``acceptance.SeededChoices``). Any other sample is
+verified by multi-draft speculative sampling against the distributions its children were drawn
+from (``acceptance.accept_sampled``), which keeps its output distribution exactly the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from multiguess.engine.acceptance import Acceptance, SeededChoices, accept_greedy, accept_sampled
+from multiguess.engine.drafter import Proposal
+from multiguess.engine.penalties import node_logits
+from multiguess.engine.sampling import NodeDistributions
+from multiguess.engine.sequence import Sequence, SpecStats
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the target made of one sequence's tree."""
+
+    acceptance: Acceptance
+    rows: torch.Tensor  # the target's adjusted logits after each node
+    probs: NodeDistributions | None  # their processed distributions (sampled sequences only)
+
+
+def accept_trees(
+    batch: list[Sequence], proposals: list[Proposal], logits: torch.Tensor, eos_ids: frozenset[int]
+) -> list[Verdict]:
+    """Each sequence's verdict on its tree from the verification forward's ``logits``."""
+    rows = [
+        node_logits(seq, p.tree, logits[b], eos_ids)
+        for b, (seq, p) in enumerate(zip(batch, proposals, strict=True))
+    ]
+    target_probs = target_distributions(batch, rows)
+    return [
+        Verdict(
+            accept_tree(seq, proposal, rows[b], target_probs.get(b), logits.device),
+            rows[b],
+            target_probs.get(b),
+        )
+        for b, (seq, proposal) in enumerate(zip(batch, proposals, strict=True))
+    ]
+
+
+def accept_tree(
+    seq: Sequence,
+    proposal: Proposal,
+    rows: torch.Tensor,
+    target_probs: NodeDistributions | None,
+    device: torch.device,
+) -> Acceptance:
+    """The path ``seq`` keeps of ``proposal``'s tree by its rule: greedy, seeded or sampled."""
+    if seq.params.greedy:
+        return accept_greedy(proposal.tree, rows.argmax(dim=-1).tolist())
+    assert target_probs is not None and seq.generators is not None
+    if seq.params.seed is not None:  # the seed alone fixes its output: verified like greedy
+        choices = SeededChoices(target_probs, proposal.tree, seq.params.seed, len(seq.token_ids))
+        return accept_greedy(proposal.tree, choices)
+    return accept_sampled(proposal.tree, target_probs, proposal.draft_probs, seq.generators.on(device))
+
+
+def target_distributions(batch: list[Sequence], rows: list[torch.Tensor]) -> dict[int, NodeDistributions]:
+    """The processed target distribution at every tree node of the sampled sequences, from
+    each sequence's (adjusted) logits after each of its nodes, processed as acceptance reads them."""
+    return {
+        b: NodeDistributions(rows[b], seq.processing) for b, seq in enumerate(batch) if not seq.params.greedy
+    }
+
+
+def record(stats: SpecStats, proposal: Proposal, acceptance: Acceptance) -> None:
+    """Count one verified step of a tree in ``stats``: its drafted and accepted tokens, those
+    that grafted copy or prediction drafts contributed apart."""
+    grafted = len(proposal.tree) - proposal.own_nodes
+    copied = sum(node >= proposal.own_nodes for node in acceptance.path)
+    stats.verify_steps += 1
+    stats.draft_tokens += len(proposal.tree) - 1
+    stats.accepted_tokens += acceptance.accepted_drafts
+    if proposal.predicted:
+        stats.prediction_draft_tokens += grafted
+        stats.prediction_accepted_tokens += copied
+    else:
+        stats.copy_draft_tokens += grafted
+        stats.copy_accepted_tokens += copied
