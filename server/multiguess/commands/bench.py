@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from multiguess import bench_docs
-from multiguess.commands.engine_args import add_engine_args, configure_threads
+from multiguess.commands.engine_args import add_engine_args, configure_threads, engine_config
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,7 +37,6 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from multiguess import benchmark as bm
-    from multiguess.engine.config import EngineConfig
     from multiguess.engine.engine import Engine
     from multiguess.llm import load_pair
     from multiguess.models.eagle3_checkpoint import eagle3_drafter
@@ -70,19 +70,10 @@ def run(args: argparse.Namespace) -> int:
         for p in prompt_set
     ]
     n = args.max_tokens
-    common = {
-        "adaptive": not args.no_adaptive,
-        "eager": args.eager,
-        "cuda_graphs": args.cuda_graphs,
-        "draft_vocab": not args.full_draft_vocab,
-        # Each repeat serves the same prompts again: a prefix cache would skip the prefill of
-        # multiguess's methods only, and the ratios to transformers would no longer be like for like.
-        "prefix_caching": False,
-    }
-    tree_cfg = EngineConfig(args.num_candidates, args.depth, args.max_nodes, 1, args.max_model_len, **common)
-    chain_cfg = EngineConfig(
-        1, args.chain_depth or args.depth, args.max_nodes, 1, args.max_model_len, **common
-    )
+    # Each repeat serves the same prompts again: a prefix cache would skip the prefill of
+    # multiguess's methods only, and the ratios to transformers would no longer be like for like.
+    tree_cfg = engine_config(args, max_batch=1, prefix_caching=False)
+    chain_cfg = replace(tree_cfg, num_candidates=1, depth=args.chain_depth or args.depth)
     results = {name: bm.MethodResult(name, sampled="sampled" in name) for name in bm.METHODS}
     tree_engine, plain_engine = Engine(target, draft, tree_cfg), Engine(target, None, tree_cfg)
     generators = {
