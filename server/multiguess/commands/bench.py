@@ -1,4 +1,6 @@
-"""``multiguess bench``: the speed benchmark (see ``multiguess.benchmark``), written to docs/."""
+"""``multiguess bench``: the speed benchmark (see ``multiguess.benchmark``). It writes its raw
+result (JSON) and a plot under ``--out``; the repository's ``make bench-docs`` renders
+docs/BENCHMARKS.md and the README's table from them."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from multiguess import bench_docs
 from multiguess.commands.engine_args import add_engine_args, configure_threads, engine_config
 
 
@@ -41,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from multiguess.llm import load_pair
     from multiguess.models.eagle3_checkpoint import eagle3_drafter
     from multiguess.models.loading import load_model
+    from multiguess.provenance import provenance
 
     configure_threads(args.threads)
     target, draft = load_pair(
@@ -134,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         "chain_depth": chain_cfg.depth,
         "adaptive": tree_cfg.adaptive,
         "kernels": tree_engine.target.backend.label,
-        **bench_docs.provenance(),
+        **provenance(),
         "methods": [r.as_dict(reference, assisted, results["multiguess plain"]) for r in results.values()],
         "weight_bytes": weights,
         "bandwidth_gb_s": bound.bandwidth_gb_s,
@@ -159,7 +161,7 @@ def benchmark_head(head: Path | None, target: str | None) -> Path | None:
 
 
 def write_report(report: dict, out: Path) -> None:
-    """The run's JSON and plot under ``out``, then BENCHMARKS.md rendered again from all results.
+    """The run's JSON (``out/bench/results-<dtype>.json``) and plot (``out/img/bench-<dtype>.png``).
 
     Each dtype has its own files and section, so a float32 run (bit-exact greedy output) and a
     bfloat16 run (speed) are reported side by side."""
@@ -170,4 +172,3 @@ def write_report(report: dict, out: Path) -> None:
     (out / "img").mkdir(parents=True, exist_ok=True)
     (out / "bench" / f"results-{dtype}.json").write_text(json.dumps(report, indent=2) + "\n")
     bm.plot_report(report, out / "img" / f"bench-{dtype}.png")
-    bench_docs.write(out)
