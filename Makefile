@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup tools run test lint format bench e2e e2e-images clean gpu-check
+.PHONY: setup tools run test lint format bench bench-docs e2e e2e-images clean gpu-check
 
 setup: $(STAMP)
 
@@ -37,8 +37,14 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# `multiguess bench` writes its JSON under docs/bench/; bench-docs renders docs/BENCHMARKS.md and
+# the README's headline table from every result there (bench/bench_docs.py: standard library only).
 bench: setup
 	$(VENV)/bin/multiguess bench
+	$(PY) bench/bench_docs.py
+
+bench-docs:
+	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_docs.py
 
 e2e: setup tools
 	$(PY) -m pytest -q -m e2e tests/e2e

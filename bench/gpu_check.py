@@ -33,7 +33,7 @@ catches its own failure, records it and goes on; a time budget skips what is lef
 ``--device cpu`` (``make gpu-check DEVICE=cpu``) is a dry run with tiny shapes, part of the
 test suite so the check cannot rot. The exit status is 1 when a check failed, 2 when the
 versions are too old or no GPU is visible, else 0. The report names the commit measured:
-``$GPU_CHECK_COMMIT`` where the tree travels without its git folder, else ``git rev-parse``.
+``$GPU_CHECK_COMMIT`` where the tree travels without its git folder, else its git commit.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ import os
 import platform
 import random
 import shutil
-import subprocess
 import sys
 import time
 import traceback
@@ -93,6 +92,7 @@ from multiguess.engine.sampling import Processing, processed_probs  # noqa: E402
 from multiguess.errors import EngineConfigError, InsufficientMemoryError  # noqa: E402
 from multiguess.models.loading import resolve_dtype  # noqa: E402
 from multiguess.params import SamplingParams  # noqa: E402
+from multiguess.provenance import git_commit  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
@@ -997,17 +997,6 @@ def environment(p: Profile, commit: str) -> dict:
     return info
 
 
-def git_commit() -> str:
-    if os.environ.get("GPU_CHECK_COMMIT"):
-        return os.environ["GPU_CHECK_COMMIT"]
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def run_section(
     sections: list[Section],
     name: str,
@@ -1128,7 +1117,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     imported = sorted({m.split(".")[0] for m in sys.modules} & set(SERVING_ONLY))
     report = {
-        "environment": environment(p, git_commit()),
+        "environment": environment(p, os.environ.get("GPU_CHECK_COMMIT") or git_commit()),
         "budget_s": p.budget_s,
         "seconds": round(p.budget_s - budget.left(), 1),
         "serving_only_modules_imported": imported,

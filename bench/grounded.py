@@ -24,8 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
 
-from multiguess import LLM, SamplingParams, bench_docs
+import bench_docs
+from multiguess import LLM, SamplingParams
 from multiguess.engine.suffix import RecentOutputs
+from multiguess.provenance import provenance
 
 CODE = """def mean(values):
     total = 0
@@ -168,7 +170,7 @@ def main() -> int:
                 }
             )
     report = {
-        **bench_docs.provenance(),
+        **provenance(),
         "repeats": args.repeats,
         "max_tokens": args.max_tokens,
         "batch": 1,

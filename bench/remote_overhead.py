@@ -34,11 +34,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import bench_docs
 import httpx
 import torch
 import uvicorn
 from local_server import free_port, start_ready
-from multiguess import bench_docs
 from multiguess.engine.config import EngineConfig
 from multiguess.engine.drafter import TreeBudget
 from multiguess.engine.engine import Engine
@@ -46,6 +46,7 @@ from multiguess.engine.tree import TokenTree
 from multiguess.llm import load_pair
 from multiguess.models.eagle3_checkpoint import eagle3_drafter
 from multiguess.params import SamplingParams
+from multiguess.provenance import provenance
 from multiguess.remote.client import RemoteDrafter
 from multiguess.remote.protocol import Drafted, Request, StepMessage, StepReply, encode_reply, encode_step
 from starlette.applications import Starlette
@@ -256,7 +257,7 @@ def main() -> None:
         "--out", type=Path, default=Path("docs"), help="docs folder: bench/ JSON and BENCHMARKS.md"
     )
     args = parser.parse_args()
-    results: dict[str, Any] = {**bench_docs.provenance(), "load_average": os.getloadavg()[0]}
+    results: dict[str, Any] = {**provenance(), "load_average": os.getloadavg()[0]}
     if not args.skip_transport:
         results["transport"] = transport(args.transport_repeats)
     if not args.skip_engine:

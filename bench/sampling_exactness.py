@@ -19,7 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from multiguess import LLM, SamplingParams, bench_docs
+import bench_docs
+from multiguess import LLM, SamplingParams
+from multiguess.provenance import provenance
 
 from tests.engine import test_sampling_exact as case
 
@@ -84,7 +86,7 @@ def main() -> int:
         case.exact_distribution(target, params),
     )
     rows.append(rejected | {"must_reject": True})
-    report = {**bench_docs.provenance(), "cases": rows}
+    report = {**provenance(), "cases": rows}
     (args.out / "bench").mkdir(parents=True, exist_ok=True)
     (args.out / "bench" / bench_docs.SAMPLING_FILE).write_text(json.dumps(report, indent=2) + "\n")
     bench_docs.write(args.out)

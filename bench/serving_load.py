@@ -32,7 +32,7 @@ Machines are noisy (±5% between runs here), so each level is run ``--repeats`` 
 taking turns in a rotating order, and throughput is the median over repeats; latencies pool
 every request of a level. Reports generated tokens/s, requests/s, p50/p95 end-to-end latency and
 time to first token, (a) relative to (b) and (c), and writes JSON and a plot under docs/, from
-which docs/BENCHMARKS.md is rendered again (``multiguess.bench_docs``).
+which docs/BENCHMARKS.md is rendered again (``bench/bench_docs.py``).
 Run: ``.venv/bin/python bench/serving_load.py [--workload shared-prompt|long-prompt]``; ``--serve-args``
 passes flags to every server (another model pair, a dtype) and ``--out`` writes elsewhere.
 """
@@ -398,7 +398,7 @@ def measure_interference(setups: dict[str, list[str]], args: argparse.Namespace)
 
 def shared_ratios(report: dict) -> list[str]:
     """What prefix caching and chunked prefill change at each level (``bench_docs.SHARED_RATIOS``)."""
-    from multiguess import bench_docs
+    import bench_docs
 
     setups = {name[0]: levels for name, levels in report["setups"].items()}
     clients = [r["concurrency"] for r in next(iter(setups.values()))]
@@ -438,8 +438,9 @@ def main() -> int:
     )
     parser.add_argument("--out", type=Path, default=Path("docs"))
     args = parser.parse_args()
-    from multiguess import bench_docs
+    import bench_docs
     from multiguess.benchmark import load_prompts
+    from multiguess.provenance import provenance
 
     if args.workload == "long-prompt":
         return long_prompt(args)
@@ -455,7 +456,7 @@ def main() -> int:
             f"--setups: no setup {', '.join(sorted(chosen - letters))} (setups: {''.join(sorted(letters))})"
         )
     setups = {name: flags for name, flags in every.items() if name[0] in chosen}
-    report = {**bench_docs.provenance(), "workload": args.workload, "max_tokens": args.max_tokens}
+    report = {**provenance(), "workload": args.workload, "max_tokens": args.max_tokens}
     report |= {"rounds": args.rounds, "min_requests": args.min_requests, "repeats": args.repeats}
     report |= {"serve_args": args.serve_args} if args.serve_args else {}
     report |= {"chunk": args.chunk, "system_prompt_chars": len(SYSTEM_PROMPT)} if shared else {}
@@ -476,9 +477,10 @@ def main() -> int:
 
 def long_prompt(args: argparse.Namespace) -> int:
     """The long-prompt interference workload: measure, write its JSON, render the pages."""
-    from multiguess import bench_docs
+    import bench_docs
+    from multiguess.provenance import provenance
 
-    report = {**bench_docs.provenance(), "workload": args.workload, "long_tokens": args.long_tokens}
+    report = {**provenance(), "workload": args.workload, "long_tokens": args.long_tokens}
     report |= {"repeats": args.repeats} | ({"serve_args": args.serve_args} if args.serve_args else {})
     report["setups"] = measure_interference(LONG_SETUPS, args)
     (args.out / "bench").mkdir(parents=True, exist_ok=True)

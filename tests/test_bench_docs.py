@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
-from multiguess import bench_docs
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import bench_docs  # noqa: E402
 
 
 def test_committed_benchmarks_page_is_the_rendering_of_the_committed_json() -> None:
@@ -133,10 +135,6 @@ def test_a_gpu_check_dry_run_on_the_cpu_is_not_a_gpu_result(tmp_path: Path) -> N
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / bench_docs.GPU_FILE).write_text(json.dumps(gpu_check("cpu")))
     assert "Not yet run on a GPU" in bench_docs.render(tmp_path)
-
-
-def test_machine_names_the_cores() -> None:
-    assert "cores" in bench_docs.machine()
 
 
 def test_grounded_section_shows_each_workload_and_setup_against_plain() -> None:

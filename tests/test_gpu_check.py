@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from multiguess.provenance import git_commit
 from scipy.stats import chi2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,7 +60,7 @@ def test_every_section_ran(dry_run) -> None:
         "(e) long context": "ok",
         "(f) versions and device boundary": "ok",
     }
-    assert report["environment"]["commit"] == gpu_check.git_commit()
+    assert report["environment"]["commit"] == git_commit()
 
 
 def test_speculation_matched_plain_decoding_token_for_token(dry_run) -> None:

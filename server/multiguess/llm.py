@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Sequence as Seq
-from dataclasses import replace
+from dataclasses import MISSING, Field, asdict, fields, replace
+from typing import Any
 
-from multiguess.engine.config import EngineConfig
+from multiguess.engine.config import EngineConfig, ModelConfig, split_options
 from multiguess.engine.engine import Engine
 from multiguess.engine.loaded_model import LoadedModel
-from multiguess.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION
 from multiguess.engine.ngram import NgramDrafter
 from multiguess.engine.suffix import SuffixDrafter
 from multiguess.models.eagle3_checkpoint import eagle3_drafter, embedded_head
@@ -94,79 +95,45 @@ def build_engine(
     return engine
 
 
+def parameters() -> list[inspect.Parameter]:
+    """``LLM()``'s parameters, made from the configuration's fields: ``target`` and ``draft``, then
+    every ``EngineConfig`` field (the tree budget first, as ``EngineConfig`` takes them), by
+    position or keyword, then ``ModelConfig``'s other fields, by keyword."""
+    model = {f.name: f for f in fields(ModelConfig)}
+    positional = [model.pop("target"), model.pop("draft"), *fields(EngineConfig)]
+
+    def parameter(f: Field[Any], kind: inspect._ParameterKind) -> inspect.Parameter:
+        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        return inspect.Parameter(f.name, kind, default=default, annotation=f.type)
+
+    return [parameter(f, inspect.Parameter.POSITIONAL_OR_KEYWORD) for f in positional] + [
+        parameter(f, inspect.Parameter.KEYWORD_ONLY) for f in model.values()
+    ]
+
+
 class LLM:
     """A target, an optional draft, and the engine that serves them.
 
+    Its parameters are the fields of ``ModelConfig`` and ``EngineConfig`` (``engine/config.py``
+    says what each does and its default), so ``LLM(target, draft, num_candidates, depth,
+    dtype="float32")`` sets those fields and leaves the others at their defaults.
+
     ``LLM()`` uses the embedded default pair. ``draft=None`` (with an explicit target) or
     ``drafter="none"`` is plain decoding through the same engine; ``drafter="ngram"`` drafts
-    from the sequence itself, with no draft model. ``max_model_len=None`` is the target's own
-    limit (at most 2048 on CPUs); on GPUs the KV caches take what ``gpu_memory_utilization`` of
-    the device leaves after weights and activations, for at most ``max_batch`` sequences.
-    ``draft_dtype`` None follows ``dtype``; ``auto`` resolves on each model's own device.
-    ``cuda_graphs`` replays captured forwards on GPUs (opt-in; ``eager`` stays the escape hatch).
-    ``max_prefill_tokens`` caps the prompt tokens prefilled per step (chunked prefill; ``auto``:
-    measured at construction, None: each prompt whole).
-    ``prefix_caching`` starts each prompt from the KV of the longest prefix it shares with a
-    recent or running sequence (``engine/prefix_cache.py``). ``prompt_lookup`` is the longest
-    copy draft (what followed the text's suffix where it occurred before, in the request or in
-    recent outputs) grafted onto a tree where it pays (0: none); ``drafter="suffix"`` drafts
-    copies alone.
+    from the sequence itself, with no draft model, and ``drafter="suffix"`` copies alone.
     """
 
-    def __init__(
-        self,
-        target: str | None = None,
-        draft: str | None = None,
-        num_candidates: int = 3,
-        depth: int = 4,
-        max_nodes: int = 16,
-        dtype: str = "auto",
-        device: str = "auto",
-        draft_device: str | None = None,
-        draft_quantization: str | None = None,
-        max_batch: int = 8,
-        max_model_len: int | None = None,
-        drafter: str = "model",
-        adaptive: bool = True,
-        eager: bool = False,
-        draft_vocab: bool = True,
-        draft_dtype: str | None = None,
-        cuda_graphs: bool = False,
-        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
-        max_prefill_tokens: int | str | None = "auto",
-        prefix_caching: bool = True,
-        prompt_lookup: int = 32,
-        quantization: str = "none",
-    ) -> None:
-        config = EngineConfig(
-            num_candidates,
-            depth,
-            max_nodes,
-            max_batch,
-            max_model_len,
-            adaptive,
-            eager=eager,
-            cuda_graphs=cuda_graphs,
-            draft_vocab=draft_vocab,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_prefill_tokens=max_prefill_tokens,
-            prefix_caching=prefix_caching,
-            prompt_lookup=prompt_lookup,
-        )
-        self.engine = build_engine(
-            config,
-            target,
-            draft,
-            drafter,
-            dtype,
-            device,
-            draft_device,
-            draft_quantization,
-            draft_dtype,
-            quantization,
-        )
+    SIGNATURE = inspect.Signature(parameters())
+
+    def __init__(self, *args: Any, **options: Any) -> None:
+        model, config = split_options(self.SIGNATURE.bind(*args, **options).arguments)
+        self.engine = build_engine(config, **asdict(model))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    __init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]  # help(LLM) lists them
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *SIGNATURE.parameters.values()]
+    )
 
     def encode(self, prompt: Prompt) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

@@ -1,5 +1,6 @@
-"""The wheel carries every file the installed package reads at run time: a pip-installed server
-(the image installs one) compiles the CPU kernels from the sources and headers inside it."""
+"""The wheel carries every file the installed package reads at run time, and no docs tooling: a
+pip-installed server (the image installs one) compiles the CPU kernels from the sources and
+headers inside it."""
 
 from __future__ import annotations
 
@@ -49,3 +50,5 @@ def test_the_wheel_holds_the_kernel_sources_and_headers(tmp_path: Path) -> None:
     assert len(needed) >= 3, "the kernel sources were not found beside bf16_kernel.py"
     missing = [name for name in needed if name not in names]
     assert not missing, f"not in the wheel: {missing}"
+    # The docs renderer is a development tool (bench/bench_docs.py), not part of what is served.
+    assert not [name for name in names if name.endswith("bench_docs.py")]

@@ -1,14 +1,16 @@
-"""``multiguess bench``: the speed benchmark (see ``multiguess.benchmark``), written to docs/."""
+"""``multiguess bench``: the speed benchmark (see ``multiguess.benchmark``). It writes its raw
+result (JSON) and a plot under ``--out``; the repository's ``make bench-docs`` renders
+docs/BENCHMARKS.md and the README's table from them."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from multiguess import bench_docs
-from multiguess.commands.engine_args import add_engine_args, configure_threads
+from multiguess.commands.engine_args import add_engine_args, configure_threads, engine_config
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,11 +38,11 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from multiguess import benchmark as bm
-    from multiguess.engine.config import EngineConfig
     from multiguess.engine.engine import Engine
     from multiguess.llm import load_pair
     from multiguess.models.eagle3_checkpoint import eagle3_drafter
     from multiguess.models.loading import load_model
+    from multiguess.provenance import provenance
 
     configure_threads(args.threads)
     target, draft = load_pair(
@@ -70,19 +72,10 @@ def run(args: argparse.Namespace) -> int:
         for p in prompt_set
     ]
     n = args.max_tokens
-    common = {
-        "adaptive": not args.no_adaptive,
-        "eager": args.eager,
-        "cuda_graphs": args.cuda_graphs,
-        "draft_vocab": not args.full_draft_vocab,
-        # Each repeat serves the same prompts again: a prefix cache would skip the prefill of
-        # multiguess's methods only, and the ratios to transformers would no longer be like for like.
-        "prefix_caching": False,
-    }
-    tree_cfg = EngineConfig(args.num_candidates, args.depth, args.max_nodes, 1, args.max_model_len, **common)
-    chain_cfg = EngineConfig(
-        1, args.chain_depth or args.depth, args.max_nodes, 1, args.max_model_len, **common
-    )
+    # Each repeat serves the same prompts again: a prefix cache would skip the prefill of
+    # multiguess's methods only, and the ratios to transformers would no longer be like for like.
+    tree_cfg = engine_config(args, max_batch=1, prefix_caching=False)
+    chain_cfg = replace(tree_cfg, num_candidates=1, depth=args.chain_depth or args.depth)
     results = {name: bm.MethodResult(name, sampled="sampled" in name) for name in bm.METHODS}
     tree_engine, plain_engine = Engine(target, draft, tree_cfg), Engine(target, None, tree_cfg)
     generators = {
@@ -143,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         "chain_depth": chain_cfg.depth,
         "adaptive": tree_cfg.adaptive,
         "kernels": tree_engine.target.backend.label,
-        **bench_docs.provenance(),
+        **provenance(),
         "methods": [r.as_dict(reference, assisted, results["multiguess plain"]) for r in results.values()],
         "weight_bytes": weights,
         "bandwidth_gb_s": bound.bandwidth_gb_s,
@@ -168,7 +161,7 @@ def benchmark_head(head: Path | None, target: str | None) -> Path | None:
 
 
 def write_report(report: dict, out: Path) -> None:
-    """The run's JSON and plot under ``out``, then BENCHMARKS.md rendered again from all results.
+    """The run's JSON (``out/bench/results-<dtype>.json``) and plot (``out/img/bench-<dtype>.png``).
 
     Each dtype has its own files and section, so a float32 run (bit-exact greedy output) and a
     bfloat16 run (speed) are reported side by side."""
@@ -179,4 +172,3 @@ def write_report(report: dict, out: Path) -> None:
     (out / "img").mkdir(parents=True, exist_ok=True)
     (out / "bench" / f"results-{dtype}.json").write_text(json.dumps(report, indent=2) + "\n")
     bm.plot_report(report, out / "img" / f"bench-{dtype}.png")
-    bench_docs.write(out)

@@ -13,8 +13,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from multiguess.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION, check_utilization
-from multiguess.options import DRAFTERS, DTYPE_NAMES, QUANTIZATIONS
+from multiguess.engine.config import EngineConfig, ModelConfig
+from multiguess.flags import Flag, flags
 
 
 def env_name(flag: str) -> str:
@@ -38,104 +38,39 @@ def add_flag(
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    add_flag(
-        parser, "--target", None, help="target model folder, hub id or GGUF file (default: embedded pair)"
-    )
-    add_flag(parser, "--draft", None, help="draft model folder or hub id (default: embedded draft)")
-    add_flag(
-        parser,
-        "--quantization",
-        "none",
-        choices=QUANTIZATIONS,
-        help="the target's linears in GGUF blocks (q8_0, q4_0, q4_1; CPUs), or int8 dynamic; a .gguf --target is quantized already",
-    )
-    add_flag(
-        parser,
-        "--draft-quantization",
-        None,
-        choices=QUANTIZATIONS,
-        help="int8: dynamic int8 draft; q8_0, q4_0, q4_1: GGUF blocks",
-    )
-    add_flag(
-        parser,
-        "--drafter",
-        "model",
-        choices=DRAFTERS,
-        help="draft model, EAGLE-3 head on the target's features (--draft: its folder), n-gram lookup, "
-        "suffix (copy drafts from the request and recent outputs alone), or none",
-    )
-    add_flag(parser, "--dtype", "auto", choices=DTYPE_NAMES, help="weights/activations dtype")
-    add_flag(
-        parser,
-        "--draft-dtype",
-        None,
-        choices=DTYPE_NAMES,
-        help="the draft's dtype (default: --dtype's setting)",
-    )
-    add_flag(parser, "--device", "auto", help="target device (auto, cpu, cuda, cuda:1)")
-    add_flag(parser, "--draft-device", None, help="draft device (default: the target's)")
-    add_flag(parser, "--num-candidates", 3, int, help="children per expanded node (1 = chain)")
-    add_flag(parser, "--depth", 4, int, help="levels drafted per step")
-    add_flag(parser, "--max-nodes", 16, int, help="drafted nodes per tree at most")
-    add_flag(parser, "--max-batch", 8, int, help="sequences decoded together at most")
-    add_flag(
-        parser,
-        "--max-model-len",
-        None,
-        int,
-        help="context length (prompt + output); default and upper bound: the target's config",
-    )
-    add_flag(
-        parser,
-        "--gpu-memory-utilization",
-        DEFAULT_GPU_MEMORY_UTILIZATION,
-        utilization,
-        help="share of each GPU's memory for weights, activations and KV caches, in (0, 1]",
-    )
-    add_flag(
-        parser,
-        "--max-prefill-tokens",
-        "auto",
-        prefill_tokens,
-        help="prompt tokens prefilled per step at most (chunked prefill: a long prompt does not "
-        "stall running streams); auto: the largest chunk whose forward takes about 8 decode steps, "
-        "measured at startup; 0: each prompt whole",
-    )
-    add_flag(
-        parser,
-        "--prompt-lookup",
-        32,
-        int,
-        help="longest copy draft in tokens (what followed the text's suffix where it occurred before, "
-        "in the request or recent outputs), grafted onto trees where it pays; 0: none",
-    )
+    """A flag for every flagged field of ``ModelConfig`` and ``EngineConfig`` (``engine/config.py``
+    holds their defaults and help), then ``--threads``."""
+    for record in (ModelConfig, EngineConfig):
+        for field, flag in flags(record):
+            add_field_flag(parser, flag, field.default)
     add_flag(parser, "--threads", 0, int, help="CPU threads for torch (0: the cores this process may use)")
-    add_switch(parser, "--no-adaptive", "always draft the full tree budget")
-    add_switch(parser, "--eager", "plain PyTorch kernels, no prepacked CPU weights (escape hatch)")
-    add_switch(parser, "--cuda-graphs", "replay captured decode/verify forwards on GPUs (opt-in)")
-    add_switch(parser, "--full-draft-vocab", "the draft scores every token, not only its draft_vocab.json")
-    parser.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=os.environ.get(env_name("--enable-prefix-caching"), "1").lower() not in ("0", "false", "no"),
-        help="start prompts from the KV of a prefix shared with a recent or running request (default "
-        "on; the environment turns it off with 0, false or no) [env MULTIGUESS_ENABLE_PREFIX_CACHING]",
-    )
 
 
-def prefill_tokens(text: str) -> int | str:
-    """``auto`` or a count of tokens (0: off); argparse reports the ValueError as a bad value."""
-    if text == "auto":
-        return text
-    count = int(text)
-    if count < 0:
-        raise ValueError(f"--max-prefill-tokens must be auto or >= 0, got {count}")
-    return count
+def add_field_flag(parser: argparse.ArgumentParser, flag: Flag, default: Any) -> None:
+    """One field's flag, in the form its ``Flag`` names (``flags.Flag``)."""
+    assert flag.name is not None
+    if flag.form == "value":
+        add_flag(parser, flag.name, default, flag.parse, choices=flag.choices, help=flag.help)
+    elif flag.form == "toggle":
+        raw = os.environ.get(env_name(flag.name))
+        parser.add_argument(
+            flag.name,
+            action=argparse.BooleanOptionalAction,
+            default=default if raw is None else raw.lower() not in ("0", "false", "no"),
+            help=f"{flag.help} [env {env_name(flag.name)}]",
+        )
+    else:
+        add_switch(parser, flag.name, flag.help)
 
 
-def utilization(text: str) -> float:
-    """A share in (0, 1]; argparse reports the ValueError as a bad flag value."""
-    return check_utilization(float(text))
+def given(record: type, args: argparse.Namespace) -> dict[str, Any]:
+    """The values of ``record``'s flagged fields in parsed engine flags, by field name."""
+    return {field.name: flag.value(args) for field, flag in flags(record)}
+
+
+def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """The ``EngineConfig`` that parsed engine flags name; ``overrides`` replace fields."""
+    return EngineConfig(**{**given(EngineConfig, args), **overrides})
 
 
 def add_switch(parser: argparse.ArgumentParser, flag: str, help_text: str) -> None:
@@ -167,27 +102,4 @@ def build_llm(args: argparse.Namespace) -> Any:
         raise SystemExit(
             "--target needs --draft (a draft model, or an EAGLE-3 head with --drafter eagle3; or --drafter ngram|suffix|none)"
         )
-    return LLM(
-        target=args.target,
-        draft=args.draft,
-        num_candidates=args.num_candidates,
-        depth=args.depth,
-        max_nodes=args.max_nodes,
-        dtype=args.dtype,
-        device=args.device,
-        draft_device=args.draft_device,
-        draft_quantization=args.draft_quantization,
-        quantization=args.quantization,
-        max_batch=args.max_batch,
-        max_model_len=args.max_model_len,
-        drafter=args.drafter,
-        adaptive=not args.no_adaptive,
-        eager=args.eager,
-        cuda_graphs=args.cuda_graphs,
-        draft_dtype=args.draft_dtype,
-        draft_vocab=not args.full_draft_vocab,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_prefill_tokens=args.max_prefill_tokens or None,
-        prefix_caching=args.enable_prefix_caching,
-        prompt_lookup=args.prompt_lookup,
-    )
+    return LLM(**given(ModelConfig, args), **given(EngineConfig, args))

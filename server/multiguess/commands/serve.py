@@ -24,6 +24,7 @@ from multiguess.commands.engine_args import (
     add_switch,
     build_llm,
     configure_threads,
+    engine_config,
 )
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -57,25 +58,11 @@ def build_engine(args: argparse.Namespace, registry: Any = None) -> Any:
     from multiguess.engine.guard import GuardedDrafter
 
     if args.draft_url:
-        from multiguess.engine.config import EngineConfig
         from multiguess.llm import build_engine as build_local
         from multiguess.remote.client import RemoteDrafter
         from multiguess.remote.handshake import load_secret
 
-        config = EngineConfig(
-            args.num_candidates,
-            args.depth,
-            args.max_nodes,
-            args.max_batch,
-            args.max_model_len,
-            adaptive=not args.no_adaptive,
-            eager=args.eager,
-            cuda_graphs=args.cuda_graphs,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            max_prefill_tokens=args.max_prefill_tokens or None,
-            prefix_caching=args.enable_prefix_caching,
-            prompt_lookup=args.prompt_lookup,
-        )
+        config = engine_config(args)
         engine = build_local(
             config, args.target, None, "none", args.dtype, args.device, quantization=args.quantization
         )

@@ -35,11 +35,12 @@ from multiguess.distill.eagle3_train import (
     ttt_loss,
 )
 from multiguess.distill.evaluate import quality
-from multiguess.distill.pipeline import EVAL_DURING_TRAINING, git_commit, publish
+from multiguess.distill.pipeline import EVAL_DURING_TRAINING, publish
 from multiguess.distill.train import TrainConfig, train
 from multiguess.engine.eagle3_head import Eagle3Head, default_aux_layers
 from multiguess.models.draft_vocab import count_tokens, load_draft_vocab, most_frequent
 from multiguess.models.eagle3_checkpoint import config_from_dict, read_weights, save_head
+from multiguess.provenance import git_commit
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -21,6 +20,7 @@ from multiguess.distill.shards import read_shards
 from multiguess.distill.student import DraftShape, build_draft
 from multiguess.distill.train import TrainConfig, train
 from multiguess.models.draft_vocab import count_tokens, most_frequent, write_draft_vocab
+from multiguess.provenance import git_commit
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -149,19 +149,6 @@ def export_draft_vocab(size: int, records: list, folder: Path) -> torch.Tensor |
     source = f"the {len(token_ids)} most frequent of {sum(counts.values())} labelled tokens"
     write_draft_vocab(folder, token_ids, source)
     return torch.tensor(token_ids)
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def provenance_markdown(p: dict) -> str:

@@ -1,18 +1,83 @@
-"""The engine's configuration: one frozen record of every option, from the CLI and the Python
-API down to the engine, checked when it is made."""
+"""The configuration, from the CLI and the Python API down to the engine: ``ModelConfig`` (what
+to load) and ``EngineConfig`` (how the engine runs), each option written once, as a field with
+its default and, where the CLI sets it, its flag and help (``flags.option``). ``LLM()``'s
+parameters and the engine flags of ``generate``, ``serve`` and ``bench`` are made from these
+fields. Importable without torch (the CLI builds its help from it), hence the imports inside
+functions.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
-from multiguess.engine.adaptive import AdaptivePolicy
 from multiguess.engine.admission import request_share
-from multiguess.engine.drafter import TreeBudget
 from multiguess.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION, check_utilization
+from multiguess.flags import option
+from multiguess.options import DRAFTERS, DTYPE_NAMES, QUANTIZATIONS
+
+if TYPE_CHECKING:
+    from multiguess.engine.adaptive import AdaptivePolicy
+    from multiguess.engine.drafter import TreeBudget
 
 # ``max_prefill_tokens="auto"``: the largest chunk whose forward takes at most this many
 # one-token (decode) forwards, so a running stream waits about that long for a chunk.
 PREFILL_PAUSE_STEPS = 8
+
+
+def prefill_tokens(text: str) -> int | str | None:
+    """``auto`` or a count of tokens (0: each prompt whole, None); argparse reports the
+    ValueError as a bad value."""
+    if text == "auto":
+        return text
+    count = int(text)
+    if count < 0:
+        raise ValueError(f"--max-prefill-tokens must be auto or >= 0, got {count}")
+    return count or None
+
+
+def utilization(text: str) -> float:
+    """A share in (0, 1]; argparse reports the ValueError as a bad flag value."""
+    return check_utilization(float(text))
+
+
+def default_policy() -> AdaptivePolicy:
+    from multiguess.engine.adaptive import AdaptivePolicy
+
+    return AdaptivePolicy()
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The target, the drafter and its draft, and how each is loaded (``llm.load_pair``).
+
+    ``target`` None is the embedded default pair. ``draft_dtype`` None follows ``dtype``;
+    ``auto`` resolves on each model's own device. ``quantization`` is the target's.
+    """
+
+    target: str | None = option(None, "target model folder, hub id or GGUF file (default: embedded pair)")
+    draft: str | None = option(None, "draft model folder or hub id (default: embedded draft)")
+    quantization: str = option(
+        "none",
+        "the target's linears in GGUF blocks (q8_0, q4_0, q4_1; CPUs), or int8 dynamic; a .gguf --target is quantized already",
+        choices=QUANTIZATIONS,
+    )
+    draft_quantization: str | None = option(
+        None, "int8: dynamic int8 draft; q8_0, q4_0, q4_1: GGUF blocks", choices=QUANTIZATIONS
+    )
+    drafter: str = option(
+        "model",
+        "draft model, EAGLE-3 head on the target's features (--draft: its folder), n-gram lookup, "
+        "suffix (copy drafts from the request and recent outputs alone), or none",
+        choices=DRAFTERS,
+    )
+    dtype: str = option("auto", "weights/activations dtype", choices=DTYPE_NAMES)
+    draft_dtype: str | None = option(
+        None, "the draft's dtype (default: --dtype's setting)", choices=DTYPE_NAMES
+    )
+    device: str = option("auto", "target device (auto, cpu, cuda, cuda:1)")
+    draft_device: str | None = option(None, "draft device (default: the target's)")
 
 
 @dataclass(frozen=True)
@@ -45,26 +110,58 @@ class EngineConfig:
     (tokens, seconds; 0 tokens: none).
     """
 
-    num_candidates: int = 3
-    depth: int = 4
-    max_nodes: int = 16
-    max_batch: int = 8
-    max_model_len: int | None = None
-    adaptive: bool = True
-    policy: AdaptivePolicy = field(default_factory=AdaptivePolicy)
-    eager: bool = False
+    num_candidates: int = option(3, "children per expanded node (1 = chain)", parse=int)
+    depth: int = option(4, "levels drafted per step", parse=int)
+    max_nodes: int = option(16, "drafted nodes per tree at most", parse=int)
+    max_batch: int = option(8, "sequences decoded together at most", parse=int)
+    max_model_len: int | None = option(
+        None,
+        "context length (prompt + output); default and upper bound: the target's config",
+        parse=int,
+    )
+    adaptive: bool = option(True, "always draft the full tree budget", name="--no-adaptive", form="off")
+    policy: AdaptivePolicy = field(default_factory=default_policy)
+    eager: bool = option(False, "plain PyTorch kernels, no prepacked CPU weights (escape hatch)", form="on")
     backend: str = "auto"
-    cuda_graphs: bool = False
-    draft_vocab: bool = True
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
-    max_prefill_tokens: int | str | None = "auto"
+    cuda_graphs: bool = option(False, "replay captured decode/verify forwards on GPUs (opt-in)", form="on")
+    draft_vocab: bool = option(
+        True,
+        "the draft scores every token, not only its draft_vocab.json",
+        name="--full-draft-vocab",
+        form="off",
+    )
+    gpu_memory_utilization: float = option(
+        DEFAULT_GPU_MEMORY_UTILIZATION,
+        "share of each GPU's memory for weights, activations and KV caches, in (0, 1]",
+        parse=utilization,
+    )
+    max_prefill_tokens: int | str | None = option(
+        "auto",
+        "prompt tokens prefilled per step at most (chunked prefill: a long prompt does not "
+        "stall running streams); auto: the largest chunk whose forward takes about 8 decode steps, "
+        "measured at startup; 0: each prompt whole",
+        parse=prefill_tokens,
+    )
     max_request_slots: int | None = None
-    prefix_caching: bool = True
-    prompt_lookup: int = 32
+    prefix_caching: bool = option(
+        True,
+        "start prompts from the KV of a prefix shared with a recent or running request (default "
+        "on; the environment turns it off with 0, false or no)",
+        name="--enable-prefix-caching",
+        form="toggle",
+    )
+    prompt_lookup: int = option(
+        32,
+        "longest copy draft in tokens (what followed the text's suffix where it occurred before, "
+        "in the request or recent outputs), grafted onto trees where it pays; 0: none",
+        parse=int,
+    )
     recent_outputs: int = 1 << 16
     recent_age: float = 3600.0
 
     def __post_init__(self) -> None:
+        from multiguess.engine.drafter import TreeBudget
+
         TreeBudget(self.num_candidates, self.depth, self.max_nodes)  # validates
         if self.depth < 1:
             raise ValueError(
@@ -85,6 +182,8 @@ class EngineConfig:
 
     @property
     def budget(self) -> TreeBudget:
+        from multiguess.engine.drafter import TreeBudget
+
         return TreeBudget(self.num_candidates, self.depth, self.max_nodes)
 
     @property
@@ -97,3 +196,13 @@ class EngineConfig:
         """Cache room past a sequence's end for a tree (and a drafter's level-by-level region),
         copy drafts grafted onto it included."""
         return max(self.budget.slack, self.prompt_lookup + 2)
+
+
+def split_options(options: Mapping[str, Any]) -> tuple[ModelConfig, EngineConfig]:
+    """The two records from one mapping of (some of) their fields' names to values (``LLM()``'s
+    arguments); fields not named keep their defaults."""
+    model = {f.name for f in fields(ModelConfig)}
+    return (
+        ModelConfig(**{k: v for k, v in options.items() if k in model}),
+        EngineConfig(**{k: v for k, v in options.items() if k not in model}),
+    )
