@@ -10,7 +10,37 @@ the sequences' own, take writes that nothing may keep (a padded batch's padding 
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import torch
+
+
+class KVCache(Protocol):
+    """What the runner, backends and drafters call on a KV cache, whatever its layout (this
+    module's static slots, ``paged_kv.PagedKVCache``'s blocks). Slots name sequences; positions
+    are each sequence's own."""
+
+    kv: torch.Tensor  # the storage
+    num_slots: int
+    num_kv_heads: int
+    capacity: int  # positions one slot may hold
+
+    @property
+    def bytes_per_token(self) -> int: ...
+
+    def locate(self, slots: list[int], starts: torch.Tensor, width: int) -> tuple: ...
+
+    def write(self, layer: int, where: tuple, kv: torch.Tensor) -> None: ...
+
+    def reader(self, slots: list[int], length: int) -> Any: ...
+
+    def read(self, layer: int, reader: Any, length: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def move(self, src: int, dst: int, length: int) -> None: ...
+
+    def exchange(self, a: int, b: int, length_a: int, length_b: int) -> None: ...
+
+    def compact(self, slot: int, start: int, nodes: list[int]) -> None: ...
 
 
 class StaticKVCache:
@@ -31,6 +61,12 @@ class StaticKVCache:
         self.num_kv_heads = num_kv_heads
         self.capacity = capacity
         self._heads = torch.arange(2 * num_kv_heads, device=device)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes of one cached position, every layer, keys and values."""
+        layers, _, heads, _, dim = self.kv.shape
+        return layers * heads * dim * self.kv.element_size()
 
     @property
     def scratch_slot(self) -> int:
@@ -66,6 +102,10 @@ class StaticKVCache:
         if slots == list(range(slots[0], slots[0] + len(slots))):
             return slice(slots[0], slots[0] + len(slots))
         return slots
+
+    def reader(self, slots: list[int], length: int) -> slice | list[int]:
+        """What every layer's ``read`` of one forward takes: the ``selector`` of its slots."""
+        return self.selector(slots)
 
     def read(self, layer: int, selector: slice | list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, H, length, D]`` of the selected slots."""

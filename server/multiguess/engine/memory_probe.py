@@ -98,7 +98,7 @@ def probe(
     """(activation peak, KV bytes per token) of one forward of ``slots`` copies of ``tree`` on a
     probe runner sized to them; its cache is allocated before the measurement starts."""
     runner = NativeRunner(loaded, slots, len(tree), eager, head_vocab, backend)
-    per_token = runner.cache.kv.nbytes // (slots * len(tree))
+    per_token = runner.cache.bytes_per_token
 
     def forward() -> None:
         runner.forward_trees(list(range(slots)), [0] * slots, [tree] * slots, last_only=last_only)
