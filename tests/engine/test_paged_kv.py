@@ -145,8 +145,10 @@ def test_recall_shares_the_blocks_named_for_a_prompt() -> None:
     paged.remember(0, prompt, scope="a")
     paged.truncate(0, 0)  # the sequence is gone; its full blocks stay free with their content
     assert paged.pool.held == 0
-    assert paged.recall(1, prompt[:9], scope="b") == 0  # another scope finds nothing
-    assert paged.recall(1, [*prompt[:9], 50], scope="a") == 8
+    assert paged.recall(1, prompt[:9], "b", 0) == 0  # another scope finds nothing
+    assert paged.recall(1, [*prompt[:9], 50], "a", 8) == 8  # no more than the slot has
+    assert paged.pool.held == 0
+    assert paged.recall(1, [*prompt[:9], 50], "a", 3) == 8
     assert paged.pool.held == 2
     reference, _ = caches(block_size=4)
     write(reference, [0], [0], rows(1, 11, 0))

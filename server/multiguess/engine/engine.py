@@ -384,6 +384,7 @@ class Engine:
             self.waiting_groups[seq.group] -= 1
             seq.slot = len(self.running)
             self._reuse_prefix(seq, self.running)
+            self.target.cache.truncate(seq.slot, seq.cache_len)  # a paged cache frees the rest
             self.running.append(seq)
 
     def _prefill(self) -> None:
@@ -458,6 +459,8 @@ class Engine:
             reused = self.drafter.share(plan.source, slot, plan.length)
         if plan.copy_from is not None:
             self.target.cache.move(plan.copy_from, slot, reused)
+        # A paged cache may still hold more of the prompt in blocks no slot keeps.
+        reused = self.target.cache.recall(slot, prompt[: len(prompt) - 1], scope, reused)
         seq.cache_len = seq.cached_tokens = reused
 
     def _feature_layers(self) -> tuple[int, ...]:
@@ -687,6 +690,8 @@ class Engine:
             self.copies.record(seq.output_ids, seq.params.cache_scope)
         kept = seq.token_ids[: seq.cache_len] if self.config.prefix_caching else []
         self.prefixes.keep(seq.slot, kept, seq.params.cache_scope)
+        self.target.cache.remember(seq.slot, kept, seq.params.cache_scope)
+        self.target.cache.truncate(seq.slot, len(kept))
         if self.drafter is not None:
             self.drafter.retain(seq.slot, len(kept))
         last = max(self.running, key=lambda s: s.slot, default=None)

@@ -10,6 +10,8 @@ the sequences' own, take writes that nothing may keep (a padded batch's padding 
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+from collections.abc import Sequence as Tokens
 from typing import Any, Protocol
 
 import torch
@@ -41,6 +43,19 @@ class KVCache(Protocol):
     def exchange(self, a: int, b: int, length_a: int, length_b: int) -> None: ...
 
     def compact(self, slot: int, start: int, nodes: list[int]) -> None: ...
+
+    def truncate(self, slot: int, length: int) -> None:
+        """``slot`` needs only its first ``length`` entries from now on."""
+        ...
+
+    def remember(self, slot: int, tokens: Tokens[int], scope: Hashable = None) -> None:
+        """``slot``'s first entries are the KV of ``tokens`` (of cache ``scope``)."""
+        ...
+
+    def recall(self, slot: int, tokens: Tokens[int], scope: Hashable, have: int) -> int:
+        """Entries ``slot`` holds of ``tokens`` after taking any longer run of them the cache
+        still holds elsewhere than the ``have`` it holds already."""
+        ...
 
 
 class StaticKVCache:
@@ -120,6 +135,16 @@ class StaticKVCache:
         """Slot ``a``'s first ``length_a`` entries go to slot ``b`` and ``b``'s first ``length_b``
         to ``a`` (every layer); a length of 0 makes it a one-way move."""
         exchange_slots(self.kv.transpose(0, 1), a, b, length_a, length_b)
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Nothing to give back: a slot's room is its own."""
+
+    def remember(self, slot: int, tokens: Tokens[int], scope: Hashable = None) -> None:
+        """Nothing to name: kept prefixes are found by slot (``prefix_cache.PrefixIndex``)."""
+
+    def recall(self, slot: int, tokens: Tokens[int], scope: Hashable, have: int) -> int:
+        """Only what ``slot`` holds: no entry lives outside a slot."""
+        return have
 
     def compact(self, slot: int, start: int, nodes: list[int]) -> None:
         """Move the entries at ``start + nodes[i]`` to ``start + i`` in every layer."""

@@ -184,15 +184,18 @@ class PagedKVCache:
         ):
             self.pool.register(block, digest)
 
-    def recall(self, slot: int, tokens: Tokens[int], scope: Hashable = None) -> int:
-        """Start ``slot`` (holding nothing it needs) from the blocks named for ``tokens``'s first
-        full blocks, shared by reference: how many leading entries it now holds."""
+    def recall(self, slot: int, tokens: Tokens[int], scope: Hashable, have: int) -> int:
+        """The entries ``slot`` holds of ``tokens`` (``have`` so far): where the blocks named for
+        more of ``tokens``'s full blocks are still held somewhere (by a running sequence, or
+        free but not yet reused), ``slot`` starts from those, shared by reference."""
         found = []
         for digest in block_hashes(tokens, self.block_size, scope):
             block = self.pool.cached(digest)
             if block is None:
                 break
             found.append(block)
+        if len(found) * self.block_size <= have:
+            return have
         for block in found:
             self.pool.hold(block)
         self.truncate(slot, 0)
