@@ -26,6 +26,7 @@ class KVCache(Protocol):
     num_slots: int
     num_kv_heads: int
     capacity: int  # positions one slot may hold
+    block_size: int  # positions per block of storage; 0: none (a slot is one whole region)
 
     @property
     def bytes_per_token(self) -> int: ...
@@ -59,6 +60,8 @@ class KVCache(Protocol):
 
 
 class StaticKVCache:
+    block_size = 0  # no blocks: each slot is its whole capacity
+
     def __init__(
         self,
         num_layers: int,

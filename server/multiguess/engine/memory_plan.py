@@ -5,7 +5,9 @@ Pure arithmetic over measured numbers (``memory_probe.py`` measures them): each 
 the models on it and the largest activation peak of one forward (forwards run one at a time)
 come off first, and what is left holds KV caches of ``capacity`` tokens per sequence for every
 model on the device. The engine decodes at most ``min(max_batch, what fits on every device)``
-sequences; a setting under which not one sequence fits is an error before any request.
+sequences; a setting under which not one sequence fits is an error before any request. A paged
+cache (``paged_kv.py``) is planned in its blocks: each sequence's capacity rounded up to whole
+blocks, and the plan's line says how many blocks the pool holds.
 
 The context length is the model's to bound: ``max_model_len`` defaults to the config's
 ``max_position_embeddings`` (capped at ``UNPLANNED_DEFAULT_LEN`` where no memory is planned, so
@@ -50,13 +52,15 @@ def resolve_max_model_len(requested: int | None, model_limit: int | None, planne
 @dataclass(frozen=True)
 class ModelMemory:
     """One model as measured on its device: weights, one forward's activation peak, KV bytes per
-    cached token (all layers, keys and values)."""
+    cached token (all layers, keys and values), and the positions per block of its KV cache
+    (0: static slots, each one block of a whole sequence's capacity)."""
 
     name: str
     device: str
     weights: int
     activation_peak: int
     kv_bytes_per_token: int
+    block_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,8 +95,15 @@ class MemoryPlan:
     models: tuple[ModelMemory, ...]
     devices: tuple[DevicePlan, ...]
 
+    def blocks(self, model: ModelMemory) -> tuple[int, int]:
+        """(blocks, positions per block) of ``model``'s cache: the planned sequences' whole
+        capacity, in blocks of its block size (a static slot is one block)."""
+        size = model.block_size or self.capacity
+        return self.sequences * sequence_positions(self.capacity, model.block_size) // size, size
+
     def kv_bytes(self, model: ModelMemory) -> int:
-        return self.sequences * self.capacity * model.kv_bytes_per_token
+        blocks, size = self.blocks(model)
+        return blocks * size * model.kv_bytes_per_token
 
     def lines(self) -> list[str]:
         """One line per model, as the engine logs them at start."""
@@ -100,11 +111,12 @@ class MemoryPlan:
         lines = []
         for model in self.models:
             device = by_device[model.device]
+            blocks, size = self.blocks(model)
             lines.append(
                 f"memory plan: {model.name} on {model.device}: weights {gib(model.weights)}, "
                 f"activations {gib(model.activation_peak)}, KV {gib(self.kv_bytes(model))} "
-                f"({self.sequences} sequences × {self.capacity} tokens = "
-                f"{self.sequences * self.capacity} tokens at {model.kv_bytes_per_token} B/token); "
+                f"({self.sequences} sequences × {self.capacity} tokens = {blocks} blocks of {size} "
+                f"tokens at {model.kv_bytes_per_token} B/token); "
                 f"the device has room for {device.fits} sequences at utilization "
                 f"{self.utilization:g} of {gib(device.total)}"
             )
@@ -157,9 +169,14 @@ def device_plan(
     weights = sum(m.weights for m in models)
     activations = max((m.activation_peak for m in models), default=0)
     kv_room = budget - memory.elsewhere - weights - activations
-    per_sequence = capacity * sum(m.kv_bytes_per_token for m in models)
+    per_sequence = sum(sequence_positions(capacity, m.block_size) * m.kv_bytes_per_token for m in models)
     fits = max(0, max(0, kv_room) // per_sequence - scratch_slots) if per_sequence else 0
     return DevicePlan(name, memory.total, budget, memory.elsewhere, weights, activations, kv_room, fits)
+
+
+def sequence_positions(capacity: int, block_size: int) -> int:
+    """Cache positions one sequence of ``capacity`` tokens takes: whole blocks (0: no blocks)."""
+    return -(-capacity // block_size) * block_size if block_size else capacity
 
 
 def not_fitting(
