@@ -159,3 +159,16 @@ def test_writing_past_the_capacity_is_refused() -> None:
     _, paged = caches(slots=1)
     with pytest.raises(ValueError, match="capacity"):
         write(paged, [0], [20], rows(1, 8, 0))
+
+
+def test_fits_counts_new_blocks_and_copies_of_shared_ones() -> None:
+    shape = (LAYERS, 2, KV_HEADS, CAPACITY, DIM, torch.float32, torch.device("cpu"))
+    paged = PagedKVCache(*shape, block_size=4, num_blocks=7)
+    write(paged, [0], [0], rows(1, 10, 0))  # 3 blocks
+    paged.move(0, 1, 10)  # shared: still 3 held, 4 free
+    assert paged.fits([(1, 10, 12)])  # one copy of the shared third block
+    assert paged.fits([(1, 10, 24)])  # that copy and 3 new blocks
+    assert not paged.fits([(1, 10, 24), (0, 10, 13)])  # and one more copy: 5 > 4
+    assert not paged.fits([(1, 4, 24)])  # copies of the second block too
+    with pytest.raises(ValueError, match="less than one sequence"):
+        PagedKVCache(*shape, block_size=4, num_blocks=5)

@@ -173,7 +173,11 @@ class Engine:
         )
         self.tokenizer = target.tokenizer
         capacity = self.config.max_model_len + self.config.tree_slack
-        runner = {"backend": self.config.backend, "cuda_graphs": self.config.cuda_graphs}
+        runner = {
+            "backend": self.config.backend,
+            "cuda_graphs": self.config.cuda_graphs,
+            "kv_blocks": self.config.kv_blocks,
+        }
         eager = self.config.eager
         self.target = NativeRunner(target, self.config.max_batch, capacity, eager, **runner)
         if drafter is None and draft is not None:
@@ -193,6 +197,7 @@ class Engine:
         self.last_tree_sizes: list[int] = []  # drafted nodes per sequence in the last step
         self.last_outcomes: list[list[Outcome]] = []  # per sequence, the last step's verified levels
         self.fallback_reasons: collections.Counter[str] = collections.Counter()  # steps, by reason
+        self.preemptions = 0  # sequences preempted for KV blocks (``_make_room``)
         self.costs = CostMeter()
         # The draft's coverage by width on this traffic, for greedy (True) and sampled requests
         # apart: the policy's prior until anything was drafted, then running rates over every
@@ -293,6 +298,11 @@ class Engine:
         started = time.perf_counter()
         proposals = self._propose(batch)
         drafted = time.perf_counter()
+        width = max(len(p.tree) for p in proposals)  # every row of the forward writes the widest tree
+        kept = self._make_room([(s, width) for s in batch])
+        batch, proposals = [batch[i] for i in kept], [proposals[i] for i in kept]
+        if not batch:
+            return []
         self.last_tree_sizes = [len(p.tree) - 1 for p in proposals]
         self.last_outcomes = []
         capture = self._feature_layers()
@@ -380,6 +390,8 @@ class Engine:
             if index is None:
                 return
             seq = self.waiting[index]
+            if not self.target.cache.fits([(len(self.running), 0, len(seq.token_ids))]):
+                return  # its blocks are not free yet: running sequences go first (vLLM's order)
             del self.waiting[index]
             self.waiting_groups[seq.group] -= 1
             seq.slot = len(self.running)
@@ -398,6 +410,8 @@ class Engine:
         assert budget is None or isinstance(budget, int)  # "auto" is resolved at construction
         sizes = prefill_chunks([prefill_left(s) for s in pending], budget)
         work = [(s, n) for s, n in zip(pending, sizes, strict=True) if n]
+        widest = max((n for _, n in work), default=0)  # a group's rows write its longest chunk
+        work = [work[i] for i in self._make_room([(s, widest) for s, _ in work])]
         capture = self._feature_layers() if work else ()
         rooms = [self.target.capacity - s.cache_len for s, _ in work]
         for group in padded_groups([n for _, n in work], self.config.max_model_len, rooms):
@@ -406,7 +420,7 @@ class Engine:
             out = self.target.forward_trees(
                 [s.slot for s, _ in part],
                 [s.cache_len for s, _ in part],
-                [TokenTree.chain(s.prompt_ids[s.cache_len : s.cache_len + n]) for s, n in part],
+                [TokenTree.chain(s.token_ids[s.cache_len : s.cache_len + n]) for s, n in part],
                 last_only=not scored,  # only prompt log-probabilities need every position's logits
                 capture=capture,
             )
@@ -415,13 +429,46 @@ class Engine:
                 start = seq.cache_len
                 if capture:
                     self._hand_features(seq, start, out.features[b, :n])
-                if seq.params.prompt_logprobs is not None:
+                if seq.params.prompt_logprobs is not None and not seq.output_ids:
                     predicted = seq.prompt_ids[start + 1 : start + n + 1]
                     seq.prompt_logprobs += prompt_logprobs(
                         logits[b, :n], predicted, seq.params.prompt_logprobs
                     )
                 seq.cache_len += n
                 self._prefill_draft(seq)
+
+    def _make_room(self, work: list[tuple[Sequence, int]]) -> list[int]:
+        """The indices of ``work`` (running sequences, and how many entries each forward row
+        writes after its cache) whose writes fit the target's KV cache once running sequences are preempted as
+        needed, the most recently admitted (highest slot) first, as vLLM does; a static cache
+        always fits."""
+        cache = self.target.cache
+
+        def running() -> list[int]:
+            ids = {id(s) for s in self.running}
+            return [i for i, (s, _) in enumerate(work) if id(s) in ids]
+
+        while not cache.fits(
+            [(work[i][0].slot, work[i][0].cache_len, work[i][0].cache_len + work[i][1]) for i in running()]
+        ):
+            self._preempt(self.running[-1])
+        return running()
+
+    def _preempt(self, seq: Sequence) -> None:
+        """vLLM's recompute preemption: ``seq`` (in the highest slot) gives its blocks back and
+        waits first in line; once admitted again it prefills its prompt and output (from its own
+        blocks where the pool has not reused them yet: they are named by content)."""
+        self.running.remove(seq)
+        kept = seq.token_ids[: seq.cache_len] if self.config.prefix_caching else []
+        self.target.cache.remember(seq.slot, kept, seq.params.cache_scope)
+        self.target.cache.truncate(seq.slot, 0)
+        self.prefixes.drop(seq.slot)
+        if self.drafter is not None:
+            self.drafter.release(seq.slot)
+        seq.cache_len = 0
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+        self.waiting_groups[seq.group] += 1
 
     def _prefill_draft(self, seq: Sequence) -> None:
         """The draft catches up on what the target has cached of ``seq``'s prompt (drafters
@@ -430,7 +477,7 @@ class Engine:
         if prefill is None:
             return
         try:
-            prefill(seq.slot, seq.prompt_ids[: seq.cache_len + 1])
+            prefill(seq.slot, seq.token_ids[: seq.cache_len + 1])
         except Exception as exc:  # a failing drafter must never fail a request
             self._decode_without_drafter(exc, [seq])
 
@@ -444,7 +491,7 @@ class Engine:
         running = {s.slot: (s.params.cache_scope, s.token_ids[: s.cache_len]) for s in others}
         # A request for its prompt's log-probabilities computes the whole prompt (reused KV has
         # no logits): it matches nothing, and the slot's kept entry is handled as on a miss.
-        prompt = seq.prompt_ids if seq.params.prompt_logprobs is None else seq.prompt_ids[:1]
+        prompt = seq.token_ids if seq.params.prompt_logprobs is None else seq.prompt_ids[:1]
         free = range(slot, self.config.max_batch)
         plan = plan_reuse(prompt, slot, free, running, self.prefixes, scope)
         if plan.swap_with is not None:
@@ -461,7 +508,9 @@ class Engine:
             self.target.cache.move(plan.copy_from, slot, reused)
         # A paged cache may still hold more of the prompt in blocks no slot keeps.
         reused = self.target.cache.recall(slot, prompt[: len(prompt) - 1], scope, reused)
-        seq.cache_len = seq.cached_tokens = reused
+        seq.cache_len = reused
+        if not seq.output_ids:  # a preempted sequence's reuse is not its prompt's
+            seq.cached_tokens = reused
 
     def _feature_layers(self) -> tuple[int, ...]:
         """The target layers whose hidden states the drafter reads (EAGLE-3); every target
@@ -708,7 +757,7 @@ def prefill_left(seq: Sequence) -> int:
     """Prompt tokens ``seq`` may prefill this step before the step's budget: the rest of its
     prompt, at most ``PROMPT_LOGPROB_ROWS`` when it asks for the prompt's log-probabilities
     (each position's logits are a row over the vocabulary)."""
-    left = len(seq.prompt_ids) - 1 - seq.cache_len
+    left = len(seq.prompt_ids) + len(seq.output_ids) - 1 - seq.cache_len
     return left if seq.params.prompt_logprobs is None else min(left, PROMPT_LOGPROB_ROWS)
 
 

@@ -49,6 +49,10 @@ class KVCache(Protocol):
         """``slot`` needs only its first ``length`` entries from now on."""
         ...
 
+    def fits(self, writes: list[tuple[int, int, int]]) -> bool:
+        """Whether writes to ``(slot, start, end)`` positions can all be made now."""
+        ...
+
     def remember(self, slot: int, tokens: Tokens[int], scope: Hashable = None) -> None:
         """``slot``'s first entries are the KV of ``tokens`` (of cache ``scope``)."""
         ...
@@ -141,6 +145,10 @@ class StaticKVCache:
 
     def truncate(self, slot: int, length: int) -> None:
         """Nothing to give back: a slot's room is its own."""
+
+    def fits(self, writes: list[tuple[int, int, int]]) -> bool:
+        """Always: a slot's room is its own (``capacity`` bounds each sequence)."""
+        return True
 
     def remember(self, slot: int, tokens: Tokens[int], scope: Hashable = None) -> None:
         """Nothing to name: kept prefixes are found by slot (``prefix_cache.PrefixIndex``)."""

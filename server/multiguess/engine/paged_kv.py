@@ -49,10 +49,16 @@ class PagedKVCache:
         num_blocks: int | None = None,
     ) -> None:
         """``num_blocks`` None: every slot can hold ``capacity`` positions at once (nothing can
-        run out); fewer blocks serve more sequences than that when they are shorter."""
+        run out); fewer blocks (at least one sequence's capacity) serve more sequences than fit
+        at full length, with ``fits`` saying when writes would not."""
         self.block_size = block_size
         self.max_blocks = blocks_for(capacity, block_size)  # per slot
         num_blocks = num_slots * self.max_blocks if num_blocks is None else num_blocks
+        if num_blocks < self.max_blocks:
+            raise ValueError(
+                f"{num_blocks} KV blocks of {block_size} tokens hold less than one sequence of "
+                f"{capacity} tokens ({self.max_blocks} blocks)"
+            )
         shape = (num_layers, num_blocks, 2 * num_kv_heads, block_size, head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.pool = BlockPool(num_blocks)
@@ -89,6 +95,17 @@ class PagedKVCache:
     def write(self, layer: int, where: tuple, kv: torch.Tensor) -> None:
         """Store keys and values ``[B, 2H, T, D]`` at ``where`` (from ``locate``)."""
         self.kv[layer].index_put_(where, kv)
+
+    def fits(self, writes: list[tuple[int, int, int]]) -> bool:
+        """Whether the pool has the blocks that writes to ``(slot, start, end)`` positions take:
+        blocks past each table, and copies of shared blocks written to."""
+        needed = 0
+        for slot, start, end in writes:
+            table = self.tables[slot]
+            last = blocks_for(end, self.block_size)
+            needed += max(0, last - len(table))
+            needed += sum(self.pool.shared(b) for b in table[start // self.block_size : last])
+        return needed <= self.pool.free
 
     def _own(self, slot: int, start: int, end: int) -> None:
         """``slot`` holds blocks for positions ``start..end-1`` that no other table holds and

@@ -50,6 +50,7 @@ class NativeRunner:
         head_vocab: torch.Tensor | None = None,
         backend: str = "auto",
         cuda_graphs: bool = False,
+        kv_blocks: int | None = None,
     ) -> None:
         model = loaded.model
         config = model.config
@@ -69,7 +70,7 @@ class NativeRunner:
         self.capacity = capacity
         self.backend = backend_for(self.device, self.dtype, eager, backend)
         self.attn_dtype = self.backend.attn_dtype
-        self.cache = self._cache(num_slots, capacity, cuda_graphs)
+        self.cache = self._cache(num_slots, capacity, cuda_graphs, kv_blocks)
         projection = self.backend.projection
         self.qkv = [
             projection.of([la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj])
@@ -87,12 +88,13 @@ class NativeRunner:
         self.backend.attach(self)
         self.static = self.backend.static_forward(self) if cuda_graphs else None
 
-    def _cache(self, num_slots: int, capacity: int, cuda_graphs: bool) -> KVCache:
-        """Paged where the backend reads pages, else static slots (the CPU's layer kernels read
-        the slot layout; CUDA graphs' buffers index slots, with a scratch slot for padding rows)."""
+    def _cache(self, num_slots: int, capacity: int, cuda_graphs: bool, kv_blocks: int | None) -> KVCache:
+        """Paged where the backend reads pages (``kv_blocks`` in its pool; None: every slot's
+        whole capacity), else static slots (the CPU's layer kernels read the slot layout; CUDA
+        graphs' buffers index slots, with a scratch slot for padding rows)."""
         shape = (len(self.layers), num_slots, self.num_kv_heads, capacity, self.head_dim)
         if self.backend.pages_kv and not cuda_graphs:
-            return PagedKVCache(*shape, self.attn_dtype, self.device)
+            return PagedKVCache(*shape, self.attn_dtype, self.device, num_blocks=kv_blocks)
         return StaticKVCache(*shape, self.attn_dtype, self.device, scratch_slots=1 if cuda_graphs else 0)
 
     def attention_scale(self, i: int) -> float:
