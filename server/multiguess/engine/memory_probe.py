@@ -190,4 +190,4 @@ def fit_to_memory(
             plan.sequences,
             gib(min(d.kv_room for d in plan.devices)),
         )
-    return replace(config, max_batch=plan.sequences), plan
+    return replace(config, max_batch=plan.sequences, kv_blocks=config.kv_blocks or plan.kv_blocks), plan
