@@ -99,18 +99,21 @@ def test_a_prefix_no_slot_keeps_is_found_by_its_blocks(pair: tuple) -> None:
 
 
 def test_running_out_of_blocks_preempts_and_recomputes(pair: tuple) -> None:
-    """A pool of a few sequences' worth of blocks for four slots: the most recently admitted
-    sequences are preempted when blocks run out and computed again later (vLLM's recompute),
-    target and draft alike, and every output is plain decoding's."""
+    """A pool of a few sequences' worth of blocks for four slots: served one at a time, the
+    free slots' kept prefixes give their blocks back when a new prompt needs them; served
+    together, the most recently admitted sequences are preempted when blocks run out and
+    computed again later (vLLM's recompute), target and draft alike. Every output is plain
+    decoding's."""
     target, draft = pair
     prompts = [p for p in shared_prompts(24) if len(p) > 20][:4]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     plain_config = EngineConfig(max_model_len=128, adaptive=False, prefix_caching=False, max_batch=4)
-    plain = serve(Engine(target, None, plain_config), [prompts], params)
+    waves = [[p] for p in prompts] + [prompts]
+    plain = serve(Engine(target, None, plain_config), waves, params)
     # 128 + the tree's slack is 10 blocks of 16; four sequences of ~90 tokens need 24.
     config = EngineConfig(3, 3, max_batch=4, max_model_len=128, adaptive=False, backend="torch", kv_blocks=14)
     engine = Engine(target, draft, config)
-    seqs = serve(engine, [prompts], params)
+    seqs = serve(engine, waves, params)
     assert engine.preemptions > 0
     assert [s.output_ids for s in seqs] == [s.output_ids for s in plain]
     assert_consistent(engine.target.cache)  # type: ignore[arg-type]

@@ -390,7 +390,7 @@ class Engine:
             if index is None:
                 return
             seq = self.waiting[index]
-            if not self.target.cache.fits([(len(self.running), 0, len(seq.token_ids))]):
+            if not self._fits([(len(self.running), 0, len(seq.token_ids))]):
                 return  # its blocks are not free yet: running sequences go first (vLLM's order)
             del self.waiting[index]
             self.waiting_groups[seq.group] -= 1
@@ -439,20 +439,33 @@ class Engine:
 
     def _make_room(self, work: list[tuple[Sequence, int]]) -> list[int]:
         """The indices of ``work`` (running sequences, and how many entries each forward row
-        writes after its cache) whose writes fit the target's KV cache once running sequences are preempted as
-        needed, the most recently admitted (highest slot) first, as vLLM does; a static cache
-        always fits."""
-        cache = self.target.cache
+        writes after its cache) whose writes fit the target's KV cache once running sequences
+        are preempted as needed, the most recently admitted (highest slot) first, as vLLM does;
+        a static cache always fits."""
 
         def running() -> list[int]:
             ids = {id(s) for s in self.running}
             return [i for i, (s, _) in enumerate(work) if id(s) in ids]
 
-        while not cache.fits(
+        while not self._fits(
             [(work[i][0].slot, work[i][0].cache_len, work[i][0].cache_len + work[i][1]) for i in running()]
         ):
             self._preempt(self.running[-1])
         return running()
+
+    def _fits(self, writes: list[tuple[int, int, int]]) -> bool:
+        """Whether the target's cache can make ``writes`` (``KVCache.fits``), once the free
+        slots' kept prefixes have given their blocks back if it takes that (a paged cache keeps
+        their full blocks findable by content until it reuses them)."""
+        cache = self.target.cache
+        if cache.fits(writes):
+            return True
+        for slot in range(len(self.running), self.config.max_batch):
+            self.prefixes.drop(slot)
+            cache.truncate(slot, 0)
+            if self.drafter is not None:
+                self.drafter.release(slot)
+        return cache.fits(writes)
 
     def _preempt(self, seq: Sequence) -> None:
         """vLLM's recompute preemption: ``seq`` (in the highest slot) gives its blocks back and
