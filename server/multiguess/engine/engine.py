@@ -479,6 +479,8 @@ class Engine:
         if self.drafter is not None:
             self.drafter.release(seq.slot)
         seq.cache_len = 0
+        if not seq.output_ids:  # its prompt's log-probabilities are computed again with it
+            seq.prompt_logprobs = []
         self.preemptions += 1
         self.waiting.appendleft(seq)
         self.waiting_groups[seq.group] += 1
