@@ -70,6 +70,22 @@ def test_the_tightest_device_decides() -> None:
     assert {d.device: d.fits for d in plan.devices} == {"cuda:0": 62, "cuda:1": 13}
 
 
+def test_a_paged_cache_is_planned_in_blocks_that_sequences_share() -> None:
+    """53 GiB of room at 128 KiB/token (2 MiB blocks of 16) is 27136 blocks, for up to
+    ``max_batch`` sequences; a sequence of 8190 tokens takes 512 of them at most."""
+    devices = {"cuda:0": DeviceMemory(80 * GIB, 1 * GIB)}
+    paged = ModelMemory("target", "cuda:0", 16 * GIB, 2 * GIB, 131072, block_size=16)
+    plan = plan_memory([paged], devices, 0.9, max_batch=256, max_model_len=8172, capacity=8190)
+    assert plan.sequences == 256 and plan.devices[0].fits == 53
+    assert plan.kv_blocks == 27136 and plan.blocks(paged) == (27136, 16)
+    assert plan.kv_bytes(paged) == 53 * GIB
+    line = plan.lines()[0]
+    assert "27136 blocks of 16 tokens = 434176 tokens for up to 256 sequences, 512 blocks each" in line
+    draft = ModelMemory("draft", "cuda:0", 2 * GIB, 1 * GIB, 131072, block_size=16)
+    pair = plan_memory([paged, draft], devices, 0.9, max_batch=256, max_model_len=8172, capacity=8190)
+    assert pair.kv_blocks == (72 - 1 - 18 - 2) * GIB // (2 * 2 * 2**20)  # both models' blocks
+
+
 def test_a_plan_prints_one_line_per_model() -> None:
     devices = {"cuda:0": DeviceMemory(80 * GIB, 0)}
     plan = plan_memory([model(), model("draft", weights=2)], devices, 0.9, 4, 8000, 8192)

@@ -20,7 +20,9 @@ def test_the_plan_sizes_the_caches_and_stays_inside_the_budget(
     engine, plan = llm.engine, llm.engine.memory_plan
     assert plan is not None
     assert engine.config.max_model_len == 512  # the tiny config's limit: the default where planned
-    assert plan.sequences == 4 and engine.target.cache.kv.shape[1] == 4
+    assert plan.sequences == 4 and engine.target.cache.num_slots == 4
+    # The paged cache's pool is the plan's blocks: the planned sequences' capacity, whole blocks.
+    assert engine.target.cache.kv.shape[1] == plan.blocks(plan.models[0])[0]
     # fp32 caches: 2 layers x (keys + values) x 2 kv heads x 16 dims x 4 bytes per token.
     assert [m.kv_bytes_per_token for m in plan.models] == [512, 512]
     assert all(m.weights > 0 and m.activation_peak > 0 for m in plan.models)

@@ -12,12 +12,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 from multiguess.engine.drafter import DraftRequest, TreeBudget
 from multiguess.engine.loaded_model import LoadedModel
+from multiguess.engine.paged_kv import PagedKVCache
 from multiguess.errors import IncompatibleDraftError
 from multiguess.params import SamplingParams
 from multiguess.remote.client import RemoteDrafter, RemoteDraftError
@@ -25,6 +27,7 @@ from websockets.exceptions import ConnectionClosed
 
 from tests.engine.test_lossless import random_prompts, reference
 from tests.remote.conftest import (
+    CONFIG,
     COOLDOWN,
     DraftServer,
     add_all,
@@ -71,6 +74,24 @@ def test_remote_greedy_output_equals_the_target_alone(
     assert server.metric("multiguess_draft_requests_total") > 0
     # every commit was valid and every session stayed: nothing had to be sent twice
     assert client_metric(drafter, "multiguess_remote_draft_resends_total") == 0
+
+
+def test_remote_greedy_over_a_paged_target_cache(
+    draft_server: Callable[..., DraftServer], target: LoadedModel, truth: Callable
+) -> None:
+    """The torch backend keeps the target's KV in blocks: a remote draft's trees verified over
+    them, and prompts sent again starting from shared blocks, decode the target's own tokens."""
+    server = draft_server()
+    prompts, expected = truth(1, (1, 6, 31))
+    engine, _ = remote_engine(target, server.url, replace(CONFIG, backend="torch"))
+    assert isinstance(engine.target.cache, PagedKVCache)
+    seqs = add_all(engine, prompts, MAX_TOKENS)
+    finish(engine)
+    again = add_all(engine, prompts, MAX_TOKENS, prefix="again")
+    finish(engine)
+    assert [s.output_ids for s in seqs] == expected == [s.output_ids for s in again]
+    assert engine.totals.accepted_tokens > 0 and engine.totals.fallback_steps == 0
+    assert sum(s.cached_tokens for s in again) > 0
 
 
 def test_seeded_sampling_through_the_server_is_reproducible(

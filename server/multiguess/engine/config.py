@@ -108,6 +108,10 @@ class EngineConfig:
     onto a sequence's tree, in tokens, where it pays (0: none; ``Planner._graft_copies`` says where).
     ``recent_outputs`` and ``recent_age`` bound the index of recent outputs copy drafts read
     (tokens, seconds; 0 tokens: none).
+    ``kv_blocks`` sizes a paged KV cache's pool (``engine/paged_kv.py``), per model, as vLLM's
+    ``num_gpu_blocks_override``; None: every sequence's whole capacity. Where fewer blocks hold
+    more sequences than fit at full length, running sequences are preempted and computed again
+    when blocks run out (``Engine._make_room``). Static caches ignore it.
     """
 
     num_candidates: int = option(3, "children per expanded node (1 = chain)", parse=int)
@@ -158,6 +162,7 @@ class EngineConfig:
     )
     recent_outputs: int = 1 << 16
     recent_age: float = 3600.0
+    kv_blocks: int | None = None
 
     def __post_init__(self) -> None:
         from multiguess.engine.drafter import TreeBudget
@@ -177,6 +182,8 @@ class EngineConfig:
             raise ValueError(f"max_request_slots must be at least 1, got {self.max_request_slots}")
         if self.prompt_lookup < 0:
             raise ValueError(f"prompt_lookup must be >= 0, got {self.prompt_lookup}")
+        if self.kv_blocks is not None and self.kv_blocks < 1:
+            raise ValueError(f"kv_blocks must be at least 1, got {self.kv_blocks}")
         if self.recent_outputs < 0 or self.recent_age < 0:
             raise ValueError("recent_outputs and recent_age must be >= 0")
 

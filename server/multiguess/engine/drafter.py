@@ -293,11 +293,13 @@ class ModelDrafter:
     def release(self, slot: int) -> None:
         self.cached.pop(slot, None)
         self._fed.pop(slot, None)
+        self.runner.cache.truncate(slot, 0)
 
     def retain(self, slot: int, length: int) -> None:
         """Keep the draft cache of the sequence's first ``length`` tokens (those it has seen)."""
         self._fed.pop(slot, None)
         self.cached[slot] = min(self.cached.get(slot, 0), length)
+        self.runner.cache.truncate(slot, self.cached[slot])
 
     def share(self, src: int, dst: int, length: int) -> int:
         """The draft cache of ``src``'s first ``length`` tokens (those it has seen) in ``dst``;

@@ -43,6 +43,9 @@ class HeadCache:
     def exchange(self, a: int, b: int, length_a: int, length_b: int) -> None:
         exchange_slots(self.kv, a, b, length_a, length_b)
 
+    def truncate(self, slot: int, length: int) -> None:
+        """Nothing to give back: a slot's room is its own."""
+
 
 class HeadRunner:
     """One forward of the head: rows written at their cache rows, attending where a mask says.

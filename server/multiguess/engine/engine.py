@@ -68,7 +68,11 @@ class Engine:
         )
         self.tokenizer = target.tokenizer
         capacity = self.config.max_model_len + self.config.tree_slack
-        runner = {"backend": self.config.backend, "cuda_graphs": self.config.cuda_graphs}
+        runner = {
+            "backend": self.config.backend,
+            "cuda_graphs": self.config.cuda_graphs,
+            "kv_blocks": self.config.kv_blocks,
+        }
         eager = self.config.eager
         self.target = NativeRunner(target, self.config.max_batch, capacity, eager, **runner)
         if drafter is None and draft is not None:
@@ -88,6 +92,7 @@ class Engine:
         self.last_tree_sizes: list[int] = []  # drafted nodes per sequence in the last step
         self.last_outcomes: list[list[Outcome]] = []  # per sequence, the last step's verified levels
         self.fallback_reasons: collections.Counter[str] = collections.Counter()  # steps, by reason
+        self.preemptions = 0  # sequences preempted for KV blocks (``_make_room``)
         self.planner = Planner(self.config, self.target, self._decode_without_drafter)
         self.config = self.planner.config  # with the token budget measured on this device
         if self.config.max_prefill_tokens == "auto":
@@ -128,6 +133,11 @@ class Engine:
         if not batch:
             return []
         proposals = self.planner.propose(batch, self.drafter)  # 2. plan and 3. draft the trees
+        width = max(len(p.tree) for p in proposals)  # every row of the forward writes the widest tree
+        kept = self._make_room([(s, width) for s in batch])
+        batch, proposals = [batch[i] for i in kept], [proposals[i] for i in kept]
+        if not batch:
+            return []
         self.last_tree_sizes = [len(p.tree) - 1 for p in proposals]
         logits, features = self._verify(batch, proposals)  # 4. verify them in one target forward
         verdicts = accept_trees(batch, proposals, logits, self.eos_ids)  # 5. accept
@@ -210,10 +220,15 @@ class Engine:
             if index is None:
                 return
             seq = self.waiting[index]
+            if not self.slots.fits(
+                [(len(self.running), 0, len(seq.token_ids))], len(self.running), self.drafter
+            ):
+                return  # its blocks are not free yet: running sequences go first (vLLM's order)
             del self.waiting[index]
             self.waiting_groups[seq.group] -= 1
             seq.slot = len(self.running)
             self.slots.reuse_prefix(seq, self.running, self.drafter)
+            self.target.cache.truncate(seq.slot, seq.cache_len)  # a paged cache frees the rest
             self.running.append(seq)
 
     def _prefill(self) -> None:
@@ -227,6 +242,8 @@ class Engine:
         assert budget is None or isinstance(budget, int)  # "auto" is resolved at construction
         sizes = prefill_chunks([prefill_left(s) for s in pending], budget)
         work = [(s, n) for s, n in zip(pending, sizes, strict=True) if n]
+        widest = max((n for _, n in work), default=0)  # a group's rows write its longest chunk
+        work = [work[i] for i in self._make_room([(s, widest) for s, _ in work])]
         capture = self._feature_layers() if work else ()
         rooms = [self.target.capacity - s.cache_len for s, _ in work]
         for group in padded_groups([n for _, n in work], self.config.max_model_len, rooms):
@@ -235,7 +252,7 @@ class Engine:
             out = self.target.forward_trees(
                 [s.slot for s, _ in part],
                 [s.cache_len for s, _ in part],
-                [TokenTree.chain(s.prompt_ids[s.cache_len : s.cache_len + n]) for s, n in part],
+                [TokenTree.chain(s.token_ids[s.cache_len : s.cache_len + n]) for s, n in part],
                 last_only=not scored,  # only prompt log-probabilities need every position's logits
                 capture=capture,
             )
@@ -244,13 +261,43 @@ class Engine:
                 start = seq.cache_len
                 if capture:
                     self._hand_features(seq, start, out.features[b, :n])
-                if seq.params.prompt_logprobs is not None:
+                if seq.params.prompt_logprobs is not None and not seq.output_ids:
                     predicted = seq.prompt_ids[start + 1 : start + n + 1]
                     seq.prompt_logprobs += prompt_logprobs(
                         logits[b, :n], predicted, seq.params.prompt_logprobs
                     )
                 seq.cache_len += n
                 self._prefill_draft(seq)
+
+    def _make_room(self, work: list[tuple[Sequence, int]]) -> list[int]:
+        """The indices of ``work`` (running sequences, and how many entries each forward row
+        writes after its cache) whose writes fit the target's KV cache once running sequences
+        are preempted as needed, the most recently admitted (highest slot) first, as vLLM does;
+        a static cache always fits."""
+
+        def running() -> list[int]:
+            ids = {id(s) for s in self.running}
+            return [i for i, (s, _) in enumerate(work) if id(s) in ids]
+
+        def writes() -> list[tuple[int, int, int]]:
+            return [(s.slot, s.cache_len, s.cache_len + n) for s, n in (work[i] for i in running())]
+
+        while not self.slots.fits(writes(), len(self.running), self.drafter):
+            self._preempt(self.running[-1])
+        return running()
+
+    def _preempt(self, seq: Sequence) -> None:
+        """vLLM's recompute preemption: ``seq`` (in the highest slot) gives its blocks back and
+        waits first in line; once admitted again it prefills its prompt and output (from its own
+        blocks where the pool has not reused them yet: they are named by content)."""
+        self.running.remove(seq)
+        self.slots.evict(seq, self.drafter)
+        seq.cache_len = 0
+        if not seq.output_ids:  # its prompt's log-probabilities are computed again with it
+            seq.prompt_logprobs = []
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+        self.waiting_groups[seq.group] += 1
 
     def _prefill_draft(self, seq: Sequence) -> None:
         """The draft catches up on what the target has cached of ``seq``'s prompt (drafters
@@ -259,7 +306,7 @@ class Engine:
         if prefill is None:
             return
         try:
-            prefill(seq.slot, seq.prompt_ids[: seq.cache_len + 1])
+            prefill(seq.slot, seq.token_ids[: seq.cache_len + 1])
         except Exception as exc:  # a failing drafter must never fail a request
             self._decode_without_drafter(exc, [seq])
 
@@ -300,7 +347,7 @@ def prefill_left(seq: Sequence) -> int:
     """Prompt tokens ``seq`` may prefill this step before the step's budget: the rest of its
     prompt, at most ``PROMPT_LOGPROB_ROWS`` when it asks for the prompt's log-probabilities
     (each position's logits are a row over the vocabulary)."""
-    left = len(seq.prompt_ids) - 1 - seq.cache_len
+    left = len(seq.prompt_ids) + len(seq.output_ids) - 1 - seq.cache_len
     return left if seq.params.prompt_logprobs is None else min(left, PROMPT_LOGPROB_ROWS)
 
 

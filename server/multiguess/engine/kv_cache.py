@@ -10,10 +10,62 @@ the sequences' own, take writes that nothing may keep (a padded batch's padding 
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+from collections.abc import Sequence as Tokens
+from typing import Any, Protocol
+
 import torch
 
 
+class KVCache(Protocol):
+    """What the runner, backends and drafters call on a KV cache, whatever its layout (this
+    module's static slots, ``paged_kv.PagedKVCache``'s blocks). Slots name sequences; positions
+    are each sequence's own."""
+
+    kv: torch.Tensor  # the storage
+    num_slots: int
+    num_kv_heads: int
+    capacity: int  # positions one slot may hold
+    block_size: int  # positions per block of storage; 0: none (a slot is one whole region)
+
+    @property
+    def bytes_per_token(self) -> int: ...
+
+    def locate(self, slots: list[int], starts: torch.Tensor, width: int) -> tuple: ...
+
+    def write(self, layer: int, where: tuple, kv: torch.Tensor) -> None: ...
+
+    def reader(self, slots: list[int], length: int) -> Any: ...
+
+    def read(self, layer: int, reader: Any, length: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def move(self, src: int, dst: int, length: int) -> None: ...
+
+    def exchange(self, a: int, b: int, length_a: int, length_b: int) -> None: ...
+
+    def compact(self, slot: int, start: int, nodes: list[int]) -> None: ...
+
+    def truncate(self, slot: int, length: int) -> None:
+        """``slot`` needs only its first ``length`` entries from now on."""
+        ...
+
+    def fits(self, writes: list[tuple[int, int, int]]) -> bool:
+        """Whether writes to ``(slot, start, end)`` positions can all be made now."""
+        ...
+
+    def remember(self, slot: int, tokens: Tokens[int], scope: Hashable = None) -> None:
+        """``slot``'s first entries are the KV of ``tokens`` (of cache ``scope``)."""
+        ...
+
+    def recall(self, slot: int, tokens: Tokens[int], scope: Hashable, have: int) -> int:
+        """Entries ``slot`` holds of ``tokens`` after taking any longer run of them the cache
+        still holds elsewhere than the ``have`` it holds already."""
+        ...
+
+
 class StaticKVCache:
+    block_size = 0  # no blocks: each slot is its whole capacity
+
     def __init__(
         self,
         num_layers: int,
@@ -31,6 +83,12 @@ class StaticKVCache:
         self.num_kv_heads = num_kv_heads
         self.capacity = capacity
         self._heads = torch.arange(2 * num_kv_heads, device=device)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes of one cached position, every layer, keys and values."""
+        layers, _, heads, _, dim = self.kv.shape
+        return layers * heads * dim * self.kv.element_size()
 
     @property
     def scratch_slot(self) -> int:
@@ -67,6 +125,10 @@ class StaticKVCache:
             return slice(slots[0], slots[0] + len(slots))
         return slots
 
+    def reader(self, slots: list[int], length: int) -> slice | list[int]:
+        """What every layer's ``read`` of one forward takes: the ``selector`` of its slots."""
+        return self.selector(slots)
+
     def read(self, layer: int, selector: slice | list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, H, length, D]`` of the selected slots."""
         kv = self.kv[layer, selector, :, :length]
@@ -80,6 +142,20 @@ class StaticKVCache:
         """Slot ``a``'s first ``length_a`` entries go to slot ``b`` and ``b``'s first ``length_b``
         to ``a`` (every layer); a length of 0 makes it a one-way move."""
         exchange_slots(self.kv.transpose(0, 1), a, b, length_a, length_b)
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Nothing to give back: a slot's room is its own."""
+
+    def fits(self, writes: list[tuple[int, int, int]]) -> bool:
+        """Always: a slot's room is its own (``capacity`` bounds each sequence)."""
+        return True
+
+    def remember(self, slot: int, tokens: Tokens[int], scope: Hashable = None) -> None:
+        """Nothing to name: kept prefixes are found by slot (``prefix_cache.PrefixIndex``)."""
+
+    def recall(self, slot: int, tokens: Tokens[int], scope: Hashable, have: int) -> int:
+        """Only what ``slot`` holds: no entry lives outside a slot."""
+        return have
 
     def compact(self, slot: int, start: int, nodes: list[int]) -> None:
         """Move the entries at ``start + nodes[i]`` to ``start + i`` in every layer."""

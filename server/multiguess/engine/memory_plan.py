@@ -5,7 +5,11 @@ Pure arithmetic over measured numbers (``memory_probe.py`` measures them): each 
 the models on it and the largest activation peak of one forward (forwards run one at a time)
 come off first, and what is left holds KV caches of ``capacity`` tokens per sequence for every
 model on the device. The engine decodes at most ``min(max_batch, what fits on every device)``
-sequences; a setting under which not one sequence fits is an error before any request.
+sequences; a setting under which not one sequence fits is an error before any request. A paged
+cache (``paged_kv.py``) is planned in its blocks: each sequence's capacity rounded up to whole
+blocks: the room left holds that many blocks, which up to ``max_batch`` sequences take as they
+grow (a pool holds at least one whole sequence; running sequences are preempted when it runs
+out, ``Engine._make_room``), as vLLM plans its blocks; the plan's line says how many.
 
 The context length is the model's to bound: ``max_model_len`` defaults to the config's
 ``max_position_embeddings`` (capped at ``UNPLANNED_DEFAULT_LEN`` where no memory is planned, so
@@ -50,13 +54,15 @@ def resolve_max_model_len(requested: int | None, model_limit: int | None, planne
 @dataclass(frozen=True)
 class ModelMemory:
     """One model as measured on its device: weights, one forward's activation peak, KV bytes per
-    cached token (all layers, keys and values)."""
+    cached token (all layers, keys and values), and the positions per block of its KV cache
+    (0: static slots, each one block of a whole sequence's capacity)."""
 
     name: str
     device: str
     weights: int
     activation_peak: int
     kv_bytes_per_token: int
+    block_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,11 +84,15 @@ class DevicePlan:
     activations: int
     kv_room: int  # what is left for KV caches
     fits: int  # sequences of ``capacity`` tokens that fit
+    blocks: int = 0  # KV blocks that fit, each model's for the same positions (0: no blocks)
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """The planned sequences (KV slots) of ``capacity`` tokens each, and how each device fares."""
+    """The planned sequences of ``capacity`` tokens each, and how each device fares. Static
+    caches hold each sequence's whole capacity; paged ones hold ``kv_blocks`` blocks, which
+    running sequences take as they grow (more sequences than fit at full length, preempted
+    when blocks run out)."""
 
     sequences: int
     capacity: int
@@ -90,9 +100,26 @@ class MemoryPlan:
     utilization: float
     models: tuple[ModelMemory, ...]
     devices: tuple[DevicePlan, ...]
+    kv_blocks: int | None = None  # the paged pools' blocks per model (None: static caches)
+
+    def blocks(self, model: ModelMemory) -> tuple[int, int]:
+        """(blocks, positions per block) of ``model``'s cache (a static slot is one block)."""
+        if self.kv_blocks is not None:
+            return self.kv_blocks, model.block_size
+        return self.sequences, self.capacity
 
     def kv_bytes(self, model: ModelMemory) -> int:
-        return self.sequences * self.capacity * model.kv_bytes_per_token
+        blocks, size = self.blocks(model)
+        return blocks * size * model.kv_bytes_per_token
+
+    def shape(self, blocks: int, size: int) -> str:
+        if self.kv_blocks is None:
+            return f"{self.sequences} sequences × {self.capacity} tokens = {self.sequences * self.capacity} tokens"
+        whole = sequence_positions(self.capacity, size) // size
+        return (
+            f"{blocks} blocks of {size} tokens = {blocks * size} tokens for up to {self.sequences} "
+            f"sequences, {whole} blocks each at {self.capacity} tokens"
+        )
 
     def lines(self) -> list[str]:
         """One line per model, as the engine logs them at start."""
@@ -100,11 +127,11 @@ class MemoryPlan:
         lines = []
         for model in self.models:
             device = by_device[model.device]
+            blocks, size = self.blocks(model)
             lines.append(
                 f"memory plan: {model.name} on {model.device}: weights {gib(model.weights)}, "
                 f"activations {gib(model.activation_peak)}, KV {gib(self.kv_bytes(model))} "
-                f"({self.sequences} sequences × {self.capacity} tokens = "
-                f"{self.sequences * self.capacity} tokens at {model.kv_bytes_per_token} B/token); "
+                f"({self.shape(blocks, size)} at {model.kv_bytes_per_token} B/token); "
                 f"the device has room for {device.fits} sequences at utilization "
                 f"{self.utilization:g} of {gib(device.total)}"
             )
@@ -141,6 +168,12 @@ def plan_memory(
             per_token = sum(m.kv_bytes_per_token for m in here)
             raise InsufficientMemoryError(not_fitting(plan, per_token, capacity, max_model_len, utilization))
         plans.append(plan)
+    sizes = {m.block_size for m in models}
+    if len(sizes) == 1 and 0 not in sizes:  # paged: up to max_batch sequences share the blocks
+        blocks = min(p.blocks for p in plans)
+        return MemoryPlan(
+            max_batch, capacity, max_model_len, utilization, tuple(models), tuple(plans), blocks
+        )
     sequences = min([max_batch, *(p.fits for p in plans)])
     return MemoryPlan(sequences, capacity, max_model_len, utilization, tuple(models), tuple(plans))
 
@@ -157,9 +190,19 @@ def device_plan(
     weights = sum(m.weights for m in models)
     activations = max((m.activation_peak for m in models), default=0)
     kv_room = budget - memory.elsewhere - weights - activations
-    per_sequence = capacity * sum(m.kv_bytes_per_token for m in models)
+    per_sequence = sum(sequence_positions(capacity, m.block_size) * m.kv_bytes_per_token for m in models)
     fits = max(0, max(0, kv_room) // per_sequence - scratch_slots) if per_sequence else 0
-    return DevicePlan(name, memory.total, budget, memory.elsewhere, weights, activations, kv_room, fits)
+    sizes = {m.block_size for m in models}
+    per_block = sum(m.kv_bytes_per_token for m in models) * max(sizes, default=0)
+    blocks = max(0, kv_room) // per_block if len(sizes) == 1 and per_block else 0
+    return DevicePlan(
+        name, memory.total, budget, memory.elsewhere, weights, activations, kv_room, fits, blocks
+    )
+
+
+def sequence_positions(capacity: int, block_size: int) -> int:
+    """Cache positions one sequence of ``capacity`` tokens takes: whole blocks (0: no blocks)."""
+    return -(-capacity // block_size) * block_size if block_size else capacity
 
 
 def not_fitting(

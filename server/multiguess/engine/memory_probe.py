@@ -94,16 +94,17 @@ def probe(
     head_vocab: torch.Tensor | None,
     backend: str,
     last_only: bool = False,
-) -> tuple[int, int]:
-    """(activation peak, KV bytes per token) of one forward of ``slots`` copies of ``tree`` on a
-    probe runner sized to them; its cache is allocated before the measurement starts."""
+) -> tuple[int, int, int]:
+    """(activation peak, KV bytes per token, positions per KV block) of one forward of ``slots``
+    copies of ``tree`` on a probe runner sized to them; its cache is allocated before the
+    measurement starts."""
     runner = NativeRunner(loaded, slots, len(tree), eager, head_vocab, backend)
-    per_token = runner.cache.kv.nbytes // (slots * len(tree))
+    per_token = runner.cache.bytes_per_token
 
     def forward() -> None:
         runner.forward_trees(list(range(slots)), [0] * slots, [tree] * slots, last_only=last_only)
 
-    return meter.peak(loaded.device, forward), per_token
+    return meter.peak(loaded.device, forward), per_token, runner.cache.block_size
 
 
 def measure_forwards(
@@ -115,21 +116,22 @@ def measure_forwards(
     eager: bool,
     head_vocab: torch.Tensor | None,
     backend: str,
-) -> tuple[int, int]:
-    """(activation peak, KV bytes per token) of ``loaded``: the larger peak of a verification
-    forward of ``max_batch`` chains of ``width`` tokens and a prefill of ``max_model_len - 1``."""
+) -> tuple[int, int, int]:
+    """(activation peak, KV bytes per token, positions per KV block) of ``loaded``: the larger
+    peak of a verification forward of ``max_batch`` chains of ``width`` tokens and a prefill of
+    ``max_model_len - 1``."""
     chain = TokenTree.chain([0] * width)
     prompt = TokenTree.chain([0] * (max_model_len - 1))
     try:
-        verify, per_token = probe(loaded, meter, max_batch, chain, eager, head_vocab, backend)
-        prefill, _ = probe(loaded, meter, 1, prompt, eager, head_vocab, backend, last_only=True)
+        verify, per_token, block_size = probe(loaded, meter, max_batch, chain, eager, head_vocab, backend)
+        prefill, _, _ = probe(loaded, meter, 1, prompt, eager, head_vocab, backend, last_only=True)
     except torch.OutOfMemoryError as exc:
         raise InsufficientMemoryError(
             f"{loaded.device}: a verification forward of {max_batch} trees or a prefill of "
             f"{max_model_len} tokens of {loaded.name} does not fit in the memory left after the "
             f"weights; lower --max-batch or --max-model-len ({exc})"
         ) from exc
-    return max(verify, prefill), per_token
+    return max(verify, prefill), per_token, block_size
 
 
 def fit_to_memory(
@@ -152,7 +154,7 @@ def fit_to_memory(
         meter = meters[name]
         assert meter is not None
         vocab = loaded.draft_vocab if name == "draft" and config.draft_vocab else None
-        peak, per_token = measure_forwards(
+        peak, per_token, block_size = measure_forwards(
             loaded,
             meter,
             config.max_batch,
@@ -164,7 +166,8 @@ def fit_to_memory(
         )
         device = device_name(loaded.device)
         weights = weight_bytes(loaded.model, seen.setdefault(device, set()))
-        measured.append(ModelMemory(name, device, weights, peak, per_token))
+        block_size = 0 if config.cuda_graphs else block_size  # graphs index static slots
+        measured.append(ModelMemory(name, device, weights, peak, per_token, block_size))
     devices = {
         device_name(m.device): meters[name].device_memory(m.device)  # type: ignore[union-attr]
         for name, m in planned.items()
@@ -187,4 +190,4 @@ def fit_to_memory(
             plan.sequences,
             gib(min(d.kv_room for d in plan.devices)),
         )
-    return replace(config, max_batch=plan.sequences), plan
+    return replace(config, max_batch=plan.sequences, kv_blocks=config.kv_blocks or plan.kv_blocks), plan

@@ -16,9 +16,10 @@ from typing import NamedTuple
 import torch
 
 from multiguess.engine.backends import backend_for
-from multiguess.engine.kv_cache import StaticKVCache
+from multiguess.engine.kv_cache import KVCache, StaticKVCache
 from multiguess.engine.linear import rms_norm
 from multiguess.engine.loaded_model import LoadedModel
+from multiguess.engine.paged_kv import PagedKVCache
 from multiguess.engine.placement import Placement, region_attention_mask, rotary_tables, sees_only_its_own
 from multiguess.engine.tree import TokenTree, pack_trees
 
@@ -49,6 +50,7 @@ class NativeRunner:
         head_vocab: torch.Tensor | None = None,
         backend: str = "auto",
         cuda_graphs: bool = False,
+        kv_blocks: int | None = None,
     ) -> None:
         model = loaded.model
         config = model.config
@@ -68,16 +70,7 @@ class NativeRunner:
         self.capacity = capacity
         self.backend = backend_for(self.device, self.dtype, eager, backend)
         self.attn_dtype = self.backend.attn_dtype
-        self.cache = StaticKVCache(
-            len(self.layers),
-            num_slots,
-            self.num_kv_heads,
-            capacity,
-            self.head_dim,
-            self.attn_dtype,
-            self.device,
-            scratch_slots=1 if cuda_graphs else 0,  # where a padded graph batch's padding rows write
-        )
+        self.cache = self._cache(num_slots, capacity, cuda_graphs, kv_blocks)
         projection = self.backend.projection
         self.qkv = [
             projection.of([la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj])
@@ -94,6 +87,15 @@ class NativeRunner:
             self.head, self.head_vocab = subset, head_vocab.to(self.device)
         self.backend.attach(self)
         self.static = self.backend.static_forward(self) if cuda_graphs else None
+
+    def _cache(self, num_slots: int, capacity: int, cuda_graphs: bool, kv_blocks: int | None) -> KVCache:
+        """Paged where the backend reads pages (``kv_blocks`` in its pool; None: every slot's
+        whole capacity), else static slots (the CPU's layer kernels read the slot layout; CUDA
+        graphs' buffers index slots, with a scratch slot for padding rows)."""
+        shape = (len(self.layers), num_slots, self.num_kv_heads, capacity, self.head_dim)
+        if self.backend.pages_kv and not cuda_graphs:
+            return PagedKVCache(*shape, self.attn_dtype, self.device, num_blocks=kv_blocks)
+        return StaticKVCache(*shape, self.attn_dtype, self.device, scratch_slots=1 if cuda_graphs else 0)
 
     def attention_scale(self, i: int) -> float:
         return getattr(self.layers[i].self_attn, "scaling", None) or self.head_dim**-0.5

@@ -77,8 +77,9 @@ class Sequence:
 
     @property
     def prefilling(self) -> bool:
-        """Whether prompt tokens before the last (the first tree's root) still lack target KV."""
-        return self.cache_len < len(self.prompt_ids) - 1
+        """Whether tokens before the last (the next tree's root) still lack target KV: a new
+        prompt's, or a preempted sequence's prompt and output, computed again."""
+        return self.cache_len < len(self.prompt_ids) + len(self.output_ids) - 1
 
     @property
     def finished(self) -> bool:

@@ -11,13 +11,13 @@ lowest free slot, starting from the longest prefix of its prompt that a slot hol
 from __future__ import annotations
 
 from multiguess.engine.drafter import Drafter
-from multiguess.engine.kv_cache import StaticKVCache
+from multiguess.engine.kv_cache import KVCache
 from multiguess.engine.prefix_cache import PrefixIndex, plan_reuse
 from multiguess.engine.sequence import Sequence
 
 
 class Slots:
-    def __init__(self, cache: StaticKVCache, max_batch: int, prefix_caching: bool) -> None:
+    def __init__(self, cache: KVCache, max_batch: int, prefix_caching: bool) -> None:
         self.cache = cache  # the target's
         self.max_batch = max_batch
         self.prefix_caching = prefix_caching
@@ -33,7 +33,7 @@ class Slots:
         running = {s.slot: (s.params.cache_scope, s.token_ids[: s.cache_len]) for s in others}
         # A request for its prompt's log-probabilities computes the whole prompt (reused KV has
         # no logits): it matches nothing, and the slot's kept entry is handled as on a miss.
-        prompt = seq.prompt_ids if seq.params.prompt_logprobs is None else seq.prompt_ids[:1]
+        prompt = seq.token_ids if seq.params.prompt_logprobs is None else seq.prompt_ids[:1]
         free = range(slot, self.max_batch)
         plan = plan_reuse(prompt, slot, free, running, self.prefixes, scope)
         if plan.swap_with is not None:
@@ -48,7 +48,11 @@ class Slots:
             reused = drafter.share(plan.source, slot, plan.length)
         if plan.copy_from is not None:
             self.cache.move(plan.copy_from, slot, reused)
-        seq.cache_len = seq.cached_tokens = reused
+        # A paged cache may still hold more of the prompt in blocks no slot keeps.
+        reused = self.cache.recall(slot, prompt[: len(prompt) - 1], scope, reused)
+        seq.cache_len = reused
+        if not seq.output_ids:  # a preempted sequence's reuse is not its prompt's
+            seq.cached_tokens = reused
 
     def free(self, seq: Sequence, running: list[Sequence], drafter: Drafter | None) -> None:
         """Free the slot of ``seq`` (no longer in ``running``), moving the sequence in the
@@ -57,6 +61,8 @@ class Slots:
         and a move swaps them into the slot the moved sequence leaves."""
         kept = seq.token_ids[: seq.cache_len] if self.prefix_caching else []
         self.prefixes.keep(seq.slot, kept, seq.params.cache_scope)
+        self.cache.remember(seq.slot, kept, seq.params.cache_scope)
+        self.cache.truncate(seq.slot, len(kept))
         if drafter is not None:
             drafter.retain(seq.slot, len(kept))
         last = max(running, key=lambda s: s.slot, default=None)
@@ -67,3 +73,26 @@ class Slots:
                 drafter.move(last.slot, seq.slot)
             last.slot = seq.slot
             running.sort(key=lambda s: s.slot)
+
+    def fits(self, writes: list[tuple[int, int, int]], running: int, drafter: Drafter | None) -> bool:
+        """Whether the target's cache can make ``writes`` (``KVCache.fits``), once the free
+        slots (from ``running`` on) have given their kept prefixes' blocks back if it takes
+        that (a paged cache keeps their full blocks findable by content until it reuses them)."""
+        if self.cache.fits(writes):
+            return True
+        for slot in range(running, self.max_batch):
+            self.prefixes.drop(slot)
+            self.cache.truncate(slot, 0)
+            if drafter is not None:
+                drafter.release(slot)
+        return self.cache.fits(writes)
+
+    def evict(self, seq: Sequence, drafter: Drafter | None) -> None:
+        """Give back every block of a preempted ``seq``'s slot; its full blocks stay findable by
+        content, so its prompt and output may be found again when it is admitted again."""
+        kept = seq.token_ids[: seq.cache_len] if self.prefix_caching else []
+        self.cache.remember(seq.slot, kept, seq.params.cache_scope)
+        self.cache.truncate(seq.slot, 0)
+        self.prefixes.drop(seq.slot)
+        if drafter is not None:
+            drafter.release(seq.slot)

@@ -36,6 +36,7 @@ class Backend(Protocol):
     projection: type[Projection]  # how fused projections keep their weights
     cost_tokens: int  # how many tokens the forward-cost curve is measured up to, at least
     attends_unmasked: bool  # whether forwards that see only their own prefix go without a mask
+    pages_kv: bool  # whether its runners keep KV in blocks (``paged_kv.py``) rather than slots
 
     def attach(self, runner: ModelParts) -> None:
         """Prepare per-model state once the runner has built its projections and cache."""

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from multiguess.engine.kv_cache import StaticKVCache
+from multiguess.engine.kv_cache import KVCache
 from multiguess.engine.linear import Projection
 
 
@@ -29,7 +29,7 @@ class ModelParts(Protocol):
     gate_up: list[Projection | None]
     down: list[Projection | None]
     head: Projection | None
-    cache: StaticKVCache
+    cache: KVCache
     num_heads: int
     num_kv_heads: int
     head_dim: int

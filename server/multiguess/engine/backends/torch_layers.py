@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from multiguess.engine.kv_cache import StaticKVCache
 from multiguess.engine.linear import rms_norm
 from multiguess.engine.placement import Placement, apply_rotary
 
@@ -24,12 +23,12 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None
 def run_layers(runner: ModelParts, x: torch.Tensor, at: Placement, attend: Attend) -> torch.Tensor:
     """Every layer on ``x`` ``[B, T, D]``: projections, rotary, cache write, attention, MLP."""
     where = runner.cache.locate(at.slots, at.write_from, x.shape[1])
-    selector = StaticKVCache.selector(at.slots)
+    reader = runner.cache.reader(at.slots, at.length)
     for i in range(len(runner.layers)):
         if at.captured is not None and i in at.captured:
             at.captured[i] = x.clone()
         q = queries_writing_cache(runner, i, x, at.rope, where)
-        keys, values = runner.cache.read(i, selector, at.length)
+        keys, values = runner.cache.read(i, reader, at.length)
         out = attend(q, keys, values, at.mask, runner.attention_scale(i)).to(runner.dtype)
         o = runner.o[i]
         x = x + runner.layers[i].self_attn.o_proj(out) if o is None else o(out, residual=x)
