@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup tools run test lint format bench e2e e2e-images clean gpu-check
+.PHONY: setup tools run test lint format bench bench-llama-cpp e2e e2e-images clean gpu-check
 
 setup: $(STAMP)
 
@@ -39,6 +39,12 @@ format: setup
 
 bench: setup
 	$(VENV)/bin/multiguess bench
+
+# multiguess against llama.cpp on the same GGUF files, taking turns (bench/llama_cpp.py). The first
+# run builds llama.cpp from the llama-cpp-python sdist (~15 minutes on 2 cores; cached in
+# ~/.cache/multiguess/llama.cpp/); without a compiler it skips and says why.
+bench-llama-cpp: setup
+	PYTHONUNBUFFERED=1 $(PY) bench/llama_cpp.py
 
 e2e: setup tools
 	$(PY) -m pytest -q -m e2e tests/e2e
