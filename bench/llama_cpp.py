@@ -85,12 +85,14 @@ def llama_generator(
 
 
 def multiguess_engines(models: BenchModels) -> dict:
-    """The four multiguess methods: the defaults of ``LLM`` with batch 1 and no prefix cache
-    (each repeat serves the same prompts again), on the bf16 folder and on the Q4_1 file."""
+    """The four multiguess methods: the defaults of ``LLM`` with batch 1, no prefix cache (each
+    repeat serves the same prompts again) and every prompt prefilled whole (the prompts are
+    short; measuring a prefill chunk at start would only add to the load time), on the bf16
+    folder and on the Q4_1 file."""
     from multiguess import LLM
     from multiguess.models.embedded import shipped_draft
 
-    common = {"max_batch": 1, "prefix_caching": False}
+    common = {"max_batch": 1, "prefix_caching": False, "max_prefill_tokens": None}
     q4_1, draft = str(models.target_q4_1), str(shipped_draft())
     setups = {
         "multiguess plain, bf16": lambda: LLM(drafter="none", **common),
