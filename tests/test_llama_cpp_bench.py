@@ -116,3 +116,33 @@ def test_without_a_compiler_the_benchmark_skips_and_says_why(
     assert bench_script().main(["--out", str(tmp_path / "docs")]) == 0
     assert "skipped: no C compiler on PATH" in capsys.readouterr().err
     assert not (tmp_path / "docs").exists()
+
+
+def test_section_names_the_run_its_command_and_every_method() -> None:
+    from multiguess import bench_docs
+
+    def row(method: str, tps: float, **extra: float) -> dict:
+        ratios = {"vs multiguess plain, bf16": tps / 50, "vs llama.cpp plain, Q4_1": tps / 60}
+        return {"method": method, "tokens_per_second": tps, **ratios, **extra}
+
+    report = {
+        "commit": "abc1234",
+        "date": "2026-01-01 00:00 UTC",
+        "machine": "a CPU, 2 cores",
+        "llama_cpp_python": "0.3.36",
+        "threads": 2,
+        "repeats": 2,
+        "max_tokens": 64,
+        "prompts": 4,
+        "draft_max": 4,
+        "methods": [
+            row("llama.cpp plain, Q4_1", 60.0, server_decode_tokens_per_second=70.0),
+            row("multiguess tree, bf16", 55.0, identical_to_own_plain=1.0, mean_accepted_length=2.1),
+        ],
+    }
+    lines = bench_docs.llama_cpp_section(report)
+    text = "\n".join(lines)
+    assert "Reproduce: `.venv/bin/python bench/llama_cpp.py --prompts 4 --repeats 2 --max-tokens 64`" in text
+    assert "| llama.cpp plain, Q4_1 | 60.0 | 1.20 | 1.00 |  |  | 70.0 |" in text
+    assert "| multiguess tree, bf16 | 55.0 | 1.10 | 0.92 | 4/4 | 2.10 |  |" in text
+    assert bench_docs.llama_cpp_section(None)[2].startswith("No result recorded yet")

@@ -516,9 +516,20 @@ def grounded_section(report: Report | None) -> list[str]:
 # ---------------------------------------------------------------- llama.cpp (bench/llama_cpp.py)
 
 
+def llama_cpp_command(report: Report | None) -> str:
+    """The command that reproduces a run, its options where they differ from the defaults."""
+    parts = [".venv/bin/python bench/llama_cpp.py"]
+    defaults = {"prompts": 8, "repeats": 3, "max_tokens": 96, "threads": 2, "draft_max": 4}
+    if report is not None:
+        parts += [
+            f"--{k.replace('_', '-')} {report[k]}" for k, v in defaults.items() if report.get(k, v) != v
+        ]
+    return " ".join(parts)
+
+
 def llama_cpp_section(report: Report | None) -> list[str]:
     """multiguess and llama.cpp on the same GGUF files, prompts and threads, in one run."""
-    command = ".venv/bin/python bench/llama_cpp.py"
+    command = llama_cpp_command(report)
     lines = ["## Against llama.cpp on the same GGUF files (`bench/llama_cpp.py`)", ""]
     if report is None:
         return lines + missing(command, "the llama.cpp comparison")
@@ -547,7 +558,7 @@ def llama_cpp_section(report: Report | None) -> list[str]:
             if "identical_to_own_plain" in r
             else "",
             r.get("mean_accepted_length"),
-            r.get("server_decode_tokens_per_second"),
+            fmt(r.get("server_decode_tokens_per_second"), 1),
         ]
         for r in sorted(report["methods"], key=lambda r: -r["tokens_per_second"])
     ]
