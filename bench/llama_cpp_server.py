@@ -33,13 +33,16 @@ class ServerConfig:
 
 def server_command(binary: Path, config: ServerConfig, port: int) -> list[str]:
     """The ``llama-server`` command line: CPU only, one slot, ``threads`` for the target and the
-    draft alike; a draft model turns speculation on, with at most ``draft_max`` tokens a step."""
+    draft alike. A draft model drafts with ``--spec-type draft-simple`` (a plain Llama draft
+    names no type in its GGUF, and without one the server loads it but never drafts), at most
+    ``draft_max`` tokens a step."""
     threads = str(config.threads)
     command = [str(binary), "-m", str(config.model), "--host", "127.0.0.1", "--port", str(port)]
     command += ["-t", threads, "-tb", threads, "-c", str(CONTEXT), "-np", "1", "-ngl", "0"]
     if config.draft is not None:
         command += ["-md", str(config.draft), "-td", threads, "-tbd", threads, "-ngld", "0"]
-        command += ["--spec-draft-n-max", str(config.draft_max), "--spec-draft-n-min", "0"]
+        command += ["--spec-type", "draft-simple", "--spec-draft-n-max", str(config.draft_max)]
+        command += ["--spec-draft-n-min", "0"]
     return command
 
 

@@ -64,7 +64,7 @@ def test_plain_server_command_has_no_draft() -> None:
     command = llama_cpp_server.server_command(Path("/bin/llama-server"), config, 8123)
     assert command[:3] == ["/bin/llama-server", "-m", "/m/target.gguf"]
     assert command[command.index("-t") + 1] == "2" and command[command.index("--port") + 1] == "8123"
-    assert "-md" not in command and "--spec-draft-n-max" not in command
+    assert "-md" not in command and "--spec-type" not in command
 
 
 def test_speculative_server_command_names_the_draft_its_threads_and_length() -> None:
@@ -73,6 +73,7 @@ def test_speculative_server_command_names_the_draft_its_threads_and_length() -> 
     assert command[command.index("-md") + 1] == "/m/d.gguf"
     assert command[command.index("-td") + 1] == "3"
     assert command[command.index("--spec-draft-n-max") + 1] == "5"
+    assert command[command.index("--spec-type") + 1] == "draft-simple"
 
 
 def test_completion_request_is_greedy_on_token_ids_without_prompt_cache() -> None:
