@@ -99,7 +99,7 @@ def free_port() -> int:
 class LlamaServer:
     """A running ``llama-server``; a context manager that stops it on exit."""
 
-    def __init__(self, binary: Path, config: ServerConfig, log: Path, timeout: float = 120.0) -> None:
+    def __init__(self, binary: Path, config: ServerConfig, log: Path, timeout: float = 300.0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.command = server_command(binary, config, self.port)
