@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup tools run test lint format bench bench-docs e2e e2e-images clean gpu-check
+.PHONY: setup tools run test lint format bench bench-docs bench-llama-cpp e2e e2e-images clean gpu-check
 
 setup: $(STAMP)
 
@@ -45,6 +45,12 @@ bench: setup
 
 bench-docs:
 	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_docs.py
+
+# multiguess against llama.cpp on the same GGUF files, taking turns (bench/llama_cpp.py). The first
+# run builds llama.cpp from the llama-cpp-python sdist (~15 minutes on 2 cores; cached in
+# ~/.cache/multiguess/llama.cpp/); without a compiler it skips and says why.
+bench-llama-cpp: setup
+	PYTHONUNBUFFERED=1 $(PY) bench/llama_cpp.py
 
 e2e: setup tools
 	$(PY) -m pytest -q -m e2e tests/e2e

@@ -27,6 +27,7 @@ REMOTE_FILE = "remote-overhead.json"
 SAMPLING_FILE = "sampling-exactness.json"
 GPU_FILE = "gpu_check.json"
 GROUNDED_FILE = "grounded.json"
+LLAMA_CPP_FILE = "llama-cpp.json"
 HEADLINE_START, HEADLINE_END = "<!-- headline:start -->", "<!-- headline:end -->"
 
 Report = dict[str, Any]
@@ -466,6 +467,67 @@ def grounded_section(report: Report | None) -> list[str]:
     return [*lines, ""]
 
 
+# ---------------------------------------------------------------- llama.cpp (bench/llama_cpp.py)
+
+
+def llama_cpp_command(report: Report | None) -> str:
+    """The command that reproduces a run, its options where they differ from the defaults."""
+    parts = [".venv/bin/python bench/llama_cpp.py"]
+    defaults = {"prompts": 8, "repeats": 3, "max_tokens": 96, "threads": 2, "draft_max": 4}
+    if report is not None:
+        parts += [
+            f"--{k.replace('_', '-')} {report[k]}" for k, v in defaults.items() if report.get(k, v) != v
+        ]
+    return " ".join(parts)
+
+
+def llama_cpp_section(report: Report | None) -> list[str]:
+    """multiguess and llama.cpp on the same GGUF files, prompts and threads, in one run."""
+    command = llama_cpp_command(report)
+    lines = ["## Against llama.cpp on the same GGUF files (`bench/llama_cpp.py`)", ""]
+    if report is None:
+        return lines + missing(command, "the llama.cpp comparison")
+    prompts = report["prompts"]
+    lines += [
+        provenance_line(report, command),
+        "",
+        f"llama.cpp's `llama-server` (built from the llama-cpp-python {report['llama_cpp_python']} sdist, "
+        "native flags) and multiguess take turns prompt by prompt on the embedded target: its Q4_1 "
+        "file as shipped and its bf16 conversion; the speculative methods draft with the shipped draft "
+        f"(bf16; llama.cpp at most {report['draft_max']} tokens a step). {prompts} chat prompts, the same "
+        f"token ids for both, greedy, at most {report['max_tokens']} tokens, {report['threads']} threads, "
+        "no prompt cache. tokens/s are end to end (prefill included), medians over "
+        f"{report['repeats']} repeats; ratios are medians of the ratios within each repeat; `identical` "
+        "counts the prompts whose output equals the plain decoding of the same file by the same engine. "
+        "`server decode` is llama-server's own tokens/s with the prefill left out.",
+        "",
+    ]
+    rows = [
+        [
+            r["method"],
+            fmt(r["tokens_per_second"], 1),
+            fmt(r["vs multiguess plain, bf16"]),
+            fmt(r["vs llama.cpp plain, Q4_1"]),
+            f"{round(r['identical_to_own_plain'] * prompts)}/{prompts}"
+            if "identical_to_own_plain" in r
+            else "",
+            r.get("mean_accepted_length"),
+            fmt(r.get("server_decode_tokens_per_second"), 1),
+        ]
+        for r in sorted(report["methods"], key=lambda r: -r["tokens_per_second"])
+    ]
+    header = [
+        "method",
+        "tokens/s",
+        "× multiguess plain bf16",
+        "× llama.cpp plain Q4_1",
+        "identical to own plain",
+        "mean accepted length",
+        "server decode tokens/s",
+    ]
+    return [*lines, *table(header, rows), ""]
+
+
 # ---------------------------------------------------------------- GPU check (make gpu-check)
 
 
@@ -657,6 +719,7 @@ SECTIONS: list[Callable[[Path], list[str]]] = [
     lambda b: sampling_section(load(b, SAMPLING_FILE)),
     lambda b: gpu_section(load(b, GPU_FILE)),
     lambda b: grounded_section(load(b, GROUNDED_FILE)),
+    lambda b: llama_cpp_section(load(b, LLAMA_CPP_FILE)),
 ]
 
 
