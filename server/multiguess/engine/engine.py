@@ -31,6 +31,7 @@ from multiguess.engine.adaptive import (
     level_outcomes,
 )
 from multiguess.engine.admission import next_admission
+from multiguess.engine.batch_acceptance import accept_batch
 from multiguess.engine.config import PREFILL_PAUSE_STEPS, EngineConfig
 from multiguess.engine.drafter import Drafter, DraftRequest, ModelDrafter, Proposal, SampleSpec, TreeBudget
 from multiguess.engine.grammar import Grammars
@@ -317,17 +318,17 @@ class Engine:
             for b, (seq, p) in enumerate(zip(batch, proposals, strict=True))
         ]
         target_probs = target_distributions(batch, rows)
-        for b, (seq, proposal) in enumerate(zip(batch, proposals, strict=True)):
-            if seq.params.greedy:
-                acceptance = accept_greedy(proposal.tree, rows[b].argmax(dim=-1).tolist())
-            elif seq.params.seed is not None:  # the seed alone fixes its output: verified like greedy
-                choices = SeededChoices(target_probs[b], proposal.tree, seq.params.seed, len(seq.token_ids))
-                acceptance = accept_greedy(proposal.tree, choices)
-            else:
-                acceptance = accept_sampled(
-                    proposal.tree, target_probs[b], proposal.draft_probs, seq.generators.on(logits.device)
-                )
-            self.target.cache.compact(seq.slot, seq.cache_len, acceptance.path)
+        if self.target.backend.batched_acceptance:
+            acceptances = accept_batch(batch, proposals, logits, rows)
+        else:
+            acceptances = [
+                accept_each(seq, proposal, rows[b], target_probs.get(b))
+                for b, (seq, proposal) in enumerate(zip(batch, proposals, strict=True))
+            ]
+        self.target.cache.compact_all(
+            [(s.slot, s.cache_len, a.path) for s, a in zip(batch, acceptances, strict=True)]
+        )
+        for b, (seq, proposal, acceptance) in enumerate(zip(batch, proposals, acceptances, strict=True)):
             if features is not None:
                 self._hand_features(seq, seq.cache_len, features[b, acceptance.path])
             seq.cache_len += len(acceptance.path)
@@ -734,6 +735,21 @@ def target_distributions(batch: list[Sequence], rows: list[torch.Tensor]) -> dic
         for b, seq in enumerate(batch)
         if not seq.params.greedy
     }
+
+
+def accept_each(
+    seq: Sequence, proposal: Proposal, rows: torch.Tensor, target: NodeDistributions | None
+) -> Acceptance:
+    """``seq``'s acceptance by the walks of ``engine/acceptance.py``, node by node on the host
+    (backends without ``batched_acceptance``)."""
+    if seq.params.greedy:
+        return accept_greedy(proposal.tree, rows.argmax(dim=-1).tolist())
+    assert target is not None
+    if seq.params.seed is not None:  # the seed alone fixes its output: verified like greedy
+        return accept_greedy(
+            proposal.tree, SeededChoices(target, proposal.tree, seq.params.seed, len(seq.token_ids))
+        )
+    return accept_sampled(proposal.tree, target, proposal.draft_probs, seq.generators.on(rows.device))
 
 
 def eos_token_ids(model: LoadedModel) -> set[int]:

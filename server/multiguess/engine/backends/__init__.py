@@ -36,6 +36,9 @@ class Backend(Protocol):
     projection: type[Projection]  # how fused projections keep their weights
     cost_tokens: int  # how many tokens the forward-cost curve is measured up to, at least
     attends_unmasked: bool  # whether forwards that see only their own prefix go without a mask
+    # Whether a step accepts its whole batch in tensor ops on the device, read back once
+    # (``engine/batch_acceptance.py``), or node by node on the host with the family's kernels.
+    batched_acceptance: bool
 
     def attach(self, runner: ModelParts) -> None:
         """Prepare per-model state once the runner has built its projections and cache."""

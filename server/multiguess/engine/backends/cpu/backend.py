@@ -74,6 +74,7 @@ class CpuBackend:
     attn_dtype = torch.float32
     cost_tokens = 0  # the policy's own token budget bounds the curve
     attends_unmasked = False  # the kernels take one mask layout, and masking costs them little
+    batched_acceptance = False  # rows processed only along the accepted path, by the C kernels
 
     def __init__(self, dtype: torch.dtype, eager: bool) -> None:
         self.packed = not eager and packing_supported(dtype)

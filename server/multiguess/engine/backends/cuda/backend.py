@@ -29,6 +29,7 @@ class TorchBackend:
     projection = Projection
     cost_tokens = 128  # GPUs verify tens of tokens for about the price of one
     attends_unmasked = True
+    batched_acceptance = True  # the host reads a step's outcome once
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.attn_dtype = dtype
