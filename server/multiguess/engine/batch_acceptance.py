@@ -15,6 +15,7 @@ import torch
 
 from multiguess.engine.acceptance import Acceptance, accept_sampled_rows, accepted_paths
 from multiguess.engine.drafter import Proposal
+from multiguess.engine.one_copy import Packed
 from multiguess.engine.sampling import (
     Processing,
     RowSettings,
@@ -27,28 +28,6 @@ from multiguess.engine.tree import TokenTree
 
 # Rows raced at once for seeded sequences: the noise is a [rows, V] tensor.
 RACED_ROWS = 64
-
-
-class Packed:
-    """Host tensors sent to the device as one int64 buffer (float64 ones bit for bit)."""
-
-    def __init__(self) -> None:
-        self.parts: list[torch.Tensor] = []
-
-    def add(self, tensor: torch.Tensor) -> int:
-        self.parts.append(tensor)
-        return len(self.parts) - 1
-
-    def send(self, device: torch.device) -> list[torch.Tensor]:
-        flat = [
-            t.reshape(-1).view(torch.long) if t.dtype == torch.float64 else t.reshape(-1) for t in self.parts
-        ]
-        buffer = torch.cat(flat).to(device)
-        out = []
-        for part, piece in zip(self.parts, buffer.split([t.numel() for t in self.parts]), strict=True):
-            piece = piece.view(part.shape)
-            out.append(piece.view(torch.float64) if part.dtype == torch.float64 else piece)
-        return out
 
 
 def padded_rows(logits: torch.Tensor, rows: list[torch.Tensor]) -> torch.Tensor:

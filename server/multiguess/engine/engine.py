@@ -174,7 +174,11 @@ class Engine:
         )
         self.tokenizer = target.tokenizer
         capacity = self.config.max_model_len + self.config.tree_slack
-        runner = {"backend": self.config.backend, "cuda_graphs": self.config.cuda_graphs}
+        runner = {
+            "backend": self.config.backend,
+            "cuda_graphs": self.config.cuda_graphs,
+            "graph_width": self.config.graph_width,
+        }
         eager = self.config.eager
         self.target = NativeRunner(target, self.config.max_batch, capacity, eager, **runner)
         if drafter is None and draft is not None:

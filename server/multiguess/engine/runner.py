@@ -37,7 +37,8 @@ class NativeRunner:
     q/k/v and gate/up projections run fused; ``eager`` keeps plain products (no repacked
     weights, no kernels of multiguess's own): the escape hatch. ``backend`` names a device
     family's backend (``auto``: the device's own). ``cuda_graphs`` runs decode and verification
-    forwards through bucketed static shapes (``backends/cuda/graphs.py``), captured on CUDA.
+    forwards of up to ``graph_width`` nodes through bucketed static shapes (``backends/cuda/graphs.py``),
+    captured on CUDA.
     """
 
     def __init__(
@@ -49,6 +50,7 @@ class NativeRunner:
         head_vocab: torch.Tensor | None = None,
         backend: str = "auto",
         cuda_graphs: bool = False,
+        graph_width: int = 128,
     ) -> None:
         model = loaded.model
         config = model.config
@@ -93,7 +95,7 @@ class NativeRunner:
         if head_vocab is not None and (subset := projection.rows(self.lm_head, head_vocab)):
             self.head, self.head_vocab = subset, head_vocab.to(self.device)
         self.backend.attach(self)
-        self.static = self.backend.static_forward(self) if cuda_graphs else None
+        self.static = self.backend.static_forward(self, graph_width) if cuda_graphs else None
 
     def attention_scale(self, i: int) -> float:
         return getattr(self.layers[i].self_attn, "scaling", None) or self.head_dim**-0.5

@@ -50,9 +50,9 @@ class Backend(Protocol):
     def run_layers(self, runner: ModelParts, x: torch.Tensor, at: Placement) -> torch.Tensor:
         """Every decoder layer on ``x`` ``[B, T, D]``, writing keys and values into the cache."""
 
-    def static_forward(self, runner: ModelParts) -> StaticForward:
-        """Decode and verification forwards over bucketed static shapes (CUDA graphs where
-        captured); a family without them refuses with a ValueError."""
+    def static_forward(self, runner: ModelParts, max_width: int) -> StaticForward:
+        """Decode and verification forwards of up to ``max_width`` nodes over bucketed static
+        shapes (CUDA graphs where captured); a family without them refuses with a ValueError."""
 
 
 def backend_for(device: torch.device, dtype: torch.dtype, eager: bool, name: str = "auto") -> Backend:

@@ -124,7 +124,7 @@ class CpuBackend:
         mask = torch.zeros(visible.shape, dtype=self.attn_dtype, device=visible.device)
         return mask.masked_fill_(~visible, float("-inf"))
 
-    def static_forward(self, runner: ModelParts) -> StaticForward:
+    def static_forward(self, runner: ModelParts, max_width: int) -> StaticForward:
         raise ValueError("CUDA graphs run on the torch backend (GPUs); this runner uses the CPU's")
 
     def run_layers(self, runner: ModelParts, x: torch.Tensor, at: Placement) -> torch.Tensor:

@@ -51,5 +51,5 @@ class TorchBackend:
     def run_layers(self, runner: ModelParts, x: torch.Tensor, at: Placement) -> torch.Tensor:
         return torch_layers.run_layers(runner, x, at, attention)
 
-    def static_forward(self, runner: ModelParts) -> StaticForward:
-        return StaticForward(runner)
+    def static_forward(self, runner: ModelParts, max_width: int) -> StaticForward:
+        return StaticForward(runner, max_width)
