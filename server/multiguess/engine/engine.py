@@ -37,7 +37,7 @@ from multiguess.engine.drafter import Drafter, DraftRequest, ModelDrafter, Propo
 from multiguess.engine.grammar import Grammars
 from multiguess.engine.guard import fallback_reason
 from multiguess.engine.loaded_model import LoadedModel
-from multiguess.engine.logprobs import TokenLogprob, prompt_logprobs, step_logprobs
+from multiguess.engine.logprobs import PROMPT_LOGPROB_ROWS, TokenLogprob, prompt_logprobs, step_logprobs
 from multiguess.engine.memory_probe import fit_to_memory
 from multiguess.engine.ngram import graft
 from multiguess.engine.padding import padded_groups, prefill_chunks
@@ -56,9 +56,6 @@ log = logging.getLogger(__name__)
 
 MIN_PREFILL_CHUNK = 64  # a smaller chunk would pay a whole weight read for a few tokens
 MAX_PREFILL_CHUNK = 8192
-# Prompt positions whose log-probabilities one forward computes at most (a [rows, V] tensor),
-# chunked prefill or not: prompt log-probabilities take bounded memory.
-PROMPT_LOGPROB_ROWS = 256
 
 
 def measure_forward_cost(

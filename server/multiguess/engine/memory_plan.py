@@ -3,8 +3,9 @@
 Pure arithmetic over measured numbers (``memory_probe.py`` measures them): each device may use
 ``utilization × total`` bytes; what other processes (and the CUDA context) hold, the weights of
 the models on it and the largest activation peak of one forward (forwards run one at a time)
-come off first, and what is left holds KV caches of ``capacity`` tokens per sequence for every
-model on the device. The engine decodes at most ``min(max_batch, what fits on every device)``
+come off first (CUDA graphs' pool too), and what is left holds KV caches of ``capacity``
+tokens per sequence for every model on the device (with CUDA graphs, each sequence's share of
+their logits buffer and mask too). The engine decodes at most ``min(max_batch, what fits on every device)``
 sequences; a setting under which not one sequence fits is an error before any request.
 
 The context length is the model's to bound: ``max_model_len`` defaults to the config's
@@ -50,13 +51,18 @@ def resolve_max_model_len(requested: int | None, model_limit: int | None, planne
 @dataclass(frozen=True)
 class ModelMemory:
     """One model as measured on its device: weights, one forward's activation peak, KV bytes per
-    cached token (all layers, keys and values)."""
+    cached token (all layers, keys and values), and with CUDA graphs what they hold: their
+    memory pool (the activations of the largest captured forward, kept between replays) and,
+    per sequence slot, a row of the logits buffer the graphs share and of the mask a replay
+    makes over the attended span."""
 
     name: str
     device: str
     weights: int
     activation_peak: int
     kv_bytes_per_token: int
+    graph_pool: int = 0
+    graph_bytes_per_sequence: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,15 +100,19 @@ class MemoryPlan:
     def kv_bytes(self, model: ModelMemory) -> int:
         return self.sequences * self.capacity * model.kv_bytes_per_token
 
+    def graph_bytes(self, model: ModelMemory) -> int:
+        return model.graph_pool + self.sequences * model.graph_bytes_per_sequence
+
     def lines(self) -> list[str]:
         """One line per model, as the engine logs them at start."""
         by_device = {d.device: d for d in self.devices}
         lines = []
         for model in self.models:
             device = by_device[model.device]
+            graphs = f"CUDA graphs {gib(self.graph_bytes(model))}, " if self.graph_bytes(model) else ""
             lines.append(
                 f"memory plan: {model.name} on {model.device}: weights {gib(model.weights)}, "
-                f"activations {gib(model.activation_peak)}, KV {gib(self.kv_bytes(model))} "
+                f"activations {gib(model.activation_peak)}, {graphs}KV {gib(self.kv_bytes(model))} "
                 f"({self.sequences} sequences × {self.capacity} tokens = "
                 f"{self.sequences * self.capacity} tokens at {model.kv_bytes_per_token} B/token); "
                 f"the device has room for {device.fits} sequences at utilization "
@@ -156,8 +166,8 @@ def device_plan(
     budget = round(memory.total * utilization)
     weights = sum(m.weights for m in models)
     activations = max((m.activation_peak for m in models), default=0)
-    kv_room = budget - memory.elsewhere - weights - activations
-    per_sequence = capacity * sum(m.kv_bytes_per_token for m in models)
+    kv_room = budget - memory.elsewhere - weights - activations - sum(m.graph_pool for m in models)
+    per_sequence = sum(capacity * m.kv_bytes_per_token + m.graph_bytes_per_sequence for m in models)
     fits = max(0, max(0, kv_room) // per_sequence - scratch_slots) if per_sequence else 0
     return DevicePlan(name, memory.total, budget, memory.elsewhere, weights, activations, kv_room, fits)
 
