@@ -204,7 +204,7 @@ def uncounted(mode: TransferCounter, call: Callable) -> Callable:
 
 
 # A step's transfers outside drafting: one read of the accepted paths and tokens; copies of the
-# forward's inputs, the acceptance inputs and the cache compaction's index.
+# forward's inputs (one with CUDA graphs), the acceptance inputs and the compaction's index.
 MOST_SYNCS, MOST_COPIES = 1, 10
 
 
@@ -222,12 +222,20 @@ def test_a_step_transfers_a_constant_whatever_the_batch_and_tree(
 ) -> None:
     target, draft = load_model(str(tiny_llama), "float32"), load_model(str(tiny_llama_draft), "float32")
     seen = {}
-    for batch, (num_candidates, depth) in [(1, (1, 1)), (4, (1, 1)), (4, (3, 4)), (1, (3, 4))]:
+    shapes = [(1, 1, 1, False), (4, 1, 1, False), (4, 3, 4, False), (1, 3, 4, False), (4, 3, 4, True)]
+    for batch, num_candidates, depth, graphs in shapes:
         config = EngineConfig(
-            num_candidates, depth, max_batch=batch, max_model_len=128, adaptive=False, backend="torch"
+            num_candidates,
+            depth,
+            max_batch=batch,
+            max_model_len=128,
+            adaptive=False,
+            backend="torch",
+            cuda_graphs=graphs,
         )
         engine = Engine(target, draft if depth > 1 else None, config)
         counts = counted_steps(engine, random_prompts(41, (5, 17, 9, 11)[:batch]), params)
-        seen[batch, num_candidates, depth] = max(counts)
+        seen[batch, num_candidates, depth, graphs] = max(counts)
         assert engine.steps > len(counts) > 0
     assert all(syncs <= MOST_SYNCS and copies <= MOST_COPIES for syncs, copies in seen.values()), seen
+    assert seen[4, 3, 4, True][1] <= 3  # a graph replay's inputs: one copy
