@@ -52,6 +52,18 @@ def test_scratch_slots_come_out_of_the_sequences() -> None:
     assert plan.sequences == plan.devices[0].fits == 52
 
 
+def test_cuda_graphs_pool_and_per_sequence_buffers_come_off_the_room() -> None:
+    """A graph pool is held beside the activations; the shared logits buffer and the replay's
+    mask grow with the sequences, like their KV caches."""
+    devices = {"cuda:0": DeviceMemory(80 * GIB, 1 * GIB)}
+    graphed = ModelMemory("target", "cuda:0", 16 * GIB, 2 * GIB, 131072, 3 * GIB, GIB)
+    plan = plan_memory([graphed], devices, 0.9, 256, 8192 - 18, 8192)
+    # 53 GiB as above, less the 3 GiB pool: 50 GiB at 2 GiB a sequence (KV and graph rows).
+    assert plan.sequences == 25
+    assert plan.graph_bytes(graphed) == 3 * GIB + 25 * GIB
+    assert "CUDA graphs 28.00 GiB, KV 25.00 GiB" in plan.lines()[0]
+
+
 def test_models_on_one_device_share_it_and_activations_do_not_add() -> None:
     devices = {"cuda:0": DeviceMemory(80 * GIB, 0)}
     pair = [model(), model("draft", weights=2, act=1, per_token=131072)]
@@ -193,6 +205,26 @@ def test_the_engine_sizes_its_kv_caches_from_the_plan(
     while engine.has_unfinished():
         engine.step()
     assert len(seq.output_ids) == 5
+
+
+def test_the_plan_counts_cuda_graphs_where_they_run(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With graphs the pool is the verification forward's peak, and each sequence has a row of
+    float32 logits and of mask per graph node; the probes also score a prompt chunk for its
+    log-probabilities, within the same measured peaks."""
+    target = load_model(str(tiny_llama), dtype="float32", device="cpu")
+    meter = FixedMeter(2**40, activation=5000)
+    monkeypatch.setattr(memory_probe, "meter_for", lambda device: meter)
+    config = EngineConfig(max_batch=2, max_model_len=64, adaptive=False, backend="torch", cuda_graphs=True)
+    engine = Engine(target, None, config)
+    assert meter.peaks == 2
+    measured = engine.memory_plan.models[0]
+    capacity = 64 + config.tree_slack
+    assert measured.graph_pool == 5000
+    assert measured.graph_bytes_per_sequence == config.graph_width * (engine.target.vocab_size * 4 + capacity)
+    plain = Engine(target, None, EngineConfig(max_batch=2, max_model_len=64, adaptive=False, backend="torch"))
+    assert plain.memory_plan.models[0].graph_pool == plain.memory_plan.models[0].graph_bytes_per_sequence == 0
 
 
 def test_a_draft_sharing_the_targets_weights_counts_them_once(

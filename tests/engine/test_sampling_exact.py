@@ -148,10 +148,32 @@ CASES = [(shape, "t1", False) for shape in ("chain", "wide", "tree", "bushy", "s
 def test_speculative_sampling_matches_the_target_exactly(
     small_vocab_pair: tuple[Path, Path], shape: str, setting: str, seeded: bool
 ) -> None:
-    target, draft = small_vocab_pair
+    check_exact(small_vocab_pair, shape, setting, seeded, batched=False)
+
+
+# Unseeded samples through the batched acceptance devices run (``engine/batch_acceptance.py``):
+# sampled children with truncation, a draft vocabulary (q zero off it) and deterministic
+# children. Seeded ones give the walks' tokens (tests/engine/test_batch_acceptance.py).
+BATCHED_CASES = [
+    ("bushy", "t1.3-topp0.8", False),
+    ("subset", "t0.6-topk5", False),
+    ("ngram", "t1-penalized", False),
+]
+
+
+@pytest.mark.parametrize(("shape", "setting", "seeded"), BATCHED_CASES)
+def test_batched_acceptance_matches_the_target_exactly(
+    small_vocab_pair: tuple[Path, Path], shape: str, setting: str, seeded: bool
+) -> None:
+    check_exact(small_vocab_pair, shape, setting, seeded, batched=True)
+
+
+def check_exact(pair: tuple[Path, Path], shape: str, setting: str, seeded: bool, batched: bool) -> None:
+    target, draft = pair
     seed = 17 if seeded else None
     params = SamplingParams(max_tokens=LENGTH, ignore_eos=True, n=SAMPLES, seed=seed, **SETTINGS[setting])
     llm = speculative(target, draft, shape)
+    llm.engine.target.backend.batched_acceptance = batched  # type: ignore[misc]
     samples = draw(llm, params)
     pvalue = chi_square_pvalue(samples, exact_distribution(target, params))
     assert llm.engine.totals.draft_tokens > 0  # speculation was verified, not skipped

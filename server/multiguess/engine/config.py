@@ -199,6 +199,11 @@ class EngineConfig:
         return self.max_request_slots or request_share(self.max_batch)
 
     @property
+    def graph_width(self) -> int:
+        """The widest forward CUDA graphs serve: a verification of the largest tree."""
+        return self.tree_slack + 1
+
+    @property
     def tree_slack(self) -> int:
         """Cache room past a sequence's end for a tree (and a drafter's level-by-level region),
         copy drafts grafted onto it included."""

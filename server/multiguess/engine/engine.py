@@ -24,7 +24,7 @@ from multiguess.engine.grammar import Grammars
 from multiguess.engine.guard import fallback_reason
 from multiguess.engine.intake import new_sequence
 from multiguess.engine.loaded_model import LoadedModel
-from multiguess.engine.logprobs import TokenLogprob, prompt_logprobs, step_logprobs
+from multiguess.engine.logprobs import PROMPT_LOGPROB_ROWS, TokenLogprob, prompt_logprobs, step_logprobs
 from multiguess.engine.memory_probe import fit_to_memory
 from multiguess.engine.padding import padded_groups, prefill_chunks
 from multiguess.engine.planner import Outcome, Planner
@@ -37,10 +37,6 @@ from multiguess.engine.verifier import Verdict, accept_trees, record
 from multiguess.params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-# Prompt positions whose log-probabilities one forward computes at most (a [rows, V] tensor),
-# chunked prefill or not: prompt log-probabilities take bounded memory.
-PROMPT_LOGPROB_ROWS = 256
 
 
 @dataclass
@@ -72,6 +68,7 @@ class Engine:
             "backend": self.config.backend,
             "cuda_graphs": self.config.cuda_graphs,
             "kv_blocks": self.config.kv_blocks,
+            "graph_width": self.config.graph_width,
         }
         eager = self.config.eager
         self.target = NativeRunner(target, self.config.max_batch, capacity, eager, **runner)
@@ -140,7 +137,11 @@ class Engine:
             return []
         self.last_tree_sizes = [len(p.tree) - 1 for p in proposals]
         logits, features = self._verify(batch, proposals)  # 4. verify them in one target forward
-        verdicts = accept_trees(batch, proposals, logits, self.eos_ids)  # 5. accept
+        batched = self.target.backend.batched_acceptance
+        verdicts = accept_trees(batch, proposals, logits, self.eos_ids, batched)  # 5. accept
+        self.target.cache.compact_all(
+            [(s.slot, s.cache_len, v.acceptance.path) for s, v in zip(batch, verdicts, strict=True)]
+        )
         outputs = []
         for b, (seq, proposal, verdict) in enumerate(zip(batch, proposals, verdicts, strict=True)):
             # 6. compact the caches to the accepted path, 7. emit its tokens
@@ -171,10 +172,10 @@ class Engine:
     def _compact(
         self, seq: Sequence, proposal: Proposal, verdict: Verdict, features: torch.Tensor | None
     ) -> None:
-        """Keep the accepted path's cache entries after ``seq``'s prefix, the target's and the
-        draft's (the draft is handed the path's features when it reads them)."""
+        """Keep the accepted path's cache entries after ``seq``'s prefix in the draft's cache
+        (the target's are compacted for the whole batch at once), handing the draft the path's
+        features when it reads them."""
         acceptance = verdict.acceptance
-        self.target.cache.compact(seq.slot, seq.cache_len, acceptance.path)
         if features is not None:
             self._hand_features(seq, seq.cache_len, features[acceptance.path])
         seq.cache_len += len(acceptance.path)

@@ -45,6 +45,8 @@ class KVCache(Protocol):
 
     def compact(self, slot: int, start: int, nodes: list[int]) -> None: ...
 
+    def compact_all(self, moves: list[tuple[int, int, list[int]]]) -> None: ...
+
     def truncate(self, slot: int, length: int) -> None:
         """``slot`` needs only its first ``length`` entries from now on."""
         ...
@@ -159,12 +161,21 @@ class StaticKVCache:
 
     def compact(self, slot: int, start: int, nodes: list[int]) -> None:
         """Move the entries at ``start + nodes[i]`` to ``start + i`` in every layer."""
-        if nodes == list(range(len(nodes))):
+        self.compact_all([(slot, start, nodes)])
+
+    def compact_all(self, moves: list[tuple[int, int, list[int]]]) -> None:
+        """``compact`` of several ``(slot, start, nodes)`` at once: one index copied to the
+        device and one indexing op for a whole batch's accepted paths."""
+        places = [
+            (slot, start + i, start + node)
+            for slot, start, nodes in moves
+            if nodes != list(range(len(nodes)))
+            for i, node in enumerate(nodes)
+        ]
+        if not places:
             return
-        device = self.kv.device
-        src = torch.tensor(nodes, device=device) + start
-        dst = torch.arange(start, start + len(nodes), device=device)
-        self.kv[:, slot, :, dst] = self.kv[:, slot, :, src]
+        slots, dst, src = torch.tensor(places, device=self.kv.device).T
+        self.kv[:, slots, :, dst] = self.kv[:, slots, :, src]
 
 
 def exchange_slots(kv: torch.Tensor, a: int, b: int, length_a: int, length_b: int) -> None:

@@ -60,6 +60,9 @@ def step_logprobs(
     return emitted_logprobs(rows, tokens, top)
 
 
+# Prompt positions whose log-probabilities one forward computes at most (a [rows, V] tensor),
+# chunked prefill or not: prompt log-probabilities take bounded memory.
+PROMPT_LOGPROB_ROWS = 256
 ROWS_AT_ONCE = 64  # prompt positions normalised together: a [64, V] float64 tensor at most
 
 

@@ -3,13 +3,15 @@
 Pure arithmetic over measured numbers (``memory_probe.py`` measures them): each device may use
 ``utilization × total`` bytes; what other processes (and the CUDA context) hold, the weights of
 the models on it and the largest activation peak of one forward (forwards run one at a time)
-come off first, and what is left holds KV caches of ``capacity`` tokens per sequence for every
-model on the device. The engine decodes at most ``min(max_batch, what fits on every device)``
-sequences; a setting under which not one sequence fits is an error before any request. A paged
-cache (``paged_kv.py``) is planned in its blocks: each sequence's capacity rounded up to whole
-blocks: the room left holds that many blocks, which up to ``max_batch`` sequences take as they
-grow (a pool holds at least one whole sequence; running sequences are preempted when it runs
-out, ``Engine._make_room``), as vLLM plans its blocks; the plan's line says how many.
+come off first (CUDA graphs' pool too), and what is left holds KV caches of ``capacity``
+tokens per sequence for every model on the device (with CUDA graphs, each sequence's share of
+their logits buffer and mask too). The engine decodes at most
+``min(max_batch, what fits on every device)`` sequences; a setting under which not one sequence
+fits is an error before any request. A paged cache (``paged_kv.py``) is planned in its blocks:
+each sequence's capacity rounded up to whole blocks: the room left holds that many blocks, which
+up to ``max_batch`` sequences take as they grow (a pool holds at least one whole sequence;
+running sequences are preempted when it runs out, ``Engine._make_room``), as vLLM plans its
+blocks; the plan's line says how many.
 
 The context length is the model's to bound: ``max_model_len`` defaults to the config's
 ``max_position_embeddings`` (capped at ``UNPLANNED_DEFAULT_LEN`` where no memory is planned, so
@@ -54,8 +56,11 @@ def resolve_max_model_len(requested: int | None, model_limit: int | None, planne
 @dataclass(frozen=True)
 class ModelMemory:
     """One model as measured on its device: weights, one forward's activation peak, KV bytes per
-    cached token (all layers, keys and values), and the positions per block of its KV cache
-    (0: static slots, each one block of a whole sequence's capacity)."""
+    cached token (all layers, keys and values), the positions per block of its KV cache (0:
+    static slots, each one block of a whole sequence's capacity), and with CUDA graphs what they
+    hold: their memory pool (the activations of the largest captured forward, kept between
+    replays) and, per sequence slot, a row of the logits buffer the graphs share and of the mask
+    a replay makes over the attended span."""
 
     name: str
     device: str
@@ -63,6 +68,8 @@ class ModelMemory:
     activation_peak: int
     kv_bytes_per_token: int
     block_size: int = 0
+    graph_pool: int = 0
+    graph_bytes_per_sequence: int = 0
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,9 @@ class MemoryPlan:
             f"sequences, {whole} blocks each at {self.capacity} tokens"
         )
 
+    def graph_bytes(self, model: ModelMemory) -> int:
+        return model.graph_pool + self.sequences * model.graph_bytes_per_sequence
+
     def lines(self) -> list[str]:
         """One line per model, as the engine logs them at start."""
         by_device = {d.device: d for d in self.devices}
@@ -128,9 +138,10 @@ class MemoryPlan:
         for model in self.models:
             device = by_device[model.device]
             blocks, size = self.blocks(model)
+            graphs = f"CUDA graphs {gib(self.graph_bytes(model))}, " if self.graph_bytes(model) else ""
             lines.append(
                 f"memory plan: {model.name} on {model.device}: weights {gib(model.weights)}, "
-                f"activations {gib(model.activation_peak)}, KV {gib(self.kv_bytes(model))} "
+                f"activations {gib(model.activation_peak)}, {graphs}KV {gib(self.kv_bytes(model))} "
                 f"({self.shape(blocks, size)} at {model.kv_bytes_per_token} B/token); "
                 f"the device has room for {device.fits} sequences at utilization "
                 f"{self.utilization:g} of {gib(device.total)}"
@@ -189,8 +200,11 @@ def device_plan(
     budget = round(memory.total * utilization)
     weights = sum(m.weights for m in models)
     activations = max((m.activation_peak for m in models), default=0)
-    kv_room = budget - memory.elsewhere - weights - activations
-    per_sequence = sum(sequence_positions(capacity, m.block_size) * m.kv_bytes_per_token for m in models)
+    kv_room = budget - memory.elsewhere - weights - activations - sum(m.graph_pool for m in models)
+    per_sequence = sum(
+        sequence_positions(capacity, m.block_size) * m.kv_bytes_per_token + m.graph_bytes_per_sequence
+        for m in models
+    )
     fits = max(0, max(0, kv_room) // per_sequence - scratch_slots) if per_sequence else 0
     sizes = {m.block_size for m in models}
     per_block = sum(m.kv_bytes_per_token for m in models) * max(sizes, default=0)

@@ -2,9 +2,10 @@
 
 On each planned device (CUDA): the weights of the models on it (each storage counted once, so
 a draft sharing the target's weights adds none), the activation peak of the largest forwards
-the engine runs (a verification forward of ``max_batch`` trees at the tree slack's width, and
-one prefill of ``max_model_len`` tokens) on short-lived probe runners, and what the device
-holds outside this process's allocator. CPUs are not planned: their caches stay
+the engine runs (a verification forward of ``max_batch`` trees at the tree slack's width, one
+prefill of ``max_model_len`` tokens, and a prompt chunk scored for its log-probabilities) on
+short-lived probe runners, what CUDA graphs hold where they run (``graph_memory``), and what
+the device holds outside this process's allocator. CPUs are not planned: their caches stay
 ``max_batch × max_model_len``.
 """
 
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from multiguess.engine.loaded_model import LoadedModel
+from multiguess.engine.logprobs import PROMPT_LOGPROB_ROWS, prompt_logprobs
 from multiguess.engine.memory_plan import (
     DeviceMemory,
     MemoryPlan,
@@ -29,6 +31,7 @@ from multiguess.engine.memory_plan import (
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.tree import TokenTree
 from multiguess.errors import InsufficientMemoryError
+from multiguess.params import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from multiguess.engine.config import EngineConfig
@@ -89,22 +92,21 @@ def probe(
     loaded: LoadedModel,
     meter: MemoryMeter,
     slots: int,
-    tree: TokenTree,
+    length: int,
     eager: bool,
     head_vocab: torch.Tensor | None,
     backend: str,
-    last_only: bool = False,
+    run: Callable[[NativeRunner], object],
 ) -> tuple[int, int, int]:
-    """(activation peak, KV bytes per token, positions per KV block) of one forward of ``slots``
-    copies of ``tree`` on a probe runner sized to them; its cache is allocated before the
+    """(activation peak, KV bytes per token, positions per KV block) of ``run`` on a probe
+    runner of ``slots`` slots of ``length`` tokens; its cache is allocated before the
     measurement starts."""
-    runner = NativeRunner(loaded, slots, len(tree), eager, head_vocab, backend)
-    per_token = runner.cache.bytes_per_token
-
-    def forward() -> None:
-        runner.forward_trees(list(range(slots)), [0] * slots, [tree] * slots, last_only=last_only)
-
-    return meter.peak(loaded.device, forward), per_token, runner.cache.block_size
+    runner = NativeRunner(loaded, slots, length, eager, head_vocab, backend)
+    return (
+        meter.peak(loaded.device, lambda: run(runner)),
+        runner.cache.bytes_per_token,
+        runner.cache.block_size,
+    )
 
 
 def measure_forwards(
@@ -116,22 +118,46 @@ def measure_forwards(
     eager: bool,
     head_vocab: torch.Tensor | None,
     backend: str,
-) -> tuple[int, int, int]:
-    """(activation peak, KV bytes per token, positions per KV block) of ``loaded``: the larger
-    peak of a verification forward of ``max_batch`` chains of ``width`` tokens and a prefill of
-    ``max_model_len - 1``."""
+) -> tuple[int, int, int, int]:
+    """(activation peak, KV bytes per token, positions per KV block, verification peak) of
+    ``loaded``: the peak is the largest of a verification forward of ``max_batch`` chains of
+    ``width`` tokens, a prefill of ``max_model_len - 1`` and a prompt chunk scored for its
+    log-probabilities (every position's logits, normalised as ``logprobs.prompt_logprobs`` does)."""
     chain = TokenTree.chain([0] * width)
     prompt = TokenTree.chain([0] * (max_model_len - 1))
+    scored = TokenTree.chain([0] * min(PROMPT_LOGPROB_ROWS, max_model_len - 1))
+
+    def verify(runner: NativeRunner) -> None:
+        runner.forward_trees(list(range(max_batch)), [0] * max_batch, [chain] * max_batch)
+
+    def prefill(runner: NativeRunner) -> None:
+        runner.forward_trees([0], [0], [prompt], last_only=True)
+        logits = runner.forward_trees([0], [0], [scored])
+        prompt_logprobs(logits[0], list(scored.tokens), MAX_LOGPROBS)
+
     try:
-        verify, per_token, block_size = probe(loaded, meter, max_batch, chain, eager, head_vocab, backend)
-        prefill, _, _ = probe(loaded, meter, 1, prompt, eager, head_vocab, backend, last_only=True)
+        verified, per_token, block_size = probe(
+            loaded, meter, max_batch, width, eager, head_vocab, backend, verify
+        )
+        prefilled, _, _ = probe(loaded, meter, 1, len(prompt), eager, head_vocab, backend, prefill)
     except torch.OutOfMemoryError as exc:
         raise InsufficientMemoryError(
             f"{loaded.device}: a verification forward of {max_batch} trees or a prefill of "
             f"{max_model_len} tokens of {loaded.name} does not fit in the memory left after the "
             f"weights; lower --max-batch or --max-model-len ({exc})"
         ) from exc
-    return max(verify, prefill), per_token, block_size
+    return max(verified, prefilled), per_token, block_size, verified
+
+
+def graph_memory(config: EngineConfig, verified: int, columns: int, capacity: int) -> tuple[int, int]:
+    """(pool, bytes per sequence) CUDA graphs hold, where the config runs them: the pool keeps
+    the largest captured forward's activations (a verification of the batch's widest trees:
+    ``verified``, its measured peak), and each sequence slot has a row of ``graph_width``
+    float32 logits over ``columns`` tokens in the shared buffer and of the replay's bool mask
+    over the ``capacity``."""
+    if not config.cuda_graphs:
+        return 0, 0
+    return verified, config.graph_width * (columns * 4 + capacity)
 
 
 def fit_to_memory(
@@ -154,7 +180,7 @@ def fit_to_memory(
         meter = meters[name]
         assert meter is not None
         vocab = loaded.draft_vocab if name == "draft" and config.draft_vocab else None
-        peak, per_token, block_size = measure_forwards(
+        peak, per_token, block_size, verified = measure_forwards(
             loaded,
             meter,
             config.max_batch,
@@ -167,7 +193,10 @@ def fit_to_memory(
         device = device_name(loaded.device)
         weights = weight_bytes(loaded.model, seen.setdefault(device, set()))
         block_size = 0 if config.cuda_graphs else block_size  # graphs index static slots
-        measured.append(ModelMemory(name, device, weights, peak, per_token, block_size))
+        columns = loaded.model.config.vocab_size if vocab is None else len(vocab)
+        capacity = config.max_model_len + config.tree_slack
+        pool, per_sequence = graph_memory(config, verified, columns, capacity)
+        measured.append(ModelMemory(name, device, weights, peak, per_token, block_size, pool, per_sequence))
     devices = {
         device_name(m.device): meters[name].device_memory(m.device)  # type: ignore[union-attr]
         for name, m in planned.items()

@@ -179,18 +179,28 @@ class PagedKVCache:
     def compact(self, slot: int, start: int, nodes: list[int]) -> None:
         """Move the entries at ``start + nodes[i]`` to ``start + i`` in every layer; the blocks
         past them (the tree's rejected rows) go back to the pool."""
-        end = start + len(nodes)
-        if nodes != list(range(len(nodes))):
-            self._own(slot, start, end)
-            table = torch.tensor(self.tables[slot])
-            src = torch.tensor(nodes) + start
-            dst = torch.arange(start, end)
-            size = self.block_size
-            device = self.kv.device
-            src_blocks, src_rows = table[src // size].to(device), (src % size).to(device)
-            dst_blocks, dst_rows = table[dst // size].to(device), (dst % size).to(device)
+        self.compact_all([(slot, start, nodes)])
+
+    def compact_all(self, moves: list[tuple[int, int, list[int]]]) -> None:
+        """``compact`` of several ``(slot, start, nodes)`` at once: the batch's (block, row)
+        places copied to the device in one tensor and moved by one indexing op."""
+        places = []
+        for slot, start, nodes in moves:
+            if nodes == list(range(len(nodes))):
+                continue
+            self._own(slot, start, start + len(nodes))
+            table = self.tables[slot]
+            for i, node in enumerate(nodes):
+                dst, src = start + i, start + node
+                places.append((table[src // self.block_size], src % self.block_size))
+                places.append((table[dst // self.block_size], dst % self.block_size))
+        if places:
+            src_blocks, src_rows, dst_blocks, dst_rows = (
+                torch.tensor(places, device=self.kv.device).view(-1, 4).T
+            )
             self.kv[:, dst_blocks, :, dst_rows] = self.kv[:, src_blocks, :, src_rows]
-        self.truncate(slot, end)
+        for slot, start, nodes in moves:
+            self.truncate(slot, start + len(nodes))
 
     # -- content ------------------------------------------------------------------------------
     def remember(self, slot: int, tokens: Tokens[int], scope: Hashable = None) -> None:

@@ -38,7 +38,8 @@ class NativeRunner:
     q/k/v and gate/up projections run fused; ``eager`` keeps plain products (no repacked
     weights, no kernels of multiguess's own): the escape hatch. ``backend`` names a device
     family's backend (``auto``: the device's own). ``cuda_graphs`` runs decode and verification
-    forwards through bucketed static shapes (``backends/cuda/graphs.py``), captured on CUDA.
+    forwards of up to ``graph_width`` nodes through bucketed static shapes (``backends/cuda/graphs.py``),
+    captured on CUDA.
     """
 
     def __init__(
@@ -51,6 +52,7 @@ class NativeRunner:
         backend: str = "auto",
         cuda_graphs: bool = False,
         kv_blocks: int | None = None,
+        graph_width: int = 128,
     ) -> None:
         model = loaded.model
         config = model.config
@@ -86,7 +88,7 @@ class NativeRunner:
         if head_vocab is not None and (subset := projection.rows(self.lm_head, head_vocab)):
             self.head, self.head_vocab = subset, head_vocab.to(self.device)
         self.backend.attach(self)
-        self.static = self.backend.static_forward(self) if cuda_graphs else None
+        self.static = self.backend.static_forward(self, graph_width) if cuda_graphs else None
 
     def _cache(self, num_slots: int, capacity: int, cuda_graphs: bool, kv_blocks: int | None) -> KVCache:
         """Paged where the backend reads pages (``kv_blocks`` in its pool; None: every slot's

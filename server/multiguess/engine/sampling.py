@@ -301,7 +301,12 @@ def position_noise(seed: int, positions: list[int], tokens: torch.Tensor) -> tor
 def key_noise(keys: list[int], tokens: torch.Tensor) -> torch.Tensor:
     """Exponential(1) noise ``[len(keys), len(tokens)]``: splitmix64 of each 64-bit key (as a
     signed integer) and token id, a function of the two alone."""
-    z = torch.tensor(keys, dtype=torch.long, device=tokens.device)[:, None] + tokens.long()[None, :] * _GOLDEN
+    return keyed_noise(torch.tensor(keys, dtype=torch.long, device=tokens.device), tokens)
+
+
+def keyed_noise(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``key_noise`` of keys already in a tensor ``[R]`` on the tokens' device."""
+    z = keys[:, None] + tokens.long()[None, :] * _GOLDEN
     z = (z ^ _shift(z, 30)) * _MIX1
     z = (z ^ _shift(z, 27)) * _MIX2
     z = z ^ _shift(z, 31)
@@ -351,6 +356,85 @@ def race_top(
     noise = position_noise(seed, distinct, ids)[rows]
     winners = torch.topk(racing.double() / noise, min(count, support), dim=-1).indices
     return winners if whole else columns[winners]
+
+
+# Settings columns of a ``settings_table``: temperature, top-k (the vocabulary when off), top-p,
+# whether the row truncates at all.
+SETTINGS_COLUMNS = 4
+
+
+def settings_table(rows: list[Processing], vocab: int) -> torch.Tensor:
+    """Each row's processing as a host float64 table ``[N, SETTINGS_COLUMNS]``, for the device
+    in one copy (``RowSettings``)."""
+    return torch.tensor(
+        [
+            (
+                r.temperature,
+                r.top_k if 0 < r.top_k < vocab else vocab,
+                r.top_p,
+                float(r.truncates(vocab)),
+            )
+            for r in rows
+        ],
+        dtype=torch.float64,
+    ).reshape(len(rows), SETTINGS_COLUMNS)
+
+
+@dataclass(frozen=True)
+class RowSettings:
+    """Per-row processing on the rows' device, from a ``settings_table``: what the batched
+    functions below read instead of a list of ``Processing`` (no host data per call).
+    ``truncating`` (known on the host) says whether any row truncates."""
+
+    temperature: torch.Tensor  # [N, 1] float64
+    top_k: torch.Tensor  # [N] long
+    top_p: torch.Tensor  # [N, 1] float64
+    truncated: torch.Tensor  # [N] bool
+    truncating: bool
+
+    @classmethod
+    def of(cls, table: torch.Tensor, truncating: bool) -> RowSettings:
+        return cls(table[:, 0:1], table[:, 1].long(), table[:, 2:3], table[:, 3] > 0, truncating)
+
+    def __getitem__(self, index: torch.Tensor | slice) -> RowSettings:
+        return RowSettings(
+            self.temperature[index],
+            self.top_k[index],
+            self.top_p[index],
+            self.truncated[index],
+            self.truncating,
+        )
+
+
+def processed_rows(logits: torch.Tensor, settings: RowSettings) -> torch.Tensor:
+    """``processed_probs`` of rows ``[N, V]`` with device-side settings, without reading
+    anything back: truncating rows are sorted whole (``sorted_processed_probs``), since
+    choosing a prefix per row needs the host to look."""
+    scores = logits.double() / settings.temperature
+    plain = torch.softmax(scores, dim=-1)
+    if not settings.truncating:
+        return plain
+    return torch.where(settings.truncated[:, None], _sorted(scores, settings.top_k, settings.top_p), plain)
+
+
+def raced_rows(logits: torch.Tensor, settings: RowSettings, keys: torch.Tensor) -> torch.Tensor:
+    """The winner ``[N]`` of each row's race under the noise of ``keys[i]`` (``keyed_noise``):
+    ``scored_choice`` for a row that does not truncate, the race over its processed
+    probabilities (``race_top``'s first winner) for one that does."""
+    noise = keyed_noise(keys, torch.arange(logits.shape[-1], device=logits.device))
+    scored = (logits.double() / settings.temperature - torch.log(noise)).argmax(dim=-1)
+    if not settings.truncating:
+        return scored
+    probs = processed_rows(logits, settings)
+    return torch.where(settings.truncated, (probs / noise).argmax(dim=-1), scored)
+
+
+def drawn_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` ``[N, V]`` by the inverse CDF at ``uniforms`` ``[N]``
+    (``draw`` for every row at once)."""
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    at = (uniforms.double() * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, at, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
 
 
 class Generators:

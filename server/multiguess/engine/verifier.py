@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from multiguess.engine.acceptance import Acceptance, SeededChoices, accept_greedy, accept_sampled
+from multiguess.engine.batch_acceptance import accept_batch
 from multiguess.engine.drafter import Proposal
 from multiguess.engine.penalties import node_logits
 from multiguess.engine.sampling import NodeDistributions
@@ -31,22 +32,28 @@ class Verdict:
 
 
 def accept_trees(
-    batch: list[Sequence], proposals: list[Proposal], logits: torch.Tensor, eos_ids: frozenset[int]
+    batch: list[Sequence],
+    proposals: list[Proposal],
+    logits: torch.Tensor,
+    eos_ids: frozenset[int],
+    batched: bool,
 ) -> list[Verdict]:
-    """Each sequence's verdict on its tree from the verification forward's ``logits``."""
+    """Each sequence's verdict on its tree from the verification forward's ``logits``: for the
+    whole batch in tensor ops on the device, read back once (``batched``:
+    ``batch_acceptance.py``), or node by node on the host (the CPU family's kernels)."""
     rows = [
         node_logits(seq, p.tree, logits[b], eos_ids)
         for b, (seq, p) in enumerate(zip(batch, proposals, strict=True))
     ]
     target_probs = target_distributions(batch, rows)
-    return [
-        Verdict(
-            accept_tree(seq, proposal, rows[b], target_probs.get(b), logits.device),
-            rows[b],
-            target_probs.get(b),
-        )
-        for b, (seq, proposal) in enumerate(zip(batch, proposals, strict=True))
-    ]
+    if batched:
+        acceptances = accept_batch(batch, proposals, logits, rows)
+    else:
+        acceptances = [
+            accept_tree(seq, proposal, rows[b], target_probs.get(b), logits.device)
+            for b, (seq, proposal) in enumerate(zip(batch, proposals, strict=True))
+        ]
+    return [Verdict(acceptance, rows[b], target_probs.get(b)) for b, acceptance in enumerate(acceptances)]
 
 
 def accept_tree(

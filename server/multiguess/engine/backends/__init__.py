@@ -37,6 +37,9 @@ class Backend(Protocol):
     cost_tokens: int  # how many tokens the forward-cost curve is measured up to, at least
     attends_unmasked: bool  # whether forwards that see only their own prefix go without a mask
     pages_kv: bool  # whether its runners keep KV in blocks (``paged_kv.py``) rather than slots
+    # Whether a step accepts its whole batch in tensor ops on the device, read back once
+    # (``engine/batch_acceptance.py``), or node by node on the host with the family's kernels.
+    batched_acceptance: bool
 
     def attach(self, runner: ModelParts) -> None:
         """Prepare per-model state once the runner has built its projections and cache."""
@@ -48,9 +51,9 @@ class Backend(Protocol):
     def run_layers(self, runner: ModelParts, x: torch.Tensor, at: Placement) -> torch.Tensor:
         """Every decoder layer on ``x`` ``[B, T, D]``, writing keys and values into the cache."""
 
-    def static_forward(self, runner: ModelParts) -> StaticForward:
-        """Decode and verification forwards over bucketed static shapes (CUDA graphs where
-        captured); a family without them refuses with a ValueError."""
+    def static_forward(self, runner: ModelParts, max_width: int) -> StaticForward:
+        """Decode and verification forwards of up to ``max_width`` nodes over bucketed static
+        shapes (CUDA graphs where captured); a family without them refuses with a ValueError."""
 
 
 def backend_for(device: torch.device, dtype: torch.dtype, eager: bool, name: str = "auto") -> Backend:

@@ -34,6 +34,8 @@ class ModelParts(Protocol):
     num_kv_heads: int
     head_dim: int
     capacity: int  # tokens per cache slot
+    vocab_size: int
+    head_vocab: torch.Tensor | None  # the tokens the head scores (logit columns), None: all
     silu_gated: bool
 
     def attention_scale(self, i: int) -> float:

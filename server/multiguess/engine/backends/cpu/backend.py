@@ -75,6 +75,7 @@ class CpuBackend:
     cost_tokens = 0  # the policy's own token budget bounds the curve
     attends_unmasked = False  # the kernels take one mask layout, and masking costs them little
     pages_kv = False  # the layer kernels read and write the static slot layout
+    batched_acceptance = False  # rows processed only along the accepted path, by the C kernels
 
     def __init__(self, dtype: torch.dtype, eager: bool) -> None:
         self.packed = not eager and packing_supported(dtype)
@@ -124,7 +125,7 @@ class CpuBackend:
         mask = torch.zeros(visible.shape, dtype=self.attn_dtype, device=visible.device)
         return mask.masked_fill_(~visible, float("-inf"))
 
-    def static_forward(self, runner: ModelParts) -> StaticForward:
+    def static_forward(self, runner: ModelParts, max_width: int) -> StaticForward:
         raise ValueError("CUDA graphs run on the torch backend (GPUs); this runner uses the CPU's")
 
     def run_layers(self, runner: ModelParts, x: torch.Tensor, at: Placement) -> torch.Tensor:

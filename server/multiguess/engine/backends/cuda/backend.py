@@ -30,6 +30,7 @@ class TorchBackend:
     cost_tokens = 128  # GPUs verify tens of tokens for about the price of one
     attends_unmasked = True
     pages_kv = True
+    batched_acceptance = True  # the host reads a step's outcome once
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.attn_dtype = dtype
@@ -51,5 +52,5 @@ class TorchBackend:
     def run_layers(self, runner: ModelParts, x: torch.Tensor, at: Placement) -> torch.Tensor:
         return torch_layers.run_layers(runner, x, at, attention)
 
-    def static_forward(self, runner: ModelParts) -> StaticForward:
-        return StaticForward(runner)
+    def static_forward(self, runner: ModelParts, max_width: int) -> StaticForward:
+        return StaticForward(runner, max_width)
