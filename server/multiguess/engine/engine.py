@@ -32,7 +32,8 @@ from multiguess.engine.adaptive import (
 )
 from multiguess.engine.admission import next_admission
 from multiguess.engine.config import PREFILL_PAUSE_STEPS, EngineConfig
-from multiguess.engine.drafter import Drafter, DraftRequest, ModelDrafter, Proposal, SampleSpec, TreeBudget
+from multiguess.engine.drafter import DraftRequest, Proposal, SampleSpec, TreeBudget
+from multiguess.engine.drafters.base import Drafter
 from multiguess.engine.grammar import Grammars
 from multiguess.engine.guard import fallback_reason
 from multiguess.engine.loaded_model import LoadedModel
@@ -162,25 +163,18 @@ def check_prompt_ids(prompt_ids: list[int], vocab: int) -> None:
 
 class Engine:
     def __init__(
-        self,
-        target: LoadedModel,
-        draft: LoadedModel | None = None,
-        config: EngineConfig | None = None,
-        drafter: Drafter | None = None,
+        self, target: LoadedModel, drafter: Drafter | None = None, config: EngineConfig | None = None
     ) -> None:
-        self.config, self.memory_plan = fit_to_memory(
-            config or EngineConfig(), target, draft if drafter is None else None
-        )
+        """Serves ``target`` with ``drafter`` (``multiguess.drafting.build_drafter``; None: plain
+        decoding): the memory plan counts what the drafter holds, then sizes its caches too."""
+        self.config, self.memory_plan = fit_to_memory(config or EngineConfig(), target, drafter)
         self.tokenizer = target.tokenizer
         capacity = self.config.max_model_len + self.config.tree_slack
         runner = {"backend": self.config.backend, "cuda_graphs": self.config.cuda_graphs}
         eager = self.config.eager
         self.target = NativeRunner(target, self.config.max_batch, capacity, eager, **runner)
-        if drafter is None and draft is not None:
-            vocab = draft.draft_vocab if self.config.draft_vocab else None
-            drafter = ModelDrafter(
-                NativeRunner(draft, self.config.max_batch, capacity, eager, vocab, **runner)
-            )
+        if drafter is not None:
+            drafter.start(self.config.max_batch, capacity, self.config)
         self.drafter = drafter
         self.eos_ids = frozenset(eos_token_ids(target))
         self.grammars = Grammars(self.tokenizer, self.target.vocab_size, self.eos_ids)
@@ -202,7 +196,7 @@ class Engine:
             (True, False), policy.initial(self.config.num_candidates, self.config.depth)
         )
         self.probes = ProbeSchedule(policy.probe_every)
-        # Measured whatever the drafter: a server attaches a remote drafter after construction.
+        # Measured whatever the drafter: copy drafts are priced by it too.
         self.forward_cost = ForwardCost()
         if self.config.adaptive:
             limit = max(policy.token_budget, self.config.max_batch, self.target.backend.cost_tokens)
@@ -424,12 +418,11 @@ class Engine:
 
     def _prefill_draft(self, seq: Sequence) -> None:
         """The draft catches up on what the target has cached of ``seq``'s prompt (drafters
-        without ``prefill`` catch up at their first proposal)."""
-        prefill = getattr(self.drafter, "prefill", None)
-        if prefill is None:
+        that do not ``prefills`` catch up at their first proposal)."""
+        if self.drafter is None or not self.drafter.prefills:
             return
         try:
-            prefill(seq.slot, seq.prompt_ids[: seq.cache_len + 1])
+            self.drafter.prefill(seq.slot, seq.prompt_ids[: seq.cache_len + 1])
         except Exception as exc:  # a failing drafter must never fail a request
             self._decode_without_drafter(exc, [seq])
 
@@ -463,13 +456,13 @@ class Engine:
     def _feature_layers(self) -> tuple[int, ...]:
         """The target layers whose hidden states the drafter reads (EAGLE-3); every target
         forward captures them then, and none otherwise."""
-        return tuple(getattr(self.drafter, "feature_layers", ())) if self.drafter is not None else ()
+        return self.drafter.feature_layers if self.drafter is not None else ()
 
     def _hand_features(self, seq: Sequence, position: int, features: torch.Tensor) -> None:
         """The target's features of ``seq`` from ``position`` on, for the drafter's next proposal."""
         assert self.drafter is not None
         try:
-            self.drafter.add_features(seq.slot, position, features)  # type: ignore[attr-defined]
+            self.drafter.add_features(seq.slot, position, features)
         except Exception as exc:  # a failing drafter must never fail a request
             self._decode_without_drafter(exc, [seq])
 
@@ -543,7 +536,7 @@ class Engine:
     def _propose(self, batch: list[Sequence]) -> list[Proposal]:
         proposals = [Proposal(TokenTree.chain([s.token_ids[-1]])) for s in batch]
         base = [1.0] * len(batch)  # tokens each sequence's tree is expected to yield
-        if self.drafter is not None and not getattr(self.drafter, "copy_only", False):
+        if self.drafter is not None and not self.drafter.copy_only:
             self._draft(batch, proposals, base)
         self._graft_copies(batch, proposals, base)
         return proposals
@@ -589,7 +582,7 @@ class Engine:
         copies alone is deterministic); under a grammar, only a prediction's chain, cut where
         the grammar stops allowing it."""
         cfg = self.config
-        copying = bool(cfg.prompt_lookup) and getattr(self.drafter, "takes_grafts", False)
+        copying = bool(cfg.prompt_lookup) and self.drafter is not None and self.drafter.takes_grafts
         drafts: dict[int, tuple[TokenTree, tuple[float, ...], int, bool]] = {}
         for i, (seq, proposal) in enumerate(zip(batch, proposals, strict=True)):
             exact_for_any_tree = seq.params.greedy or seq.params.seed is not None or not proposal.draft_probs

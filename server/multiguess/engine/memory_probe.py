@@ -13,10 +13,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from multiguess.engine.drafters.base import DraftMemory
 from multiguess.engine.loaded_model import LoadedModel
 from multiguess.engine.memory_plan import (
     DeviceMemory,
@@ -32,6 +34,7 @@ from multiguess.errors import InsufficientMemoryError
 
 if TYPE_CHECKING:
     from multiguess.engine.config import EngineConfig
+    from multiguess.engine.drafters.base import Drafter
 
 log = logging.getLogger(__name__)
 
@@ -132,43 +135,49 @@ def measure_forwards(
     return max(verify, prefill), per_token
 
 
+def measure_model(
+    loaded: LoadedModel, meter: MemoryMeter, config: EngineConfig, head_vocab: torch.Tensor | None = None
+) -> tuple[int, int]:
+    """``measure_forwards`` of ``loaded`` in an engine of ``config`` (its context length resolved)."""
+    assert config.max_model_len is not None
+    return measure_forwards(
+        loaded,
+        meter,
+        config.max_batch,
+        config.tree_slack,
+        config.max_model_len,
+        config.eager,
+        head_vocab,
+        config.backend,
+    )
+
+
 def fit_to_memory(
-    config: EngineConfig, target: LoadedModel, draft: LoadedModel | None
+    config: EngineConfig, target: LoadedModel, drafter: Drafter | None
 ) -> tuple[EngineConfig, MemoryPlan | None]:
-    """``config`` with its context length resolved against the target's config and, where a
-    model is on a planned device, ``max_batch`` cut to the sequences whose caches fit."""
-    models = {"target": target} | ({} if draft is None else {"draft": draft})
-    meters = {name: meter_for(m.device) for name, m in models.items()}
-    planned = {name: m for name, m in models.items() if meters[name] is not None}
+    """``config`` with its context length resolved against the target's config and, where the
+    target or what the drafter holds (``Drafter.memory``: a draft model, an EAGLE-3 head) is on
+    a planned device, ``max_batch`` cut to the sequences whose caches fit."""
+    held = {"target": DraftMemory(target.device, (target.model,), partial(measure_model, target))}
+    drafted = drafter.memory() if drafter is not None else None
+    if drafted is not None:
+        held["draft"] = drafted
+    meters = {name: meter_for(h.device) for name, h in held.items()}
+    planned = {name: (h, meter) for name, h in held.items() if (meter := meters[name]) is not None}
     limit = getattr(target.model.config, "max_position_embeddings", None)
     config = replace(
         config, max_model_len=resolve_max_model_len(config.max_model_len, limit, planned=bool(planned))
     )
     if not planned:
         return config, None
-    assert config.max_model_len is not None
     measured, seen = [], {}
-    for name, loaded in planned.items():
-        meter = meters[name]
-        assert meter is not None
-        vocab = loaded.draft_vocab if name == "draft" and config.draft_vocab else None
-        peak, per_token = measure_forwards(
-            loaded,
-            meter,
-            config.max_batch,
-            config.tree_slack,
-            config.max_model_len,
-            config.eager,
-            vocab,
-            config.backend,
-        )
-        device = device_name(loaded.device)
-        weights = weight_bytes(loaded.model, seen.setdefault(device, set()))
+    for name, (h, meter) in planned.items():
+        peak, per_token = h.measure(meter, config)
+        device = device_name(h.device)
+        weights = sum(weight_bytes(module, seen.setdefault(device, set())) for module in h.weights)
         measured.append(ModelMemory(name, device, weights, peak, per_token))
-    devices = {
-        device_name(m.device): meters[name].device_memory(m.device)  # type: ignore[union-attr]
-        for name, m in planned.items()
-    }
+    devices = {device_name(h.device): meter.device_memory(h.device) for h, meter in planned.values()}
+    assert config.max_model_len is not None
     plan = plan_memory(
         measured,
         devices,
