@@ -22,6 +22,7 @@ from multiguess.drafting import DraftOptions, Serving, host_drafter
 from multiguess.engine.config import EngineConfig
 from multiguess.engine.drafter import DraftRequest, Proposal, TreeBudget
 from multiguess.engine.drafters.base import Drafter, WrappedDrafter
+from multiguess.engine.drafters.eagle3 import Eagle3Drafter
 from multiguess.engine.engine import Engine
 from multiguess.engine.guard import GuardedDrafter
 from multiguess.errors import IncompatibleDraftError
@@ -378,8 +379,9 @@ def test_the_draft_server_reads_only_the_targets_embeddings(
     target = load_model(str(small_vocab_target), dtype="float32")
     argv = ["serve-draft", "--drafter", "eagle3", "--draft", str(head), "--target", str(small_vocab_target),
             "--dtype", "float32", "--device", "cpu"]  # fmt: skip
-    loaded = load_draft(build_parser().parse_args(argv))
-    assert torch.equal(loaded.embed.weight, target.model.model.embed_tokens.weight)
+    hosted = load_draft(build_parser().parse_args(argv))
+    assert isinstance(hosted.drafter, Eagle3Drafter)
+    assert torch.equal(hosted.drafter.embed.weight, target.model.model.embed_tokens.weight)
     assert torch.equal(read_embedding(str(small_vocab_target)), target.model.model.embed_tokens.weight)
     own = tmp_path / "own-head"
     own.mkdir()
