@@ -23,8 +23,13 @@ class Faults:
 
 
 class FaultyDrafter(WrappedDrafter):
+    """``inner`` with injected faults. It offers neither prefill nor copy grafts: the drafter
+    catches up at its first proposal and every step's tree is its own, so each step of a request
+    asks it for a tree and the faults show (copy drafts alone would carry a step past them)."""
+
     def __init__(self, inner: Drafter, faults: Faults) -> None:
         super().__init__(inner)
+        self.takes_grafts = self.prefills = False
         self.faults = faults
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
