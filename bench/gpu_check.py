@@ -84,9 +84,10 @@ if __name__ == "__main__" and version_problems(INSTALLED):
 
 from multiguess.engine.backends import backend_for  # noqa: E402
 from multiguess.engine.config import EngineConfig  # noqa: E402
+from multiguess.engine.drafters.model import ModelDrafter  # noqa: E402
+from multiguess.engine.drafters.ngram import NgramDrafter  # noqa: E402
 from multiguess.engine.engine import Engine  # noqa: E402
 from multiguess.engine.loaded_model import LoadedModel  # noqa: E402
-from multiguess.engine.ngram import NgramDrafter  # noqa: E402
 from multiguess.engine.placement import region_attention_mask  # noqa: E402
 from multiguess.engine.sampling import Processing, processed_probs  # noqa: E402
 from multiguess.errors import EngineConfigError, InsufficientMemoryError  # noqa: E402
@@ -413,6 +414,11 @@ def identical(a: list[list[int]], b: list[list[int]]) -> str:
     return f"{sum(x == y for x, y in zip(a, b, strict=True))}/{len(b)}"
 
 
+def drafting(draft: LoadedModel | None) -> ModelDrafter | None:
+    """The draft model's drafter (None: plain decoding)."""
+    return None if draft is None else ModelDrafter(draft)
+
+
 def engine_config(k: int, depth: int, max_batch: int, max_model_len: int, **kw: object) -> EngineConfig:
     return EngineConfig(k, depth, 16, max_batch, max_model_len, adaptive=False, **kw)
 
@@ -492,18 +498,18 @@ def lossless_greedy(p: Profile, section: Section, budget: Budget) -> None:
     section.row(
         "transformers generate, fp32", "info", identical_to_plain=identical(hf.outputs, plain.outputs[:1])
     )
-    cases = {  # name: (draft, num_candidates, depth, drafter, adaptive)
-        "tree k=3 depth=4": (lambda: draft, 3, 4, None, False),
-        "chain depth=4": (lambda: draft, 1, 4, None, False),
-        "draft = target, tree": (lambda: target, 3, 4, None, False),
-        "n-gram": (lambda: None, 3, 4, NgramDrafter, False),
-        "adaptive tree (the policy, its probes and observations)": (lambda: draft, 3, 4, None, True),
+    cases = {  # name: (drafter, num_candidates, depth, adaptive)
+        "tree k=3 depth=4": (lambda: ModelDrafter(draft), 3, 4, False),
+        "chain depth=4": (lambda: ModelDrafter(draft), 1, 4, False),
+        "draft = target, tree": (lambda: ModelDrafter(target), 3, 4, False),
+        "n-gram": (NgramDrafter, 3, 4, False),
+        "adaptive tree (the policy, its probes and observations)": (lambda: ModelDrafter(draft), 3, 4, True),
     }
-    for name, (which, k, depth, drafter, adaptive) in cases.items():
+    for name, (drafter, k, depth, adaptive) in cases.items():
         for together in (False, True):
             budget.check(f"greedy {name}")
             config = replace(engine_config(k, depth, len(prompts), max_len), adaptive=adaptive)
-            engine = Engine(target, which(), config, drafter() if drafter else None)
+            engine = Engine(target, drafter(), config)
             out = engine_decode(engine, prompts, params, together)
             same = identical(out.outputs, plain.outputs)
             section.row(
@@ -517,7 +523,7 @@ def lossless_greedy(p: Profile, section: Section, budget: Budget) -> None:
         low = random_llama(shape, p.device, p.dtype, seed=1, sharpen=8.0)
         ref = engine_decode(Engine(low, None, engine_config(3, 4, 1, max_len)), prompts, params, False)
         tree = engine_decode(
-            Engine(low, low, engine_config(3, 4, len(prompts), max_len)), prompts, params, True
+            Engine(low, ModelDrafter(low), engine_config(3, 4, len(prompts), max_len)), prompts, params, True
         )
         section.row(
             f"greedy tree (draft = target), batched, {str(p.dtype).removeprefix('torch.')}",
@@ -614,7 +620,7 @@ def sampling_exactness(p: Profile, section: Section, budget: Budget) -> None:
     for shape, k, depth, setting, seeded in p.sampling_cases:
         budget.check(f"sampling {shape} {setting}")
         processing = SAMPLING_SETTINGS[setting]
-        engine = Engine(target, draft, replace(config, num_candidates=k, depth=depth))
+        engine = Engine(target, drafting(draft), replace(config, num_candidates=k, depth=depth))
         samples = sample_through(engine, prompt, processing, p.samples, length, seeded)
         pvalue = chi_square_pvalue(samples, exact_distribution(host.model, prompt, length, processing))
         section.row(
@@ -664,8 +670,12 @@ def speed(p: Profile, shape: Shape, section: Section, budget: Budget, models: di
         "plain": lambda: Engine(target, None, engine_config(3, 4, p.batch, max_len))
     }
     for label, draft in drafts.items():
-        engines[f"chain, {label}"] = lambda d=draft: Engine(target, d, engine_config(1, 4, p.batch, max_len))
-        engines[f"tree, {label}"] = lambda d=draft: Engine(target, d, engine_config(3, 4, p.batch, max_len))
+        engines[f"chain, {label}"] = lambda d=draft: Engine(
+            target, drafting(d), engine_config(1, 4, p.batch, max_len)
+        )
+        engines[f"tree, {label}"] = lambda d=draft: Engine(
+            target, drafting(d), engine_config(3, 4, p.batch, max_len)
+        )
     warm = random_prompts(1, 8, shape.vocab, seed=23)
     for together, prompts in ((False, batch1), (True, batched)):
         mode = f"batch {len(prompts)}" if together else "batch 1"
@@ -746,7 +756,7 @@ def embedded_pair(p: Profile, section: Section, budget: Budget) -> None:
     for name, (d, k) in {"plain": (None, 3), "chain": (draft, 1), "tree": (draft, 3)}.items():
         budget.check(f"embedded {name}")
         out = engine_decode(
-            Engine(target, d, engine_config(k, 4, 1, max_len)), prompts, params, together=False
+            Engine(target, drafting(d), engine_config(k, 4, 1, max_len)), prompts, params, together=False
         )
         plain = plain or out
         row = section.row(
@@ -799,7 +809,7 @@ def graphs_against_eager(
             budget.check(label)
             runs = {}
             for graphs in (False, True):
-                engine = Engine(target, d, replace(config, cuda_graphs=graphs))
+                engine = Engine(target, drafting(d), replace(config, cuda_graphs=graphs))
                 if timed and p.device.startswith("cuda"):  # the CPU captures nothing: no warm-up
                     engine_decode(engine, prompts, params, together)
                 runs[graphs] = engine_decode(engine, prompts, params, together)
@@ -836,7 +846,7 @@ def memory_plan(p: Profile, section: Section, budget: Budget, models: dict[str, 
         section.row("max_model_len above the config's limit", "FAIL", note="no error")
     except EngineConfigError as exc:
         section.row("max_model_len above the config's limit", "pass", note=str(exc)[:120])
-    engine = Engine(target, draft, config)
+    engine = Engine(target, drafting(draft), config)
     plan = engine.memory_plan
     if plan is None:
         section.row(
@@ -864,7 +874,7 @@ def memory_plan(p: Profile, section: Section, budget: Budget, models: dict[str, 
     free_device()
     budget.check("the oversized setting")
     try:
-        Engine(target, draft, replace(config, gpu_memory_utilization=0.05))
+        Engine(target, drafting(draft), replace(config, gpu_memory_utilization=0.05))
         section.row("utilization 0.05 (cannot fit)", "FAIL", note="no error")
     except InsufficientMemoryError as exc:
         section.row("utilization 0.05 (cannot fit)", "pass", note=str(exc)[:160])
@@ -890,7 +900,7 @@ def long_context(p: Profile, section: Section, budget: Budget, models: dict[str,
         adaptive=False,
         gpu_memory_utilization=0.9,
     )
-    engine = Engine(target, draft, config)
+    engine = Engine(target, drafting(draft), config)
     plan = engine.memory_plan
     if plan is not None:
         section.row(

@@ -39,12 +39,13 @@ import httpx
 import torch
 import uvicorn
 from local_server import free_port, start_ready
+from multiguess.drafting import DraftOptions, Serving, build_drafter, remote_drafter
 from multiguess.engine.config import EngineConfig
 from multiguess.engine.drafter import TreeBudget
+from multiguess.engine.drafters.base import Drafter, WrappedDrafter
 from multiguess.engine.engine import Engine
 from multiguess.engine.tree import TokenTree
 from multiguess.llm import load_pair
-from multiguess.models.eagle3_checkpoint import eagle3_drafter
 from multiguess.params import SamplingParams
 from multiguess.provenance import provenance
 from multiguess.remote.client import RemoteDrafter
@@ -110,12 +111,14 @@ def transport(repeats: int) -> dict[str, Any]:
     return results
 
 
-class Timed:
+class Timed(WrappedDrafter):
     """Wraps a drafter and records how long each ``propose`` took (and, for a remote drafter,
     the part of it not spent computing on the server)."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.times, self.wire = inner, [], []
+    def __init__(self, inner: Drafter) -> None:
+        super().__init__(inner)
+        self.times: list[float] = []
+        self.wire: list[float] = []
 
     def propose(self, requests: list) -> list:
         start = time.perf_counter()
@@ -125,10 +128,6 @@ class Timed:
             round_trip, server = self.inner.last_timing
             self.wire.append(round_trip - server)
         return proposals
-
-    def __getattr__(self, name: str) -> Any:
-        """The rest of the drafter interface (commit, release, move, observe, ...) as is."""
-        return getattr(self.inner, name)
 
 
 def decode(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
@@ -182,22 +181,19 @@ def engine_comparison(args: argparse.Namespace) -> dict[str, Any]:
     config = EngineConfig(
         args.num_candidates, args.depth, args.max_nodes, max_batch=args.batch, adaptive=False
     )
-    local = Engine(target, draft, config)
     scratch = tempfile.TemporaryDirectory()
     head = (args.head or random_head(target, Path(scratch.name) / "head")) if eagle3 else None
-    if head is not None:
-        local.drafter = eagle3_drafter(head, local.target)
-    local_timer = Timed(local.drafter)
-    local.drafter = local_timer
+    drafter = build_drafter(args.drafter, target, DraftOptions(str(head) if head else None, loaded=draft))
+    assert drafter is not None
+    local_timer = Timed(drafter)
+    local = Engine(target, local_timer, config)
     port = free_port()
     server = start_draft_server(port, args.threads, head)
     try:
-        client = RemoteDrafter(
-            f"http://127.0.0.1:{port}", tok, step_timeout=60, target_config=target.model.config
-        )
-        client.connect()
+        client = remote_drafter(target, Serving(step_timeout=60, url=f"http://127.0.0.1:{port}"))
+        assert isinstance(client, RemoteDrafter)
         remote_timer = Timed(client)
-        remote = Engine(target, None, config, drafter=remote_timer)
+        remote = Engine(target, remote_timer, config)
         runs: dict[str, list[dict[str, float]]] = {"local": [], "remote": []}
         decode(local, prompts, 8)  # warm both paths up
         decode(remote, prompts, 8)

@@ -12,7 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from multiguess_operator.names import INSTANCE_LABEL, MANAGED_BY_LABEL, MANAGER
-from multiguess_operator.spec import DeploymentSpec, DraftSpec, GpuSpec, ResourceSpec
+from multiguess_operator.spec import (
+    DRAFT_SERVER_READS_TARGET,
+    DeploymentSpec,
+    DraftSpec,
+    GpuSpec,
+    ResourceSpec,
+)
 
 DRAFT_PORT = 8001
 CACHE_DIR = "/models"
@@ -136,7 +142,11 @@ def draft_deployment(
     """Draft pods of ``placement: separate``: the draft's own dtype, resources and scheduling. An
     EAGLE-3 head's pods also name the target: they read its config, tokenizer and embeddings."""
     s = spec.speculation
-    head = [{"name": "MULTIGUESS_TARGET", "value": spec.target.model}] if s.drafter == "eagle3" else []
+    head = (
+        [{"name": "MULTIGUESS_TARGET", "value": spec.target.model}]
+        if s.drafter in DRAFT_SERVER_READS_TARGET
+        else []
+    )
     env = [
         {"name": "MULTIGUESS_DRAFTER", "value": s.drafter},
         *head,

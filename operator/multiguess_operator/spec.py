@@ -24,6 +24,11 @@ _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+# The server's drafters (its registry, ``multiguess.drafting.KINDS``), which the operator does
+# not import: tests/operator/test_drafters.py fails when these, or the CRD's enum and rules, differ.
+Drafter = Literal["model", "eagle3", "ngram", "suffix", "none"]
+READS_DRAFT = ("model", "eagle3")  # drafters that read a checkpoint: ``spec.draft``
+DRAFT_SERVER_READS_TARGET = ("eagle3",)  # whose draft pods read the target (config, tokenizer, embeddings)
 IntOrString = int | str
 
 
@@ -113,12 +118,12 @@ class SpeculationSpec:
     num_candidates: int = 3
     depth: int = 4
     max_nodes: int = 16
-    drafter: Literal["model", "eagle3", "ngram", "suffix", "none"] = "model"
+    drafter: Drafter = "model"
 
     @property
     def needs_draft(self) -> bool:
-        """``model`` and ``eagle3`` read a draft checkpoint (``spec.draft.model``)."""
-        return self.drafter in ("model", "eagle3")
+        """Whether the drafter reads a draft checkpoint (``spec.draft.model``)."""
+        return self.drafter in READS_DRAFT
 
 
 @dataclass(frozen=True)

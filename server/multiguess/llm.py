@@ -6,20 +6,35 @@ import inspect
 import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import MISSING, Field, asdict, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from multiguess.drafting import DraftOptions, Serving, build_drafter, check_drafter, load_draft_model
 from multiguess.engine.config import EngineConfig, ModelConfig, split_options
 from multiguess.engine.engine import Engine
 from multiguess.engine.loaded_model import LoadedModel
-from multiguess.engine.ngram import NgramDrafter
-from multiguess.engine.suffix import SuffixDrafter
-from multiguess.models.eagle3_checkpoint import eagle3_drafter, embedded_head
-from multiguess.models.loading import check_draft_compatible, load_model
-from multiguess.options import DRAFTERS
+from multiguess.models.loading import load_model
 from multiguess.outputs import CompletionOutput, RequestOutput
 from multiguess.params import SamplingParams
 
+if TYPE_CHECKING:
+    from multiguess.models.embedded import EmbeddedModels
+
 Prompt = str | list[int]
+
+
+def load_target(
+    target: str | None, dtype: str, device: str, quantization: str = "none"
+) -> tuple[LoadedModel, EmbeddedModels | None, str]:
+    """The target (``None``: the embedded pair's), the embedded pair when it is that one, and
+    the dtype setting its drafts follow (``auto`` is the embedded pair's own dtype)."""
+    embedded = None
+    if target is None:
+        from multiguess.models.embedded import prepare_embedded
+
+        embedded = prepare_embedded()
+        target = str(embedded.target)
+        dtype = embedded.dtype if dtype == "auto" else dtype
+    return load_model(target, dtype=dtype, device=device, quantization=quantization), embedded, dtype
 
 
 def load_pair(
@@ -33,31 +48,17 @@ def load_pair(
     draft_dtype: str | None = None,
     quantization: str = "none",
 ) -> tuple[LoadedModel, LoadedModel | None]:
-    """Load target and draft; ``target=None`` means the embedded default pair.
+    """Load target and draft model; ``target=None`` means the embedded default pair.
 
     ``speculate=False`` loads no draft model at all. ``draft_dtype`` None is the target's
     ``dtype`` setting; ``auto`` is resolved on each model's own device (a V100 draft beside an
     A100 target: fp16 and bf16). ``quantization`` is the target's (``load_model``).
     """
-    if target is None:
-        from multiguess.models.embedded import prepare_embedded
-
-        embedded = prepare_embedded()
-        target, draft = str(embedded.target), str(embedded.draft)
-        if draft_quantization is None:
-            draft_quantization = embedded.draft_quantization
-        dtype = embedded.dtype if dtype == "auto" else dtype
-    target_model = load_model(target, dtype=dtype, device=device, quantization=quantization)
-    if draft is None or not speculate:
+    target_model, embedded, dtype = load_target(target, dtype, device, quantization)
+    if not speculate:
         return target_model, None
-    draft_model = load_model(
-        draft,
-        dtype=draft_dtype or dtype,
-        device=draft_device or device,
-        quantization=draft_quantization or "none",
-    )
-    check_draft_compatible(target_model.tokenizer, draft_model.tokenizer)
-    return target_model, draft_model
+    options = DraftOptions(draft, draft_dtype or dtype, draft_device or device, draft_quantization, embedded)
+    return target_model, load_draft_model(target_model, options)
 
 
 def build_engine(
@@ -71,28 +72,18 @@ def build_engine(
     draft_quantization: str | None = None,
     draft_dtype: str | None = None,
     quantization: str = "none",
+    serving: Serving | None = None,
 ) -> Engine:
-    """An engine with the chosen drafter: a draft ``model``, an ``eagle3`` head (``draft`` is its
-    folder; the embedded target's shipped head by default), ``ngram`` lookup, ``suffix`` (copy
-    drafts alone: the sequence's own text and recent outputs, ``engine/suffix.py``), or ``none``."""
-    if drafter not in DRAFTERS:
-        raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}; got {drafter!r}")
-    target_model, draft_model = load_pair(
-        target,
-        draft,
-        dtype,
-        device,
-        draft_device,
-        draft_quantization,
-        drafter == "model",
-        draft_dtype,
-        quantization,
+    """An engine with the chosen drafter (``drafting.KINDS``): a draft ``model``, an ``eagle3``
+    head (``draft`` is its folder; the embedded target's shipped head by default), ``ngram``
+    lookup, ``suffix`` (copy drafts alone: the sequence's own text and recent outputs,
+    ``engine/suffix.py``), or ``none``; ``serving``: a server's (``drafting.Serving``)."""
+    check_drafter(drafter)
+    target_model, embedded, dtype = load_target(target, dtype, device, quantization)
+    options = DraftOptions(
+        draft, draft_dtype or dtype, draft_device or device, draft_quantization, embedded, serving=serving
     )
-    own = {"ngram": NgramDrafter, "suffix": SuffixDrafter}.get(drafter)
-    engine = Engine(target_model, draft_model, config, own() if own is not None else None)
-    if drafter == "eagle3":
-        engine.drafter = eagle3_drafter(draft or embedded_head(), engine.target)
-    return engine
+    return Engine(target_model, build_drafter(drafter, target_model, options), config)
 
 
 def parameters() -> list[inspect.Parameter]:
@@ -121,13 +112,14 @@ class LLM:
     ``LLM()`` uses the embedded default pair. ``draft=None`` (with an explicit target) or
     ``drafter="none"`` is plain decoding through the same engine; ``drafter="ngram"`` drafts
     from the sequence itself, with no draft model, and ``drafter="suffix"`` copies alone.
+    ``serving`` (a server's, ``drafting.Serving``): the drafter runs inside the guard, or remotely.
     """
 
     SIGNATURE = inspect.Signature(parameters())
 
-    def __init__(self, *args: Any, **options: Any) -> None:
+    def __init__(self, *args: Any, serving: Serving | None = None, **options: Any) -> None:
         model, config = split_options(self.SIGNATURE.bind(*args, **options).arguments)
-        self.engine = build_engine(config, **asdict(model))
+        self.engine = build_engine(config, **asdict(model), serving=serving)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -16,6 +16,8 @@ from fastapi import FastAPI
 from multiguess.api import ServerSettings, create_app
 from multiguess.api.connections import ConnectionLimits, server_config
 from multiguess.engine.config import EngineConfig
+from multiguess.engine.drafters.base import Drafter
+from multiguess.engine.drafters.model import ModelDrafter
 from multiguess.engine.engine import Engine
 from multiguess.engine.guard import GuardedDrafter
 from multiguess.llm import load_pair
@@ -59,14 +61,14 @@ def tiny_loader(
         target_model, draft_model = load_pair(
             str(target), str(draft) if draft else None, "float32", "cpu", None, None
         )
-        engine = Engine(target_model, draft_model, config)
-        if engine.drafter is not None:
-            inner = FaultyDrafter(engine.drafter, faults) if faults else engine.drafter
+        drafter = None
+        if draft_model is not None:
+            inner: Drafter = ModelDrafter(draft_model)
+            inner = FaultyDrafter(inner, faults) if faults else inner
             clock = faults.clock if faults else time.monotonic
-            engine.drafter = GuardedDrafter(
-                inner, engine.target.vocab_size, step_timeout=step_timeout, cooldown=0.5, clock=clock
-            )
-        return engine
+            vocab = target_model.model.config.vocab_size
+            drafter = GuardedDrafter(inner, vocab, step_timeout=step_timeout, cooldown=0.5, clock=clock)
+        return Engine(target_model, drafter, config)
 
     return load
 

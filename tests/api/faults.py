@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from multiguess.engine.acceptance import Acceptance
-from multiguess.engine.drafter import Drafter, DraftRequest, Proposal, SampleSpec
+from multiguess.engine.drafter import DraftRequest, Proposal, SampleSpec
+from multiguess.engine.drafters.base import Drafter, WrappedDrafter
 
 
 @dataclass
@@ -22,9 +22,15 @@ class Faults:
         return time.monotonic() + self.skew
 
 
-class FaultyDrafter:
+class FaultyDrafter(WrappedDrafter):
+    """``inner`` with injected faults. It offers neither prefill nor copy grafts: the drafter
+    catches up at its first proposal and every step's tree is its own, so each step of a request
+    asks it for a tree and the faults show (copy drafts alone would carry a step past them)."""
+
     def __init__(self, inner: Drafter, faults: Faults) -> None:
-        self.inner, self.faults = inner, faults
+        super().__init__(inner)
+        self.takes_grafts = self.prefills = False
+        self.faults = faults
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         if self.faults.delay:
@@ -34,21 +40,6 @@ class FaultyDrafter:
             raise RuntimeError("injected draft failure")
         self.faults.proposals += 1
         return self.inner.propose(requests)
-
-    def commit(self, slot: int, proposal: Proposal, acceptance: Acceptance) -> None:
-        self.inner.commit(slot, proposal, acceptance)
-
-    def release(self, slot: int) -> None:
-        self.inner.release(slot)
-
-    def retain(self, slot: int, length: int) -> None:
-        self.inner.retain(slot, length)
-
-    def share(self, src: int, dst: int, length: int) -> int:
-        return self.inner.share(src, dst, length)
-
-    def move(self, src: int, dst: int) -> None:
-        self.inner.move(src, dst)
 
     def observe(
         self, slot: int, token_ids: list[int], width: int, since: int, sample: SampleSpec | None = None

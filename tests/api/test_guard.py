@@ -8,6 +8,7 @@ import pytest
 import torch
 from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.drafter import DraftRequest, Proposal, SampleSpec, TreeBudget
+from multiguess.engine.drafters.base import Drafter
 from multiguess.engine.guard import DrafterUnavailable, GuardedDrafter, InvalidDraft, proposal_problem
 from multiguess.engine.tree import TokenTree
 
@@ -22,7 +23,7 @@ class Clock:
         return self.now
 
 
-class ChainDrafter:
+class ChainDrafter(Drafter):
     """Proposes root + one fixed token; can be told to fail."""
 
     def __init__(self) -> None:

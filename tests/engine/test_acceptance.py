@@ -2,7 +2,7 @@
 
 import torch
 from multiguess.engine.acceptance import accept_greedy, accept_sampled
-from multiguess.engine.drafter import _Candidate, select_nodes
+from multiguess.engine.drafters.growing import Candidate, select_nodes
 from multiguess.engine.sampling import NodeDistributions, Processing
 from multiguess.engine.tree import TokenTree
 
@@ -43,10 +43,10 @@ def test_sampled_with_point_mass_target_is_deterministic() -> None:
 
 def test_select_nodes_keeps_tree_connected_and_sibling_prefixes() -> None:
     cands = [
-        _Candidate(1, -1, -0.1, 0),  # 0: child of root
-        _Candidate(2, -1, -3.0, 1),  # 1: second child of root (low score)
-        _Candidate(3, -1, -0.2, 2),  # 2: third child: needs 1 first
-        _Candidate(4, 0, -0.3, 0),  # 3: child of 0
+        Candidate(1, -1, -0.1, 0),  # 0: child of root
+        Candidate(2, -1, -3.0, 1),  # 1: second child of root (low score)
+        Candidate(3, -1, -0.2, 2),  # 2: third child: needs 1 first
+        Candidate(4, 0, -0.3, 0),  # 3: child of 0
     ]
     assert select_nodes(cands, 2) == [0, 3]
     assert select_nodes(cands, 3) == [0, 1, 3]
@@ -55,10 +55,10 @@ def test_select_nodes_keeps_tree_connected_and_sibling_prefixes() -> None:
 
 def test_select_nodes_always_keeps_the_spine() -> None:
     cands = [
-        _Candidate(1, -1, -0.1, 0, spine=True),  # 0
-        _Candidate(2, -1, -0.2, 1),  # 1
-        _Candidate(3, 0, -5.0, 0, spine=True),  # 2: improbable, but chain speculation drafts it
-        _Candidate(4, 1, -0.3, 0),  # 3
+        Candidate(1, -1, -0.1, 0, spine=True),  # 0
+        Candidate(2, -1, -0.2, 1),  # 1
+        Candidate(3, 0, -5.0, 0, spine=True),  # 2: improbable, but chain speculation drafts it
+        Candidate(4, 1, -0.3, 0),  # 3
     ]
     assert select_nodes(cands, 2) == [0, 2]
     assert select_nodes(cands, 3) == [0, 1, 2]

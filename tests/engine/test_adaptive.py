@@ -15,13 +15,14 @@ from multiguess.engine.adaptive import (
     level_outcomes,
 )
 from multiguess.engine.config import EngineConfig
-from multiguess.engine.drafter import DraftRequest, ModelDrafter, SampleSpec, TreeBudget
+from multiguess.engine.drafter import DraftRequest, SampleSpec, TreeBudget
+from multiguess.engine.drafters.model import ModelDrafter
 from multiguess.engine.engine import Engine
-from multiguess.engine.runner import NativeRunner
 from multiguess.engine.sampling import Generators, Processing
 from multiguess.engine.tree import TokenTree
 from multiguess.models.loading import load_model
 
+from tests.drafters import model_drafter
 from tests.engine.test_lossless import random_prompts, reference
 
 BASE = TreeBudget(num_candidates=3, depth=6, max_nodes=16)
@@ -250,9 +251,10 @@ def test_new_requests_start_from_the_rate_measured_on_earlier_ones(
     config = EngineConfig(max_batch=4, max_model_len=128, policy=AdaptivePolicy(min_speedup=0.0))
     target = load_model(str(tiny_llama), dtype="float32")
     for draft in (tiny_llama, tiny_llama_draft):
-        engine = Engine(target, load_model(str(draft), dtype="float32"), config)
-        # before anything was drafted
-        assert engine.planner.coverage[True] == config.policy.initial(3, config.depth)
+        engine = Engine(target, ModelDrafter(load_model(str(draft), dtype="float32")), config)
+        assert engine.planner.coverage[True] == config.policy.initial(
+            3, config.depth
+        )  # before anything was drafted
         for i, prompt in enumerate(random_prompts(4, (6, 12))):
             engine.add_request(str(i), prompt, SamplingParams(max_tokens=24, ignore_eos=True))
         while engine.has_unfinished():
@@ -267,7 +269,7 @@ def test_sampled_requests_keep_their_own_estimates(tiny_llama: Path, tiny_llama_
     benchmark, sampled runs sharing an engine with greedy ones had halved its trees."""
     target, draft = (load_model(str(path), dtype="float32") for path in (tiny_llama, tiny_llama_draft))
     config = EngineConfig(max_batch=2, max_model_len=128, policy=AdaptivePolicy(min_speedup=0.0))
-    engine = Engine(target, draft, config)
+    engine = Engine(target, ModelDrafter(draft), config)
     for i, prompt in enumerate(random_prompts(5, (6, 12))):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True))
     while engine.has_unfinished():
@@ -286,7 +288,7 @@ def test_one_sequence_probes_at_a_time_the_one_observed_longest_ago(
     # No copy drafts: they would fill the fixed tree's padding in the others' trees.
     config = EngineConfig(3, 4, 16, max_batch=4, max_model_len=128, policy=policy, prompt_lookup=0)
     target, draft = (load_model(str(path), dtype="float32") for path in (tiny_llama, tiny_llama_draft))
-    engine = Engine(target, draft, config)
+    engine = Engine(target, ModelDrafter(draft), config)
     prompts = random_prompts(23, (5, 9, 14, 7))
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     seqs = [engine.add_request(str(i), prompt, params) for i, prompt in enumerate(prompts[:3])]
@@ -329,7 +331,7 @@ def test_observing_ranks_the_tokens_the_target_chose_and_catches_the_draft_up(ti
     model = load_model(str(tiny_llama), dtype="float32")
     prompt = random_prompts(5, (7,))[0]
     tokens = [*prompt, *reference(tiny_llama, [prompt], 12, ignore_eos=True)[0]]
-    drafters = [ModelDrafter(NativeRunner(model, 2, 64)) for _ in range(2)]
+    drafters = [model_drafter(model, 2, 64) for _ in range(2)]
     assert drafters[0].observe(0, tokens[:12], 3, 7) == [0] * 5  # the first 5 replies, not the prompt
     assert drafters[0].observe(0, tokens, 3, 7) == [0] * 6  # 7 more, less the first (no guess for it)
     shifted = [*prompt, *((t + 1) % 64 for t in tokens[7:])]
@@ -349,11 +351,11 @@ def test_a_seeded_sample_observes_the_winners_of_its_race(tiny_llama: Path) -> N
     reply = LLM(str(tiny_llama), None, dtype="float32").generate([prompt], params)[0].outputs[0].token_ids
     tokens = [*prompt, *reply]
     seeded = SampleSpec(Processing(1.0), Generators(11), coupled=True)
-    drafter = ModelDrafter(NativeRunner(model, 2, 64))
+    drafter = model_drafter(model, 2, 64)
     assert drafter.observe(0, tokens, 3, 7, seeded) == [0] * 14
     assert drafter.observe(0, [*tokens, 5], 3, 7, seeded) == []  # a new token, nothing to rank yet
     other = SampleSpec(Processing(1.0), Generators(12), coupled=True)  # another seed's noise
-    ranks = ModelDrafter(NativeRunner(model, 2, 64)).observe(0, tokens, 1, 7, other)
+    ranks = model_drafter(model, 2, 64).observe(0, tokens, 1, 7, other)
     assert ranks.count(0) < 10
 
 
@@ -367,7 +369,7 @@ def test_seeded_samples_probe_by_observation_unseeded_ones_with_trees(
     target, draft = (load_model(str(path), dtype="float32") for path in (tiny_llama, tiny_llama_draft))
     policy = AdaptivePolicy(min_speedup=100.0, probe_every=2, probe_every_max=2)
     config = EngineConfig(3, 4, 16, max_batch=1, max_model_len=128, policy=policy, prompt_lookup=0)
-    engine = Engine(target, draft, config)
+    engine = Engine(target, ModelDrafter(draft), config)
     prompt = random_prompts(25, (9,))[0]
     params = SamplingParams(max_tokens=30, temperature=1.0, seed=seed, ignore_eos=True)
     seq = engine.add_request("0", prompt, params)
@@ -391,7 +393,9 @@ def test_draft_cost_leaves_out_steps_that_caught_a_draft_cache_up(
     target, draft = (load_model(str(path), dtype="float32") for path in (tiny_llama, tiny_llama_draft))
     probing = AdaptivePolicy(min_speedup=100.0, probe_every=2, probe_every_max=2)
     for policy, measured in ((probing, False), (AdaptivePolicy(min_speedup=0.0), True)):
-        engine = Engine(target, draft, EngineConfig(3, 2, 6, max_batch=2, max_model_len=96, policy=policy))
+        engine = Engine(
+            target, ModelDrafter(draft), EngineConfig(3, 2, 6, max_batch=2, max_model_len=96, policy=policy)
+        )
         for i, prompt in enumerate(random_prompts(24, (30, 40))):  # sampled: greedy ones observe
             engine.add_request(
                 str(i), prompt, SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)

@@ -15,6 +15,7 @@ from multiguess import SamplingParams
 from multiguess.engine.acceptance import accept_greedy, accept_sampled_rows, accepted_paths
 from multiguess.engine.batch_acceptance import child_table
 from multiguess.engine.config import EngineConfig
+from multiguess.engine.drafters.model import ModelDrafter
 from multiguess.engine.engine import Engine
 from multiguess.engine.sampling import (
     Processing,
@@ -159,9 +160,9 @@ def test_batched_acceptance_gives_the_walks_tokens(
     prompts = random_prompts(31, (4, 13, 7))
     config = EngineConfig(3, 3, max_batch=4, max_model_len=128, adaptive=False)
     target, draft = load_model(str(tiny_llama), "float32"), load_model(str(tiny_llama_draft), "float32")
-    walked = Engine(target, draft, config)
+    walked = Engine(target, ModelDrafter(draft), config)
     assert not walked.target.backend.batched_acceptance
-    batched = Engine(target, draft, config)
+    batched = Engine(target, ModelDrafter(draft), config)
     batched.target.backend.batched_acceptance = True  # type: ignore[misc]
     assert generate(batched, prompts, params) == generate(walked, prompts, params)
     assert batched.totals.accepted_tokens > 0
@@ -233,7 +234,7 @@ def test_a_step_transfers_a_constant_whatever_the_batch_and_tree(
             backend="torch",
             cuda_graphs=graphs,
         )
-        engine = Engine(target, draft if depth > 1 else None, config)
+        engine = Engine(target, ModelDrafter(draft) if depth > 1 else None, config)
         counts = counted_steps(engine, random_prompts(41, (5, 17, 9, 11)[:batch]), params)
         seen[batch, num_candidates, depth, graphs] = max(counts)
         assert engine.steps > len(counts) > 0

@@ -12,6 +12,7 @@ import pytest
 import torch
 from multiguess import LLM, SamplingParams
 from multiguess.engine.config import EngineConfig
+from multiguess.engine.drafters.model import ModelDrafter
 from multiguess.engine.engine import Engine
 from multiguess.models.loading import load_model
 from transformers import AutoModelForCausalLM
@@ -50,10 +51,10 @@ def test_chunked_prefill_decodes_what_a_whole_prefill_does(
     prompts = random_prompts(41, (90, 1, 33, 7, 64, 20))
     common = dict(max_batch=4, max_model_len=160, adaptive=False, backend=backend)
     plain = staggered(Engine(target, None, EngineConfig(**common)), prompts, GREEDY)  # type: ignore[arg-type]
-    whole = Engine(target, draft, EngineConfig(3, 3, **common))  # type: ignore[arg-type]
+    whole = Engine(target, ModelDrafter(draft), EngineConfig(3, 3, **common))  # type: ignore[arg-type]
     assert staggered(whole, prompts, GREEDY) == plain
     for budget in (5, 16):
-        chunked = Engine(target, draft, EngineConfig(3, 3, max_prefill_tokens=budget, **common))  # type: ignore[arg-type]
+        chunked = Engine(target, ModelDrafter(draft), EngineConfig(3, 3, max_prefill_tokens=budget, **common))  # type: ignore[arg-type]
         assert staggered(chunked, prompts, GREEDY) == plain, budget
         assert chunked.totals.accepted_tokens > 0
         assert chunked.totals.fallback_steps == 0
@@ -67,7 +68,9 @@ def test_chunks_fill_the_caches_a_whole_prefill_fills(tiny_llama: Path, tiny_lla
     engines = []
     for budget in (None, 10):
         engine = Engine(
-            target, draft, EngineConfig(3, 3, max_model_len=128, adaptive=False, max_prefill_tokens=budget)
+            target,
+            ModelDrafter(draft),
+            EngineConfig(3, 3, max_model_len=128, adaptive=False, max_prefill_tokens=budget),
         )
         seq = engine.add_request("r", prompt, GREEDY)
         steps = 0
@@ -91,7 +94,7 @@ def test_running_streams_decode_while_a_long_prompt_is_prefilled(
     short, long = random_prompts(47, (4, 150))
     budget = 16
     config = EngineConfig(3, 3, max_model_len=256, adaptive=False, max_prefill_tokens=budget)
-    engine = Engine(target, draft, config)
+    engine = Engine(target, ModelDrafter(draft), config)
     running = engine.add_request("running", short, SamplingParams(max_tokens=80, ignore_eos=True))
     engine.step()
     waiting = engine.add_request("long", long, GREEDY)
@@ -110,7 +113,9 @@ def test_a_failing_draft_prefill_falls_back_and_output_stays(
     prompts = random_prompts(53, (40, 25))
     plain = staggered(Engine(target, None, EngineConfig(max_model_len=128, adaptive=False)), prompts, GREEDY)
     engine = Engine(
-        target, draft, EngineConfig(3, 3, max_model_len=128, adaptive=False, max_prefill_tokens=8)
+        target,
+        ModelDrafter(draft),
+        EngineConfig(3, 3, max_model_len=128, adaptive=False, max_prefill_tokens=8),
     )
     calls = []
 
@@ -177,7 +182,7 @@ def test_a_prompt_that_hits_the_prefix_cache_prefills_only_its_rest_in_chunks(
     plain = [staggered(Engine(target, None, plain_config), [p], GREEDY)[0] for p in prompts]
     budget = 8
     config = EngineConfig(3, 3, max_model_len=160, adaptive=False, max_prefill_tokens=budget)
-    engine = Engine(target, draft, config)
+    engine = Engine(target, ModelDrafter(draft), config)
     outputs = [staggered(engine, prompts[:1], GREEDY)[0]]  # finished: its slot keeps its prefix
     running = engine.add_request("running", prompts[1], GREEDY)  # reuses the finished one's prefix
     while not running.output_ids:

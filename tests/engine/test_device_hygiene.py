@@ -16,6 +16,7 @@ import pytest
 import torch
 from multiguess import LLM, SamplingParams
 from multiguess.engine.config import EngineConfig
+from multiguess.engine.drafters.model import ModelDrafter
 from multiguess.engine.engine import Engine
 from multiguess.engine.tree import TokenTree
 from multiguess.models.loading import load_model
@@ -62,8 +63,8 @@ def test_greedy_and_sampled_speculation_stay_on_the_device(
         num_candidates, depth, max_batch=4, max_model_len=128, adaptive=False, backend=backend
     )
     target, draft = load_model(str(tiny_llama), "float32"), load_model(str(tiny_llama_draft), "float32")
-    expected = decode(Engine(target, draft, config), prompts, GREEDY)
-    engine = Engine(target, draft, config)
+    expected = decode(Engine(target, ModelDrafter(draft), config), prompts, GREEDY)
+    engine = Engine(target, ModelDrafter(draft), config)
     got, caught = on_device(engine, lambda: decode(engine, prompts, GREEDY))
     assert caught == []
     assert got == expected

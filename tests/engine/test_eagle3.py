@@ -14,14 +14,17 @@ import pytest
 import torch
 from multiguess import LLM, SamplingParams
 from multiguess.distill.eagle3_train import HeadBatch, build_head, frozen_embedding, ttt_hidden
+from multiguess.drafting import Serving
 from multiguess.engine.backends.cpu.backend import CpuBackend
-from multiguess.engine.drafter import DraftRequest, TreeBudget, _Candidate
-from multiguess.engine.eagle3 import Eagle3Drafter, HeadRunner
+from multiguess.engine.drafter import DraftRequest, TreeBudget
+from multiguess.engine.drafters.eagle3 import Eagle3Drafter
+from multiguess.engine.drafters.growing import Candidate
 from multiguess.engine.eagle3_head import default_aux_layers
 from multiguess.errors import IncompatibleDraftError, UnsupportedModelError
 from multiguess.models.eagle3_checkpoint import save_head
 from transformers import AutoModelForCausalLM
 
+from tests.drafters import eagle3_drafter
 from tests.engine.test_sampling_exact import (
     ALPHA,
     LENGTH,
@@ -69,16 +72,16 @@ def test_chained_nodes_equal_the_training_time_test_forward(tiny_target: torch.n
     with torch.no_grad():
         outs = ttt_hidden(head, embed, batch, steps, pad_id=3)
     for j in (0, 5, 9):  # the root is x[j + 1]: positions 0..j carry target features
-        drafter = Eagle3Drafter(HeadRunner(head, embed, num_slots=2, capacity=64))
+        drafter = eagle3_drafter(head, embed, 2, 64)
         drafter.add_features(1, 0, feats[: j + 1])
         request = DraftRequest(1, ids[: j + 2].tolist(), TreeBudget(1, steps, steps))
         root_logits, prefixes = drafter._catch_up([request])
         torch.testing.assert_close(drafter._hidden[0][-1], outs[0][0, j], atol=1e-3, rtol=1e-4)
         torch.testing.assert_close(root_logits[0], head.logits(outs[0][0, j]), atol=1e-3, rtol=1e-4)
-        cands: list[_Candidate] = []
+        cands: list[Candidate] = []
         fed: list[dict[int, int]] = [{}]
         for depth in range(1, steps):
-            cands.append(_Candidate(int(ids[j + 1 + depth]), len(cands) - 1, 0.0, 0, True, depth))
+            cands.append(Candidate(int(ids[j + 1 + depth]), len(cands) - 1, 0.0, 0, True, depth))
             (rows,) = drafter._feed([request], prefixes, [[len(cands) - 1]], [cands], fed)
             torch.testing.assert_close(
                 drafter._hidden[0][len(cands) - 1], outs[depth][0, j], atol=1e-3, rtol=1e-4
@@ -121,7 +124,7 @@ def test_the_drafting_form_of_the_head_computes_its_training_form(
 
 def test_features_that_do_not_continue_start_the_sequence_afresh(tiny_target: torch.nn.Module) -> None:
     head = random_head(tiny_target, 3)
-    drafter = Eagle3Drafter(HeadRunner(head, frozen_embedding(tiny_target), num_slots=1, capacity=64))
+    drafter = eagle3_drafter(head, frozen_embedding(tiny_target), 1, 64)
     ids = torch.randint(4, 64, (10,), generator=torch.Generator().manual_seed(4))
     feats = target_features(tiny_target, ids)
     request = DraftRequest(0, ids.tolist(), TreeBudget(2, 2, 4))
@@ -285,8 +288,9 @@ def test_the_servers_guard_passes_features_through(small_vocab_target: Path, tmp
     from multiguess.engine.guard import GuardedDrafter
 
     head = saved_head(small_vocab_target, tmp_path / "head", seed=18)
-    llm = LLM(str(small_vocab_target), str(head), 3, 3, dtype="float32", drafter="eagle3", adaptive=False)
-    llm.engine.drafter = GuardedDrafter(llm.engine.drafter, llm.engine.target.vocab_size)
+    llm = LLM(str(small_vocab_target), str(head), 3, 3, dtype="float32", drafter="eagle3", adaptive=False,
+              serving=Serving())  # fmt: skip
+    assert isinstance(llm.engine.drafter, GuardedDrafter)
     prompts = [[5, 6, 7, 4, 5], [7]]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs(small_vocab_target, prompts, "float32", 12)

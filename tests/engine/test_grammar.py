@@ -17,6 +17,7 @@ import pytest
 import torch
 from multiguess import LLM, SamplingParams
 from multiguess.engine.drafter import DraftRequest, Proposal
+from multiguess.engine.drafters.base import Drafter, WrappedDrafter
 from multiguess.engine.grammar import Grammars, constrain
 from multiguess.engine.tree import TokenTree
 from multiguess.errors import InvalidRequestError
@@ -139,26 +140,23 @@ def test_a_tokenizer_without_known_bytes_refuses_grammars() -> None:
             grammars.matcher(StructuredOutputsParams(regex="a"))
 
 
-class PruningSpy:
+class PruningSpy(WrappedDrafter):
     """Wraps a drafter and records every drafted path the grammar rejects (the engine would
     swallow an exception raised here as a draft failure)."""
 
-    def __init__(self, inner: object) -> None:
-        self.inner = inner
+    def __init__(self, inner: Drafter) -> None:
+        super().__init__(inner)
         self.drafted = 0
         self.rejected: list[tuple[int, ...]] = []
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
-        proposals = self.inner.propose(requests)  # type: ignore[attr-defined]
+        proposals = self.inner.propose(requests)
         for req, proposal in zip(requests, proposals, strict=True):
             assert req.grammar is not None
             paths = proposal.tree.paths()[1:]
             self.rejected += [p for p in paths if req.grammar.valid_prefix(list(p)) < len(p)]
             self.drafted += len(paths)
         return proposals
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.inner, name)
 
 
 PROMPTS = [[5, 9, 14], [30, 31, 8, 60, 61, 12, 40], [7] * 12, [44, 70]]

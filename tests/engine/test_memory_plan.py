@@ -11,6 +11,8 @@ import torch
 from multiguess.commands.engine_args import add_engine_args
 from multiguess.engine import memory_probe
 from multiguess.engine.config import EngineConfig
+from multiguess.engine.drafters.eagle3 import Eagle3Drafter
+from multiguess.engine.drafters.model import ModelDrafter
 from multiguess.engine.engine import Engine
 from multiguess.engine.memory_plan import (
     UNPLANNED_DEFAULT_LEN,
@@ -187,7 +189,7 @@ def test_the_engine_sizes_its_kv_caches_from_the_plan(
     meter = FixedMeter(total, activation=1000)
     monkeypatch.setattr(memory_probe, "meter_for", lambda device: meter)
     with caplog.at_level(logging.INFO, logger="multiguess.engine.memory_probe"):
-        engine = Engine(target, draft, config)
+        engine = Engine(target, ModelDrafter(draft), config)
     assert meter.peaks == 4  # a verification forward and a prefill, per model
     plan = engine.memory_plan
     assert plan is not None and plan.sequences == 3
@@ -227,13 +229,34 @@ def test_the_plan_counts_cuda_graphs_where_they_run(
     assert plain.memory_plan.models[0].graph_pool == plain.memory_plan.models[0].graph_bytes_per_sequence == 0
 
 
+def test_the_plan_counts_an_eagle3_heads_cache(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine receives the head's drafter before planning: its cache (one layer, fp32 on a
+    CPU) is planned beside the target's, its weights counted (the target's embeddings once), and
+    the head's cache holds the planned sequences."""
+    from tests.engine.test_eagle3 import random_head
+
+    target = load_model(str(tiny_llama), dtype="float32", device="cpu")
+    head = random_head(target.model, 1)
+    drafter = Eagle3Drafter(head, target.model.model.embed_tokens)
+    meter = FixedMeter(2**40, activation=0)
+    monkeypatch.setattr(memory_probe, "meter_for", lambda device: meter)
+    engine = Engine(target, drafter, EngineConfig(max_batch=2, max_model_len=64, adaptive=False))
+    plan = engine.memory_plan
+    assert plan is not None and [m.name for m in plan.models] == ["target", "draft"]
+    c = head.config
+    assert plan.models[1].kv_bytes_per_token == 2 * c.num_key_value_heads * c.dim * 4
+    parameters = sum(p.numel() * p.element_size() for p in head.parameters())
+    assert 0 < plan.models[1].weights <= parameters + sum(b.nbytes for b in head.buffers())
+    assert drafter.runner.cache.kv.shape[0] == plan.sequences == 2
+
+
 def test_a_draft_sharing_the_targets_weights_counts_them_once(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     target = load_model(str(tiny_llama), dtype="float32", device="cpu")
     meter = FixedMeter(2**40, activation=0)
     monkeypatch.setattr(memory_probe, "meter_for", lambda device: meter)
-    engine = Engine(target, target, EngineConfig(max_batch=2, max_model_len=64, adaptive=False))
+    engine = Engine(target, ModelDrafter(target), EngineConfig(max_batch=2, max_model_len=64, adaptive=False))
     plan = engine.memory_plan
     assert plan is not None
     parameters = sum(p.numel() * 4 for p in target.model.parameters())

@@ -8,8 +8,10 @@ from multiguess import LLM, SamplingParams
 from multiguess.engine.adaptive import ForwardCost
 from multiguess.engine.config import EngineConfig
 from multiguess.engine.drafter import DraftRequest, TreeBudget
+from multiguess.engine.drafters.model import ModelDrafter
+from multiguess.engine.drafters.ngram import NgramDrafter
 from multiguess.engine.engine import Engine
-from multiguess.engine.ngram import NgramDrafter, find_continuations, trie
+from multiguess.engine.ngram import find_continuations, trie
 from multiguess.models.loading import load_model
 
 from tests.engine.test_lossless import random_prompts, reference
@@ -119,7 +121,7 @@ def test_grafts_widen_the_forward_only_where_the_widening_is_cheap(
         config = EngineConfig(2, 2, 16, max_batch=1, max_model_len=256, adaptive=False)
         engine = Engine(
             load_model(str(tiny_llama), dtype="float32"),
-            load_model(str(tiny_llama_draft), dtype="float32"),
+            ModelDrafter(load_model(str(tiny_llama_draft), dtype="float32")),
             config,
         )
         engine.planner.forward_cost = cost

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from multiguess import SamplingParams
 from multiguess.engine.config import EngineConfig
+from multiguess.engine.drafters.model import ModelDrafter
 from multiguess.engine.engine import Engine
 from multiguess.engine.padding import padded_groups, prefill_chunks
 from multiguess.models.loading import load_model
@@ -56,7 +57,7 @@ def test_chunked_prefills_near_the_context_limit_stay_in_their_slots(
     params = SamplingParams(max_tokens=7, ignore_eos=True)
     config = EngineConfig(3, 4, max_batch=4, max_model_len=160, adaptive=False, max_prefill_tokens=50)
     alone = [decode(Engine(target, None, config), [p], params)[0] for p in prompts]
-    assert decode(Engine(target, draft, config), prompts, params) == alone
+    assert decode(Engine(target, ModelDrafter(draft), config), prompts, params) == alone
 
 
 def test_split_prefills_decode_what_each_prompt_decodes_alone(
@@ -70,4 +71,4 @@ def test_split_prefills_decode_what_each_prompt_decodes_alone(
     config = EngineConfig(3, 3, max_batch=4, max_model_len=128, adaptive=False)
     alone = [decode(Engine(target, None, config), [p], params)[0] for p in prompts]
     assert padded_groups([len(p) - 1 for p in prompts], config.max_model_len) != [[0, 1, 2, 3]]
-    assert decode(Engine(target, draft, config), prompts, params) == alone
+    assert decode(Engine(target, ModelDrafter(draft), config), prompts, params) == alone

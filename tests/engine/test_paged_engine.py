@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from multiguess import SamplingParams
 from multiguess.engine.config import EngineConfig
+from multiguess.engine.drafters.model import ModelDrafter
 from multiguess.engine.engine import Engine
 from multiguess.engine.paged_kv import PagedKVCache
 from multiguess.models.loading import load_model
@@ -49,7 +50,7 @@ def test_paged_serving_equals_plain_static_decoding(pair: tuple, chunk: int | No
         backend="torch",
         max_prefill_tokens=chunk,
     )
-    engine = Engine(target, draft, config)
+    engine = Engine(target, ModelDrafter(draft), config)
     caches = [engine.target.cache, engine.drafter.runner.cache]  # type: ignore[union-attr]
     assert all(isinstance(c, PagedKVCache) for c in caches)
     seqs = serve(engine, waves_of(prompts))
@@ -112,7 +113,7 @@ def test_running_out_of_blocks_preempts_and_recomputes(pair: tuple) -> None:
     plain = serve(Engine(target, None, plain_config), waves, params)
     # 128 + the tree's slack is 10 blocks of 16; four sequences of ~90 tokens need 24.
     config = EngineConfig(3, 3, max_batch=4, max_model_len=128, adaptive=False, backend="torch", kv_blocks=14)
-    engine = Engine(target, draft, config)
+    engine = Engine(target, ModelDrafter(draft), config)
     seqs = serve(engine, waves, params)
     assert engine.preemptions > 0
     assert [s.output_ids for s in seqs] == [s.output_ids for s in plain]

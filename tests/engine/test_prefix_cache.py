@@ -13,10 +13,11 @@ import torch
 from multiguess import SamplingParams
 from multiguess.engine.backends.cpu import bf16_kernel
 from multiguess.engine.config import EngineConfig
+from multiguess.engine.drafters.model import ModelDrafter
 from multiguess.engine.engine import Engine
 from multiguess.engine.prefix_cache import PrefixIndex, Reuse, common_prefix, plan_reuse
 from multiguess.engine.sequence import Sequence
-from multiguess.models.eagle3_checkpoint import eagle3_drafter
+from multiguess.models.eagle3_checkpoint import head_drafter
 from multiguess.models.loading import load_model
 
 from tests.engine.test_eagle3 import saved_head, small_vocab_target  # noqa: F401 (a fixture)
@@ -126,9 +127,9 @@ def pair(tiny_llama: Path, tiny_llama_draft: Path) -> tuple:
     return load_model(str(tiny_llama), "float32"), load_model(str(tiny_llama_draft), "float32")
 
 
-def engine_for(target, draft, caching: bool, shape: tuple[int, int] = (3, 3), **config) -> Engine:
+def engine_for(target, drafter, caching: bool, shape: tuple[int, int] = (3, 3), **config) -> Engine:
     config = {"max_batch": 4, "max_model_len": 256, "adaptive": False} | config
-    return Engine(target, draft, EngineConfig(*shape, prefix_caching=caching, **config))
+    return Engine(target, drafter, EngineConfig(*shape, prefix_caching=caching, **config))
 
 
 @pytest.mark.parametrize(("shape", "drafted"), [((3, 3), True), ((1, 4), True), ((3, 3), False)],
@@ -138,10 +139,10 @@ def test_greedy_output_with_reuse_is_the_output_without(
     pair: tuple, shape: tuple[int, int], drafted: bool, backend: str
 ) -> None:
     target, draft = pair
-    draft = draft if drafted else None
+    drafter = ModelDrafter(draft) if drafted else None
     prompts = shared_prompts(1)
     plain = serve(engine_for(target, None, False, backend=backend), waves_of(prompts))
-    seqs = serve(engine_for(target, draft, True, shape, backend=backend), waves_of(prompts))
+    seqs = serve(engine_for(target, drafter, True, shape, backend=backend), waves_of(prompts))
     assert [s.output_ids for s in seqs] == [s.output_ids for s in plain]
     cached = [s.cached_tokens for s in seqs]
     assert cached[:2] == [0, len(prompts[1]) - 1]  # a prompt served again: all but its last token
@@ -156,8 +157,8 @@ def test_seeded_sampling_with_reuse_is_sampling_without(pair: tuple) -> None:
     target, draft = pair
     params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=7)
     prompts = shared_prompts(2)
-    without = serve(engine_for(target, draft, False), waves_of(prompts), params)
-    seqs = serve(engine_for(target, draft, True), waves_of(prompts), params)
+    without = serve(engine_for(target, ModelDrafter(draft), False), waves_of(prompts), params)
+    seqs = serve(engine_for(target, ModelDrafter(draft), True), waves_of(prompts), params)
     assert [s.output_ids for s in seqs] == [s.output_ids for s in without]
     assert sum(s.cached_tokens for s in seqs) > 0
 
@@ -173,7 +174,7 @@ def test_scoped_reuse_shares_only_within_a_scope_and_output_is_plain(pair: tuple
     order = [alice, bob, salted, alice, bob, salted, replace(alice, cache_salt="s2"), GREEDY]
     waves = [[(prompt, params)] for params in order] + [[(other, bob), (other, GREEDY)]]
     plain = serve(engine_for(target, None, False), [[p for p, _ in wave] for wave in waves])
-    engine = engine_for(target, draft, True, max_batch=8)
+    engine = engine_for(target, ModelDrafter(draft), True, max_batch=8)
     seqs = serve_each(engine, waves)
     assert [s.output_ids for s in seqs] == [s.output_ids for s in plain]
     n = len(prompt) - 1
@@ -200,7 +201,8 @@ def test_an_evicted_prefix_is_prefilled_again(pair: tuple) -> None:
     assert len({a[0][0], b[0][0], c[0][0]}) == 3  # three system prompts that share nothing
     waves = [[a[0], b[0]], [c[0]], [b[2]], [a[2]]]  # a retires first: b's entry is the newer
     runs = {
-        c: serve(engine_for(target, draft, c, max_batch=2, prompt_lookup=0), waves) for c in (False, True)
+        c: serve(engine_for(target, ModelDrafter(draft), c, max_batch=2, prompt_lookup=0), waves)
+        for c in (False, True)
     }
     assert [s.output_ids for s in runs[True]] == [s.output_ids for s in runs[False]]
     assert [s.cached_tokens for s in runs[True]] == [0, 0, 0, 40, 0]  # c evicted a's, b's stayed
@@ -213,7 +215,7 @@ def test_the_draft_reuses_its_cache_too(pair: tuple) -> None:
     prompt = shared_prompts(6)[0]
     first: dict[bool, int] = {}
     for caching in (False, True):
-        engine = engine_for(target, draft, caching)
+        engine = engine_for(target, ModelDrafter(draft), caching)
         serve(engine, [[prompt]])
         fed = count_fed(engine.drafter.runner)
         again = serve(engine, [[prompt]])[0]
@@ -248,7 +250,9 @@ def test_bf16_kernels_reuse_bit_for_bit(gqa_pair: tuple[Path, Path]) -> None:
     target, draft = (load_model(str(p), "bfloat16") for p in gqa_pair)
     params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=0)
     prompts = shared_prompts(7)
-    runs = {c: serve(engine_for(target, draft, c), waves_of(prompts), params) for c in (False, True)}
+    runs = {
+        c: serve(engine_for(target, ModelDrafter(draft), c), waves_of(prompts), params) for c in (False, True)
+    }
     assert runs[True][0].logprobs and sum(s.cached_tokens for s in runs[True]) > 0
     for off, on in zip(runs[False], runs[True], strict=True):
         assert on.output_ids == off.output_ids
@@ -266,8 +270,7 @@ def test_eagle3_heads_reuse_their_cache(small_vocab_target: Path, tmp_path: Path
     prompts = [system + torch.randint(4, 8, (n,), generator=g).tolist() for n in (3, 6, 1)]
     waves = waves_of([*prompts, prompts[0], prompts[1][:20]])  # reuse in [1:4]; 19 at most in [4]
     plain = serve(engine_for(target, None, False), waves)
-    engine = engine_for(target, None, True)
-    engine.drafter = eagle3_drafter(head, engine.target)
+    engine = engine_for(target, head_drafter(head, target), True)
     seqs = serve(engine, waves)
     assert [s.output_ids for s in seqs] == [s.output_ids for s in plain]
     cached = [s.cached_tokens for s in seqs]

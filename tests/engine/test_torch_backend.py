@@ -12,6 +12,7 @@ from multiguess import SamplingParams
 from multiguess.engine.backends.cuda import attention as cuda_attention
 from multiguess.engine.backends.cuda.attention import attention, causal, masked_attention
 from multiguess.engine.config import EngineConfig
+from multiguess.engine.drafters.model import ModelDrafter
 from multiguess.engine.engine import Engine
 from multiguess.engine.placement import region_attention_mask, sees_only_its_own
 from multiguess.models.loading import auto_dtype, load_model
@@ -137,7 +138,7 @@ def test_torch_backend_speculation_equals_plain_decoding(
     config = EngineConfig(
         num_candidates, depth, max_batch=4, max_model_len=128, adaptive=False, backend="torch"
     )
-    engine = Engine(target, draft, config)
+    engine = Engine(target, ModelDrafter(draft), config)
     assert decode(engine, prompts, GREEDY) == plain
     assert engine.totals.accepted_tokens > 0
 
@@ -154,7 +155,7 @@ def test_speculation_through_flex_attention_equals_plain_decoding(
     config = EngineConfig(
         3, 3, max_batch=3, max_model_len=96, adaptive=False, backend="torch", cuda_graphs=graphs
     )
-    engine = Engine(target, draft, config)
+    engine = Engine(target, ModelDrafter(draft), config)
     assert decode(engine, prompts, GREEDY) == plain
     assert engine.totals.accepted_tokens > 0
 
@@ -177,7 +178,7 @@ def test_static_graph_forward_equals_the_eager_forward(pair: tuple, num_candidat
             backend="torch",
             cuda_graphs=graphs,
         )
-        engine = Engine(target, draft, config)
+        engine = Engine(target, ModelDrafter(draft), config)
         seqs = [engine.add_request(f"r{i}", p, params[i % 2]) for i, p in enumerate(prompts)]
         while engine.has_unfinished():
             engine.step()
@@ -201,7 +202,7 @@ def test_graph_padding_leaves_a_kept_prefix_intact(pair: tuple, drafted: bool) -
         config = EngineConfig(
             1, 3, max_batch=4, max_model_len=96, adaptive=False, backend="torch", cuda_graphs=graphs
         )
-        engine = Engine(target, draft if drafted else None, config)
+        engine = Engine(target, ModelDrafter(draft) if drafted else None, config)
         a = engine.add_request("a", first, SamplingParams(max_tokens=2, ignore_eos=True))
         for i, prompt in enumerate(others):
             engine.add_request(f"o{i}", prompt, SamplingParams(max_tokens=40, ignore_eos=True))
@@ -234,7 +235,7 @@ def test_static_graphs_attend_over_a_bucketed_span(pair: tuple) -> None:
         config = EngineConfig(
             2, 2, max_batch=2, max_model_len=512, adaptive=False, backend="torch", cuda_graphs=graphs
         )
-        engine = Engine(target, draft, config)
+        engine = Engine(target, ModelDrafter(draft), config)
         outputs.append(decode(engine, prompts, params))
     spans = {key[2] for key in engine.target.static.graphs}
     assert {256, 512} <= spans and max(spans) < engine.target.capacity

@@ -10,7 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+from multiguess.drafting import DraftOptions, Hosted, host_drafter
 from multiguess.engine.config import EngineConfig
+from multiguess.engine.drafters.base import Drafter
 from multiguess.engine.engine import Engine
 from multiguess.engine.guard import GuardedDrafter
 from multiguess.engine.loaded_model import LoadedModel
@@ -35,10 +37,10 @@ class DraftServer:
     serves the draft model in ``draft``, or what ``load`` loads (an EAGLE-3 head)."""
 
     def __init__(
-        self, draft: Path, settings: DraftServerSettings, load: Callable[[], object] | None = None
+        self, draft: Path, settings: DraftServerSettings, load: Callable[[], Hosted] | None = None
     ) -> None:
         self.draft, self.settings = draft, settings
-        self.load = load or (lambda: load_model(str(self.draft), dtype="float32"))
+        self.load = load or (lambda: host_drafter("model", DraftOptions(str(self.draft), "float32")))
         self.port = 0
         self.server: uvicorn.Server | None = None
         self.thread: threading.Thread | None = None
@@ -52,7 +54,7 @@ class DraftServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", self.port))
         self.port = sock.getsockname()[1]
-        self.app = create_draft_app(self.load, self.settings)  # type: ignore[arg-type]
+        self.app = create_draft_app(self.load, self.settings)
         config = uvicorn.Config(
             self.app,
             log_level="warning",
@@ -121,9 +123,14 @@ def target(tiny_llama: Path) -> LoadedModel:
 
 
 def remote_engine(
-    target: LoadedModel, url: str, config: EngineConfig = CONFIG, **client: object
+    target: LoadedModel,
+    url: str,
+    config: EngineConfig = CONFIG,
+    wrap: Callable[[Drafter], Drafter] = lambda drafter: drafter,
+    **client: object,
 ) -> tuple[Engine, RemoteDrafter]:
-    """An engine drafting through ``url`` the way ``serve --draft-url`` builds it."""
+    """An engine drafting through ``url`` the way ``serve --draft-url`` builds it (its guarded
+    drafter in ``wrap``)."""
     options: dict = {
         "step_timeout": 2.0,
         "backoff": (0.05, 0.2),
@@ -131,13 +138,8 @@ def remote_engine(
     } | client
     drafter = RemoteDrafter(url, target.tokenizer, **options)
     drafter.connect()  # as serve does: a head's feature layers are known before the first prompt
-    engine = Engine(
-        target,
-        None,
-        config,
-        drafter=GuardedDrafter(drafter, target.model.config.vocab_size, step_timeout=2.0, cooldown=COOLDOWN),
-    )
-    return engine, drafter
+    guarded = GuardedDrafter(drafter, target.model.config.vocab_size, step_timeout=2.0, cooldown=COOLDOWN)
+    return Engine(target, wrap(guarded), config), drafter
 
 
 def add_all(engine: Engine, prompts: list[list[int]], max_tokens: int, prefix: str = "r") -> list:

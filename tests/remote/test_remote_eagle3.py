@@ -18,13 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 from multiguess import LLM
+from multiguess.drafting import DraftOptions, Serving, host_drafter
 from multiguess.engine.config import EngineConfig
-from multiguess.engine.drafter import DraftRequest, TreeBudget
+from multiguess.engine.drafter import DraftRequest, Proposal, TreeBudget
+from multiguess.engine.drafters.base import Drafter, WrappedDrafter
+from multiguess.engine.drafters.eagle3 import Eagle3Drafter
 from multiguess.engine.engine import Engine
 from multiguess.engine.guard import GuardedDrafter
 from multiguess.errors import IncompatibleDraftError
 from multiguess.models.draft_head import load_draft_head, read_embedding
-from multiguess.models.eagle3_checkpoint import eagle3_drafter
+from multiguess.models.eagle3_checkpoint import head_drafter
 from multiguess.models.loading import load_model
 from multiguess.params import SamplingParams
 from multiguess.remote.client import FeatureBuffer, RemoteDrafter, closed_for_protocol, rows_within
@@ -71,8 +74,10 @@ def head_server(small_vocab_target: Path, head: Path) -> Iterator[Callable[..., 
     """Starts draft servers hosting the head; stops those still running at the end."""
 
     def make(dtype: str = "float32", **settings: object) -> DraftServer:
-        load = lambda: load_draft_head(str(head), str(small_vocab_target), dtype, "cpu")  # noqa: E731
-        return DraftServer(head, DraftServerSettings(**(SETTINGS | settings)), load)  # type: ignore[arg-type]
+        options = DraftOptions(str(head), dtype, "cpu", target=str(small_vocab_target))
+        return DraftServer(
+            head, DraftServerSettings(**(SETTINGS | settings)), lambda: host_drafter("eagle3", options)
+        )
 
     yield from servers_on_demand(make)
 
@@ -85,20 +90,17 @@ def config(num_candidates: int, depth: int) -> EngineConfig:
     )
 
 
-class Recorder:
+class Recorder(WrappedDrafter):
     """A drafter that keeps every tree its inner drafter proposed (the rest passes through)."""
 
-    def __init__(self, inner: object) -> None:
-        self.inner = inner
+    def __init__(self, inner: Drafter) -> None:
+        super().__init__(inner)
         self.trees: list[list[tuple[int, ...]]] = []
 
-    def propose(self, requests: list[DraftRequest]) -> list:
-        proposals = self.inner.propose(requests)  # type: ignore[attr-defined]
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        proposals = self.inner.propose(requests)
         self.trees.append([p.tree.tokens + p.tree.parents for p in proposals])
         return proposals
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.inner, name)
 
 
 def run(
@@ -146,13 +148,13 @@ def test_remote_head_drafts_the_local_heads_trees(
     the trees the head drafting in the target's process proposes, moves and all."""
     server = head_server(dtype="bfloat16")
     target = load_model(str(small_vocab_target), dtype="bfloat16")
-    local = Engine(target, None, config(3, 3))
-    local.drafter = Recorder(eagle3_drafter(head, local.target))
-    remote, drafter = remote_engine(target, server.url, config(3, 3))
-    remote.drafter = Recorder(remote.drafter)
+    local_trees = Recorder(head_drafter(head, target))
+    local = Engine(target, local_trees, config(3, 3))
+    remote, drafter = remote_engine(target, server.url, config(3, 3), wrap=Recorder)
     outputs = run(local)
     assert run(remote) == outputs == expected(small_vocab_target, "bfloat16")
-    assert remote.drafter.trees == local.drafter.trees
+    assert isinstance(remote.drafter, Recorder)
+    assert remote.drafter.trees == local_trees.trees
     assert remote.totals.accepted_tokens == local.totals.accepted_tokens > 0
     assert remote.totals.fallback_steps == 0
     assert client_metric(drafter, "multiguess_remote_draft_resends_total") == 0
@@ -219,13 +221,9 @@ def test_remote_head_sampling_matches_the_target_exactly(
     """The chi-square test of ``test_sampling_exact`` with the head on a draft server: sampled
     children are verified with the float32 rows that travel (unseeded) or their fixed noise."""
     server = head_server(max_sessions=256, max_model_len=16)
-    llm = LLM(
-        str(small_vocab_target), None, 3, 2, dtype="float32", max_batch=256, drafter="none", adaptive=False
-    )
-    llm.engine.drafter = RemoteDrafter(
-        server.url, llm.tokenizer, step_timeout=30, target_config=llm.engine.target.model.config
-    )
-    assert llm.engine.drafter.connect()
+    llm = LLM(str(small_vocab_target), None, 3, 2, dtype="float32", max_batch=256, drafter="none",
+              adaptive=False, serving=Serving(step_timeout=30, url=server.url))  # fmt: skip
+    assert isinstance(llm.engine.drafter, GuardedDrafter) and llm.engine.drafter.feature_layers
     params = SamplingParams(
         max_tokens=exact.LENGTH, ignore_eos=True, n=exact.SAMPLES, seed=seed, temperature=1.0
     )
@@ -312,8 +310,9 @@ def test_a_server_announcing_features_the_target_cannot_give_is_refused(
         with pytest.raises(IncompatibleDraftError, match=error):
             drafter.propose([DraftRequest(0, [5, 6, 7], TreeBudget())])
         assert drafter.feature_layers == ()
-        engine = Engine(target, None, config(3, 3))
-        engine.drafter = GuardedDrafter(drafter, target.model.config.vocab_size, cooldown=0)
+        engine = Engine(
+            target, GuardedDrafter(drafter, target.model.config.vocab_size, cooldown=0), config(3, 3)
+        )
         outputs = run(engine, PROMPTS, [8, 8, 8])
     finally:
         hostile.stop()
@@ -380,8 +379,9 @@ def test_the_draft_server_reads_only_the_targets_embeddings(
     target = load_model(str(small_vocab_target), dtype="float32")
     argv = ["serve-draft", "--drafter", "eagle3", "--draft", str(head), "--target", str(small_vocab_target),
             "--dtype", "float32", "--device", "cpu"]  # fmt: skip
-    loaded = load_draft(build_parser().parse_args(argv))
-    assert torch.equal(loaded.embed.weight, target.model.model.embed_tokens.weight)
+    hosted = load_draft(build_parser().parse_args(argv))
+    assert isinstance(hosted.drafter, Eagle3Drafter)
+    assert torch.equal(hosted.drafter.embed.weight, target.model.model.embed_tokens.weight)
     assert torch.equal(read_embedding(str(small_vocab_target)), target.model.model.embed_tokens.weight)
     own = tmp_path / "own-head"
     own.mkdir()

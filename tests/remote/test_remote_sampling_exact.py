@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from multiguess import LLM, SamplingParams
-from multiguess.remote.client import RemoteDrafter
+from multiguess.drafting import Serving
 from multiguess.remote.server import DraftServerSettings
 
 from tests.engine import test_sampling_exact as exact
@@ -26,8 +26,9 @@ def test_remote_sampling_matches_the_target_exactly(request: pytest.FixtureReque
         draft, DraftServerSettings(max_sessions=256, max_model_len=16, max_tree_nodes=16)
     ).start()
     try:
-        llm = LLM(str(target), None, 3, 2, dtype="float32", max_batch=256, drafter="none", adaptive=False)
-        llm.engine.drafter = RemoteDrafter(server.url, llm.tokenizer, step_timeout=30)
+        serving = Serving(step_timeout=30, url=server.url)
+        llm = LLM(str(target), None, 3, 2, dtype="float32", max_batch=256, drafter="none", adaptive=False,
+                  serving=serving)  # fmt: skip
         params = SamplingParams(
             max_tokens=exact.LENGTH, ignore_eos=True, n=exact.SAMPLES, seed=17, **SETTINGS[setting]
         )

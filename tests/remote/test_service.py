@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from multiguess.engine.acceptance import Acceptance
-from multiguess.engine.drafter import DraftRequest, ModelDrafter, TreeBudget
+from multiguess.engine.drafter import DraftRequest, TreeBudget
 from multiguess.engine.loaded_model import LoadedModel
-from multiguess.engine.runner import NativeRunner
 from multiguess.models.loading import load_model
 from multiguess.remote.protocol import Commit, Drafted, Failed, Request, Resend, Sampling, StepMessage
-from multiguess.remote.service import DraftService, WireExactDrafter
+from multiguess.remote.service import DraftService
+
+from tests.drafters import model_drafter
 
 BUDGET = TreeBudget(3, 3, 8)
 
@@ -28,7 +29,7 @@ def draft(tiny_llama_draft: Path) -> LoadedModel:
 
 
 def service(draft: LoadedModel, sessions: int = 4) -> DraftService:
-    drafter = WireExactDrafter(NativeRunner(draft, sessions, 128))
+    drafter = model_drafter(draft, sessions, 128, wire_exact=True)
     return DraftService(drafter, sessions, max_model_len=100, idle_seconds=60)
 
 
@@ -48,7 +49,7 @@ def drafted(result: object) -> Drafted:
 
 
 def test_incremental_steps_match_the_local_drafter(draft: LoadedModel) -> None:
-    local = ModelDrafter(NativeRunner(draft, 1, 128))
+    local = model_drafter(draft, 1, 128)
     remote = service(draft)
     sequence = [5, 9, 11, 40, 7]
     sent, commit = 0, ()
@@ -159,7 +160,5 @@ def test_a_request_that_fails_the_batched_draft_fails_alone(
     bad = StepMessage(requests=(Request(0, 0, (5, 13), BUDGET),))
     (mine, theirs), _ = remote.handle([("a", good), ("b", bad)])
     assert isinstance(theirs.results[0], Failed) and "cannot handle" in theirs.results[0].reason
-    alone = ModelDrafter(NativeRunner(draft, 1, 128)).propose(
-        [DraftRequest(0, [5, 9, 11, *tokens, 7], BUDGET)]
-    )
+    alone = model_drafter(draft, 1, 128).propose([DraftRequest(0, [5, 9, 11, *tokens, 7], BUDGET)])
     assert drafted(mine.results[0]).tree == alone[0].tree

@@ -48,8 +48,8 @@ def readiness(scheduler: Scheduler) -> tuple[int, dict[str, str]]:
     if scheduler.state != "ready" or scheduler.engine is None:
         return 503, {"status": scheduler.state, "reason": scheduler.not_ready_message()}
     drafter = scheduler.engine.drafter
-    if getattr(drafter, "degraded", False):
-        return 200, {"status": "degraded", "reason": str(getattr(drafter, "reason", "draft unavailable"))}
+    if drafter is not None and drafter.degraded:
+        return 200, {"status": "degraded", "reason": drafter.reason or "draft unavailable"}
     return 200, {"status": "ready"}
 
 

@@ -38,9 +38,9 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from multiguess import benchmark as bm
+    from multiguess.drafting import DraftOptions, build_drafter
     from multiguess.engine.engine import Engine
     from multiguess.llm import load_pair
-    from multiguess.models.eagle3_checkpoint import eagle3_drafter
     from multiguess.models.loading import load_model
     from multiguess.provenance import provenance
 
@@ -77,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
     tree_cfg = engine_config(args, max_batch=1, prefix_caching=False)
     chain_cfg = replace(tree_cfg, num_candidates=1, depth=args.chain_depth or args.depth)
     results = {name: bm.MethodResult(name, sampled="sampled" in name) for name in bm.METHODS}
-    tree_engine, plain_engine = Engine(target, draft, tree_cfg), Engine(target, None, tree_cfg)
+    shared = DraftOptions(loaded=draft)  # every engine's draft model drafts with the same weights
+    tree_engine = Engine(target, build_drafter("model", target, shared), tree_cfg)
+    plain_engine = Engine(target, None, tree_cfg)
     generators = {
         "transformers generate": bm.hf_generator(target, n),
         "transformers assisted": bm.hf_generator(target, n, draft),
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             plain_engine, n, results["multiguess plain, sampled"], args.temperature
         ),
         "multiguess chain": bm.engine_generator(
-            Engine(target, draft, chain_cfg), n, results["multiguess chain"]
+            Engine(target, build_drafter("model", target, shared), chain_cfg), n, results["multiguess chain"]
         ),
         "multiguess tree": bm.engine_generator(tree_engine, n, results["multiguess tree"]),
         "multiguess tree, sampled": bm.engine_generator(
@@ -95,8 +97,7 @@ def run(args: argparse.Namespace) -> int:
     }
     head = benchmark_head(args.head, args.target)
     if head is not None:
-        eagle3_engine = Engine(target, None, tree_cfg)
-        eagle3_engine.drafter = eagle3_drafter(head, eagle3_engine.target)
+        eagle3_engine = Engine(target, build_drafter("eagle3", target, DraftOptions(str(head))), tree_cfg)
         generators["multiguess eagle3 tree"] = bm.engine_generator(
             eagle3_engine, n, results["multiguess eagle3 tree"]
         )

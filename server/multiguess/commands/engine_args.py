@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from multiguess.drafting import DRAFTERS, READS_DRAFT
 from multiguess.engine.config import EngineConfig, ModelConfig
 from multiguess.flags import Flag, flags
 
@@ -93,13 +94,15 @@ def configure_threads(threads: int) -> int:
     return count
 
 
-def build_llm(args: argparse.Namespace) -> Any:
-    """An ``LLM`` from parsed engine flags."""
+def build_llm(args: argparse.Namespace, serving: Any = None) -> Any:
+    """An ``LLM`` from parsed engine flags; ``serving``: a server's (``drafting.Serving``)."""
     from multiguess.llm import LLM
 
     configure_threads(args.threads)
-    if args.target is not None and args.drafter in ("model", "eagle3") and args.draft is None:
+    remote = serving is not None and serving.url
+    if args.target is not None and args.drafter in READS_DRAFT and args.draft is None and not remote:
+        others = "|".join(d for d in DRAFTERS if d not in READS_DRAFT)
         raise SystemExit(
-            "--target needs --draft (a draft model, or an EAGLE-3 head with --drafter eagle3; or --drafter ngram|suffix|none)"
+            f"--target needs --draft (a draft model, or an EAGLE-3 head with --drafter eagle3; or --drafter {others})"
         )
-    return LLM(**given(ModelConfig, args), **given(EngineConfig, args))
+    return LLM(**given(ModelConfig, args), **given(EngineConfig, args), serving=serving)

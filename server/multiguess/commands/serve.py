@@ -24,7 +24,6 @@ from multiguess.commands.engine_args import (
     add_switch,
     build_llm,
     configure_threads,
-    engine_config,
 )
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -48,40 +47,19 @@ def served_name(args: argparse.Namespace) -> str:
 
 
 def build_engine(args: argparse.Namespace, registry: Any = None) -> Any:
-    """Load the models and wrap the drafter in the guard (runs on the engine's worker thread).
+    """Load the models and build the drafter inside the guard (runs on the engine's worker thread).
 
     With ``--draft-url`` no draft is loaded here: a remote drafter asks the draft server
     (``multiguess serve-draft``), bounding each step by ``--draft-step-timeout`` itself; its
     metrics go to ``registry``, the server's own. The draft server decides how it drafts: a
     draft model, or an EAGLE-3 head whose features the target then captures and sends.
     """
-    from multiguess.engine.guard import GuardedDrafter
+    from multiguess.drafting import Serving
+    from multiguess.remote.handshake import load_secret
 
-    if args.draft_url:
-        from multiguess.llm import build_engine as build_local
-        from multiguess.remote.client import RemoteDrafter
-        from multiguess.remote.handshake import load_secret
-
-        config = engine_config(args)
-        engine = build_local(
-            config, args.target, None, "none", args.dtype, args.device, quantization=args.quantization
-        )
-        engine.drafter = RemoteDrafter(
-            args.draft_url,
-            engine.tokenizer,
-            step_timeout=args.draft_step_timeout,
-            registry=registry,
-            secret=load_secret(args.draft_secret, args.draft_secret_file),
-            target_config=engine.target.model.config,
-        )
-        engine.drafter.connect()  # learns the head's feature layers before the first prompt
-    else:
-        engine = build_llm(args).engine
-    if engine.drafter is not None:
-        engine.drafter = GuardedDrafter(
-            engine.drafter, engine.target.vocab_size, args.draft_step_timeout, args.draft_cooldown
-        )
-    return engine
+    secret = load_secret(args.draft_secret, args.draft_secret_file) if args.draft_url else None
+    serving = Serving(args.draft_step_timeout, args.draft_cooldown, args.draft_url, secret, registry)
+    return build_llm(args, serving).engine
 
 
 def api_keys(args: argparse.Namespace) -> dict[str, str]:

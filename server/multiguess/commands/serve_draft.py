@@ -25,38 +25,14 @@ from multiguess.options import DRAFT_MAX_FRAME_BYTES, DRAFT_SERVER_DRAFTERS
 
 
 def load_draft(args: argparse.Namespace) -> Any:
-    """The draft model or EAGLE-3 head; without ``--draft``, the embedded pair's (as ``serve``
-    would use it)."""
-    if args.drafter == "eagle3":
-        return load_eagle3(args)
-    from multiguess.models.loading import load_model
+    """The hosted draft model or EAGLE-3 head (``drafting.host_drafter``); without ``--draft``,
+    the embedded pair's (as ``serve`` would use it)."""
+    from multiguess.drafting import DraftOptions, host_drafter
 
-    draft, quantization, dtype = args.draft, args.draft_quantization, args.dtype
-    if draft is None:
-        from multiguess.models.embedded import prepare_embedded
-
-        embedded = prepare_embedded()
-        draft = str(embedded.draft)
-        quantization = quantization or embedded.draft_quantization
-        dtype = embedded.dtype if dtype == "auto" else dtype
-    return load_model(draft, dtype=dtype, device=args.device, quantization=quantization or "none")
-
-
-def load_eagle3(args: argparse.Namespace) -> Any:
-    """The head in ``--draft`` (default: the embedded target's) for ``--target`` (default: the
-    embedded target, whose default dtype it then takes)."""
-    from multiguess.models.draft_head import load_draft_head
-    from multiguess.models.eagle3_checkpoint import embedded_head
-
-    target, dtype = args.target, args.dtype
-    if target is None:
-        from multiguess.models.embedded import DEFAULT_DTYPE, prepare_target
-
-        target = str(prepare_target())
-        dtype = DEFAULT_DTYPE if dtype == "auto" else dtype
-    elif args.draft is None:
+    if args.drafter == "eagle3" and args.target is not None and args.draft is None:
         raise SystemExit("serve-draft --drafter eagle3 --target needs --draft (the head's folder)")
-    return load_draft_head(args.draft or str(embedded_head()), target, dtype, args.device)
+    options = DraftOptions(args.draft, args.dtype, args.device, args.draft_quantization, target=args.target)
+    return host_drafter(args.drafter, options)
 
 
 def make_server(args: argparse.Namespace) -> Any:

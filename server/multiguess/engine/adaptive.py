@@ -122,9 +122,9 @@ def expected_tokens(coverage: Coverage, tree: TreeBudget) -> float:
     The target takes a node's child of rank r with probability ``p[r] = coverage(r + 1) -
     coverage(r)``, level after level, so a node is reached with the product of its path's
     ``p`` and the expected accepted length is the sum over the tree's nodes. The tree is the
-    one ``ModelDrafter`` grows: per level every beam node gets ``num_candidates`` children, the
-    spine child and the likeliest others form the next beam, and the kept nodes are the spine
-    and then the likeliest others."""
+    one ``drafters/growing.TreeGrower`` grows: per level every beam node gets ``num_candidates``
+    children, the spine child and the likeliest others form the next beam, and the kept nodes
+    are the spine and then the likeliest others."""
     if tree.depth == 0:
         return 1.0
     levels = tuple(coverage.at(depth) for depth in range(1, tree.depth + 1))

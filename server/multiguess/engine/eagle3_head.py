@@ -10,7 +10,7 @@ draft vocabulary that ``d2t`` maps back to the target's ids (``draft id + d2t[id
 
 The module names follow the ecosystem's ``LlamaForCausalLMEagle3`` checkpoints (SGLang, vLLM,
 SpecForge), so published heads load with their own names (``models/eagle3_checkpoint.py``).
-The same math serves drafting (``engine/eagle3.py``, over a KV cache) and training
+The same math serves drafting (``engine/drafters/eagle3.py``, over a KV cache) and training
 (``distill/eagle3_train.py``, all positions at once): the attention is left to the caller. The
 linears run as ``Projection``s: trainable views of the modules' weights by default, the device
 family's fused and repacked form once ``for_drafting`` (on CPUs multiguess's bf16 panels, with

@@ -19,7 +19,8 @@ import torch
 
 from multiguess.engine.admission import next_admission
 from multiguess.engine.config import PREFILL_PAUSE_STEPS, EngineConfig
-from multiguess.engine.drafter import Drafter, ModelDrafter, Proposal
+from multiguess.engine.drafter import Proposal
+from multiguess.engine.drafters.base import Drafter
 from multiguess.engine.grammar import Grammars
 from multiguess.engine.guard import fallback_reason
 from multiguess.engine.intake import new_sequence
@@ -53,15 +54,11 @@ class StepOutput:
 
 class Engine:
     def __init__(
-        self,
-        target: LoadedModel,
-        draft: LoadedModel | None = None,
-        config: EngineConfig | None = None,
-        drafter: Drafter | None = None,
+        self, target: LoadedModel, drafter: Drafter | None = None, config: EngineConfig | None = None
     ) -> None:
-        self.config, self.memory_plan = fit_to_memory(
-            config or EngineConfig(), target, draft if drafter is None else None
-        )
+        """Serves ``target`` with ``drafter`` (``multiguess.drafting.build_drafter``; None: plain
+        decoding): the memory plan counts what the drafter holds, then sizes its caches too."""
+        self.config, self.memory_plan = fit_to_memory(config or EngineConfig(), target, drafter)
         self.tokenizer = target.tokenizer
         capacity = self.config.max_model_len + self.config.tree_slack
         runner = {
@@ -72,11 +69,8 @@ class Engine:
         }
         eager = self.config.eager
         self.target = NativeRunner(target, self.config.max_batch, capacity, eager, **runner)
-        if drafter is None and draft is not None:
-            vocab = draft.draft_vocab if self.config.draft_vocab else None
-            drafter = ModelDrafter(
-                NativeRunner(draft, self.config.max_batch, capacity, eager, vocab, **runner)
-            )
+        if drafter is not None:
+            drafter.start(self.config.max_batch, capacity, self.config)
         self.drafter = drafter
         self.eos_ids = target.eos_ids
         self.grammars = Grammars(self.tokenizer, self.target.vocab_size, self.eos_ids)
@@ -302,25 +296,24 @@ class Engine:
 
     def _prefill_draft(self, seq: Sequence) -> None:
         """The draft catches up on what the target has cached of ``seq``'s prompt (drafters
-        without ``prefill`` catch up at their first proposal)."""
-        prefill = getattr(self.drafter, "prefill", None)
-        if prefill is None:
+        that do not ``prefills`` catch up at their first proposal)."""
+        if self.drafter is None or not self.drafter.prefills:
             return
         try:
-            prefill(seq.slot, seq.token_ids[: seq.cache_len + 1])
+            self.drafter.prefill(seq.slot, seq.token_ids[: seq.cache_len + 1])
         except Exception as exc:  # a failing drafter must never fail a request
             self._decode_without_drafter(exc, [seq])
 
     def _feature_layers(self) -> tuple[int, ...]:
         """The target layers whose hidden states the drafter reads (EAGLE-3); every target
         forward captures them then, and none otherwise."""
-        return tuple(getattr(self.drafter, "feature_layers", ())) if self.drafter is not None else ()
+        return self.drafter.feature_layers if self.drafter is not None else ()
 
     def _hand_features(self, seq: Sequence, position: int, features: torch.Tensor) -> None:
         """The target's features of ``seq`` from ``position`` on, for the drafter's next proposal."""
         assert self.drafter is not None
         try:
-            self.drafter.add_features(seq.slot, position, features)  # type: ignore[attr-defined]
+            self.drafter.add_features(seq.slot, position, features)
         except Exception as exc:  # a failing drafter must never fail a request
             self._decode_without_drafter(exc, [seq])
 

@@ -24,7 +24,8 @@ from collections.abc import Callable
 import torch
 
 from multiguess.engine.acceptance import Acceptance
-from multiguess.engine.drafter import Drafter, DraftRequest, Proposal, SampleSpec
+from multiguess.engine.drafter import DraftRequest, Proposal, SampleSpec
+from multiguess.engine.drafters.base import Drafter, WrappedDrafter
 from multiguess.engine.tree import TokenTree
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,10 @@ class _PausedStepFilter(logging.Filter):
 _ENGINE_LOG = logging.getLogger("multiguess.engine.engine")
 
 
-class GuardedDrafter:
+class GuardedDrafter(WrappedDrafter):
+    """``inner`` behind the guard: its abilities, memory and sizing are its own (``WrappedDrafter``);
+    its failures pause speculation for ``cooldown`` seconds and mark the guard ``degraded``."""
+
     def __init__(
         self,
         inner: Drafter,
@@ -134,7 +138,7 @@ class GuardedDrafter:
     ) -> None:
         if step_timeout <= 0 or cooldown < 0:
             raise ValueError("step_timeout must be > 0 and cooldown >= 0")
-        self.inner = inner
+        super().__init__(inner)
         self.vocab_size = vocab_size
         self.step_timeout = step_timeout
         self.cooldown = cooldown
@@ -231,37 +235,21 @@ class GuardedDrafter:
             return None
 
     def prefill(self, slot: int, token_ids: list[int]) -> None:
-        """Passed on to an inner drafter that catches up during prefill, unless paused (it
-        catches up at its next proposal then); a failure trips the guard and drops the slot."""
-        prefill = getattr(self.inner, "prefill", None)
-        if prefill is None or self.clock() < self._paused_until:
+        """Passed on unless paused (the inner drafter catches up at its next proposal then); a
+        failure trips the guard and drops the slot."""
+        if self.clock() < self._paused_until:
             return
         try:
-            prefill(slot, token_ids)
+            self.inner.prefill(slot, token_ids)
         except Exception as exc:
             self._trip(f"prefill failed: {type(exc).__name__}: {exc}")
             self.release(slot)
-
-    @property
-    def takes_grafts(self) -> bool:
-        """Whether the engine may graft copy drafts onto the inner drafter's trees."""
-        return bool(getattr(self.inner, "takes_grafts", False))
-
-    @property
-    def copy_only(self) -> bool:
-        """Whether the inner drafter's trees are the engine's copy drafts alone (``suffix``)."""
-        return bool(getattr(self.inner, "copy_only", False))
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        """The target layers whose hidden states the inner drafter reads (none: it reads none)."""
-        return tuple(getattr(self.inner, "feature_layers", ()))
 
     def add_features(self, slot: int, position: int, features: torch.Tensor) -> None:
         """Handed over even while paused, so the inner drafter stays in step; a failure trips
         the guard and drops the slot's state."""
         try:
-            self.inner.add_features(slot, position, features)  # type: ignore[attr-defined]
+            self.inner.add_features(slot, position, features)
         except Exception as exc:
             self._trip(f"add_features failed: {type(exc).__name__}: {exc}")
             self.release(slot)

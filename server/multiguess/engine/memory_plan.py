@@ -21,6 +21,7 @@ a CPU's static cache stays the size it always was) and may not exceed it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from multiguess.errors import EngineConfigError, InsufficientMemoryError
 
@@ -51,6 +52,17 @@ def resolve_max_model_len(requested: int | None, model_limit: int | None, planne
             f"(max_position_embeddings in its config); use --max-model-len {model_limit} or less"
         )
     return requested
+
+
+class Footprint(NamedTuple):
+    """What one model holds per the measurements of ``memory_probe``: the fields of
+    ``ModelMemory`` after its name, device and weights."""
+
+    activation_peak: int
+    kv_bytes_per_token: int
+    block_size: int = 0
+    graph_pool: int = 0
+    graph_bytes_per_sequence: int = 0
 
 
 @dataclass(frozen=True)

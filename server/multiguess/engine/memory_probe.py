@@ -14,14 +14,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from multiguess.engine.drafters.base import DraftMemory
 from multiguess.engine.loaded_model import LoadedModel
 from multiguess.engine.logprobs import PROMPT_LOGPROB_ROWS, prompt_logprobs
 from multiguess.engine.memory_plan import (
     DeviceMemory,
+    Footprint,
     MemoryPlan,
     ModelMemory,
     gib,
@@ -35,6 +38,7 @@ from multiguess.params import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from multiguess.engine.config import EngineConfig
+    from multiguess.engine.drafters.base import Drafter
 
 log = logging.getLogger(__name__)
 
@@ -160,47 +164,54 @@ def graph_memory(config: EngineConfig, verified: int, columns: int, capacity: in
     return verified, config.graph_width * (columns * 4 + capacity)
 
 
+def measure_model(
+    loaded: LoadedModel, meter: MemoryMeter, config: EngineConfig, head_vocab: torch.Tensor | None = None
+) -> Footprint:
+    """What ``loaded`` holds in an engine of ``config`` (its context length resolved): its
+    forwards' peak and KV (``measure_forwards``), and what CUDA graphs add (``graph_memory``)."""
+    assert config.max_model_len is not None
+    peak, per_token, block_size, verified = measure_forwards(
+        loaded,
+        meter,
+        config.max_batch,
+        config.tree_slack,
+        config.max_model_len,
+        config.eager,
+        head_vocab,
+        config.backend,
+    )
+    columns = loaded.model.config.vocab_size if head_vocab is None else len(head_vocab)
+    pool, per_sequence = graph_memory(config, verified, columns, config.max_model_len + config.tree_slack)
+    block_size = 0 if config.cuda_graphs else block_size  # graphs index static slots
+    return Footprint(peak, per_token, block_size, pool, per_sequence)
+
+
 def fit_to_memory(
-    config: EngineConfig, target: LoadedModel, draft: LoadedModel | None
+    config: EngineConfig, target: LoadedModel, drafter: Drafter | None
 ) -> tuple[EngineConfig, MemoryPlan | None]:
-    """``config`` with its context length resolved against the target's config and, where a
-    model is on a planned device, ``max_batch`` cut to the sequences whose caches fit."""
-    models = {"target": target} | ({} if draft is None else {"draft": draft})
-    meters = {name: meter_for(m.device) for name, m in models.items()}
-    planned = {name: m for name, m in models.items() if meters[name] is not None}
+    """``config`` with its context length resolved against the target's config and, where the
+    target or what the drafter holds (``Drafter.memory``: a draft model, an EAGLE-3 head) is on
+    a planned device, ``max_batch`` cut to the sequences whose caches fit."""
+    held = {"target": DraftMemory(target.device, (target.model,), partial(measure_model, target))}
+    drafted = drafter.memory() if drafter is not None else None
+    if drafted is not None:
+        held["draft"] = drafted
+    meters = {name: meter_for(h.device) for name, h in held.items()}
+    planned = {name: (h, meter) for name, h in held.items() if (meter := meters[name]) is not None}
     limit = getattr(target.model.config, "max_position_embeddings", None)
     config = replace(
         config, max_model_len=resolve_max_model_len(config.max_model_len, limit, planned=bool(planned))
     )
     if not planned:
         return config, None
-    assert config.max_model_len is not None
     measured, seen = [], {}
-    for name, loaded in planned.items():
-        meter = meters[name]
-        assert meter is not None
-        vocab = loaded.draft_vocab if name == "draft" and config.draft_vocab else None
-        peak, per_token, block_size, verified = measure_forwards(
-            loaded,
-            meter,
-            config.max_batch,
-            config.tree_slack,
-            config.max_model_len,
-            config.eager,
-            vocab,
-            config.backend,
-        )
-        device = device_name(loaded.device)
-        weights = weight_bytes(loaded.model, seen.setdefault(device, set()))
-        block_size = 0 if config.cuda_graphs else block_size  # graphs index static slots
-        columns = loaded.model.config.vocab_size if vocab is None else len(vocab)
-        capacity = config.max_model_len + config.tree_slack
-        pool, per_sequence = graph_memory(config, verified, columns, capacity)
-        measured.append(ModelMemory(name, device, weights, peak, per_token, block_size, pool, per_sequence))
-    devices = {
-        device_name(m.device): meters[name].device_memory(m.device)  # type: ignore[union-attr]
-        for name, m in planned.items()
-    }
+    for name, (h, meter) in planned.items():
+        footprint = h.measure(meter, config)
+        device = device_name(h.device)
+        weights = sum(weight_bytes(module, seen.setdefault(device, set())) for module in h.weights)
+        measured.append(ModelMemory(name, device, weights, *footprint))
+    devices = {device_name(h.device): meter.device_memory(h.device) for h, meter in planned.values()}
+    assert config.max_model_len is not None
     plan = plan_memory(
         measured,
         devices,

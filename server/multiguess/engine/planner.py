@@ -26,7 +26,8 @@ from multiguess.engine.adaptive import (
     level_outcomes,
 )
 from multiguess.engine.config import EngineConfig
-from multiguess.engine.drafter import Drafter, DraftRequest, Proposal, SampleSpec, TreeBudget
+from multiguess.engine.drafter import DraftRequest, Proposal, SampleSpec, TreeBudget
+from multiguess.engine.drafters.base import Drafter
 from multiguess.engine.ngram import graft
 from multiguess.engine.prediction import prediction_draft
 from multiguess.engine.runner import NativeRunner
@@ -76,9 +77,9 @@ class Planner:
         started = time.perf_counter()
         proposals = [Proposal(TokenTree.chain([s.token_ids[-1]])) for s in batch]
         base = [1.0] * len(batch)  # tokens each sequence's tree is expected to yield
-        if drafter is not None and not getattr(drafter, "copy_only", False):
+        if drafter is not None and not drafter.copy_only:
             self._draft(batch, proposals, base, drafter)
-        self._graft_copies(batch, proposals, base, getattr(drafter, "takes_grafts", False))
+        self._graft_copies(batch, proposals, base, drafter is not None and drafter.takes_grafts)
         drafted = time.perf_counter()
         # Draft time per level only from steps that drafted on caught-up caches (see CostMeter).
         drafting = [s for s, p in zip(batch, proposals, strict=True) if p.own_nodes > 1]

@@ -10,7 +10,7 @@ lowest free slot, starting from the longest prefix of its prompt that a slot hol
 
 from __future__ import annotations
 
-from multiguess.engine.drafter import Drafter
+from multiguess.engine.drafters.base import Drafter
 from multiguess.engine.kv_cache import KVCache
 from multiguess.engine.prefix_cache import PrefixIndex, plan_reuse
 from multiguess.engine.sequence import Sequence

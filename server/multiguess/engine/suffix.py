@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from multiguess.engine.adaptive import CopyYield
-from multiguess.engine.drafter import DraftRequest, Proposal, StatelessDrafter
 from multiguess.engine.tree import TokenTree
 from multiguess.params import SHARED_SCOPE
 
@@ -225,16 +224,3 @@ class CopySource:
     def record(self, output: Sequence[int], scope: Hashable = SHARED) -> None:
         """A finished sequence's output, for later requests of ``scope`` to copy from."""
         self.recent.add(output, scope)
-
-
-class SuffixDrafter(StatelessDrafter):
-    """The ``suffix`` drafter: no model; every tree is the engine's copy draft (``CopySource``
-    over the sequence and recent outputs), sized by the engine's copy policy (``copy_only``:
-    the engine does not ask it for trees). It keeps no state, so its calls do nothing."""
-
-    copy_only = True
-    takes_grafts = True
-
-    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
-        """Nothing of its own: root-only trees, which the engine's copy drafts graft onto."""
-        return [Proposal(TokenTree.chain([r.token_ids[-1]])) for r in requests]

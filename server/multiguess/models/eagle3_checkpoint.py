@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from multiguess.engine.eagle3 import Eagle3Drafter, HeadRunner
+from multiguess.engine.drafters.eagle3 import Eagle3Drafter
 from multiguess.engine.eagle3_head import Eagle3Config, Eagle3Head, default_aux_layers
-from multiguess.engine.runner import NativeRunner
+from multiguess.engine.loaded_model import LoadedModel
 from multiguess.errors import IncompatibleDraftError, ModelLoadError
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -230,11 +230,8 @@ def save_head(head: Eagle3Head, folder: Path, dtype: torch.dtype = torch.bfloat1
     os.replace(staging, folder)
 
 
-def eagle3_drafter(folder: str | Path, target: NativeRunner) -> Eagle3Drafter:
-    """The EAGLE-3 head in ``folder`` drafting for ``target`` (its device, dtype, slots and
-    context), reading the target's embeddings unless the head ships its own."""
+def head_drafter(folder: str | Path, target: LoadedModel) -> Eagle3Drafter:
+    """The EAGLE-3 head in ``folder`` drafting for ``target`` (on its device, in its dtype),
+    reading the target's embeddings unless the head ships its own."""
     head, embed = load_head(folder, target.model.config, target.dtype, target.device)
-    runner = HeadRunner(
-        head, embed or target.embed, target.cache.num_slots, target.capacity, target.backend.projection
-    )
-    return Eagle3Drafter(runner)
+    return Eagle3Drafter(head, embed or target.model.model.embed_tokens)

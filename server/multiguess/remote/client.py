@@ -1,4 +1,4 @@
-"""``RemoteDrafter``: the target side of remote drafting, used exactly like ``ModelDrafter``.
+"""``RemoteDrafter``: the target side of remote drafting, a drafter like the local ones.
 
 Each engine step is one round trip on one persistent WebSocket. Only what the draft server
 lacks travels: per sequence, the tokens emitted since the last step (the accepted path is
@@ -36,6 +36,7 @@ from websockets.sync.client import ClientConnection, connect
 
 from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.drafter import DraftRequest, Proposal, SampleSpec
+from multiguess.engine.drafters.base import Drafter
 from multiguess.engine.tree import TokenTree
 from multiguess.errors import IncompatibleDraftError
 from multiguess.remote import handshake
@@ -157,7 +158,7 @@ def default_client_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-class RemoteDrafter:
+class RemoteDrafter(Drafter):
     def __init__(
         self,
         url: str,

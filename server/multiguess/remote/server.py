@@ -28,11 +28,8 @@ from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from multiguess.engine.backends import backend_for
-from multiguess.engine.eagle3 import HeadRunner
-from multiguess.engine.loaded_model import LoadedModel
-from multiguess.engine.runner import NativeRunner
-from multiguess.models.draft_head import LoadedHead
+from multiguess.drafting import Hosted
+from multiguess.engine.config import EngineConfig
 from multiguess.options import DRAFT_MAX_FRAME_BYTES
 from multiguess.remote import handshake
 from multiguess.remote.handshake import AuthenticationFailed
@@ -49,12 +46,7 @@ from multiguess.remote.protocol import (
     model_display_name,
     tokenizer_fingerprint,
 )
-from multiguess.remote.service import (
-    DraftService,
-    WireExactDrafter,
-    WireExactEagle3Drafter,
-    feature_width,
-)
+from multiguess.remote.service import DraftService, feature_width
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +94,7 @@ class DraftWorker:
 
     def __init__(
         self,
-        load: Callable[[], LoadedModel | LoadedHead],
+        load: Callable[[], Hosted],
         settings: DraftServerSettings,
         metrics: ServerMetrics,
     ) -> None:
@@ -165,28 +157,17 @@ class DraftWorker:
                 job[2].set_exception(RuntimeError("draft server stopped"))
 
     def _build(self) -> DraftService:
-        loaded = self._load()
+        hosted = self._load()
         s = self.settings
-        capacity = s.max_model_len + s.max_tree_nodes + 2
-        if isinstance(loaded, LoadedHead):
-            weight = loaded.head.fc.weight
-            projection = backend_for(weight.device, weight.dtype, s.eager).projection
-            drafter = WireExactEagle3Drafter(
-                HeadRunner(loaded.head, loaded.embed, s.max_sessions, capacity, projection)
-            )
-            layers = tuple(loaded.head.config.aux_layers)
-        else:
-            drafter = WireExactDrafter(
-                NativeRunner(loaded, s.max_sessions, capacity, s.eager, loaded.draft_vocab)
-            )
-            layers = ()
+        drafter = hosted.drafter
+        drafter.start(s.max_sessions, s.max_model_len + s.max_tree_nodes + 2, EngineConfig(eager=s.eager))
         self.info = ServerInfo(
-            model=model_display_name(loaded.name),
-            fingerprint=tokenizer_fingerprint(loaded.tokenizer),
+            model=model_display_name(hosted.name),
+            fingerprint=tokenizer_fingerprint(hosted.tokenizer),
             vocab_size=drafter.runner.vocab_size,
             max_model_len=s.max_model_len,
             max_sessions=s.max_sessions,
-            feature_layers=layers,
+            feature_layers=drafter.feature_layers,
             feature_width=feature_width(drafter),
             max_frame_bytes=s.max_frame_bytes,
         )
@@ -229,10 +210,9 @@ class DraftWorker:
         m.sessions.set(len(service.sessions))
 
 
-def create_draft_app(
-    load: Callable[[], LoadedModel | LoadedHead], settings: DraftServerSettings | None = None
-) -> FastAPI:
-    """``load`` loads the draft model or EAGLE-3 head; it runs on the worker thread after startup."""
+def create_draft_app(load: Callable[[], Hosted], settings: DraftServerSettings | None = None) -> FastAPI:
+    """``load`` loads the hosted drafter (``drafting.host_drafter``); it runs on the worker thread
+    after startup."""
     settings = settings or DraftServerSettings()
     registry = CollectorRegistry()
     metrics = ServerMetrics(registry)

@@ -1,6 +1,7 @@
 """The draft server's logic without I/O: decoded step messages in, results out.
 
-It drives an ordinary ``ModelDrafter`` or ``Eagle3Drafter``: a session is one of its slots. A
+It drives an ordinary ``ModelDrafter`` or ``Eagle3Drafter`` (``wire_exact``: the float32 rows it
+sends are exactly what was sampled): a session is one of its slots. A
 model drafter's per-slot cache bookkeeping (``cached``) is kept equal to ``len(session.tokens)``;
 an EAGLE-3 head's is one less (position p reads token p + 1), and the target's features a
 request carries are handed to it before it drafts, as the engine hands them to a local head.
@@ -26,8 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from multiguess.engine.acceptance import Acceptance
-from multiguess.engine.drafter import DraftRequest, ModelDrafter, Proposal, SampleSpec
-from multiguess.engine.eagle3 import Eagle3Drafter
+from multiguess.engine.drafter import DraftRequest, Proposal, SampleSpec
+from multiguess.engine.drafters.eagle3 import Eagle3Drafter
+from multiguess.engine.drafters.model import ModelDrafter
 from multiguess.engine.sampling import Generators, Processing
 from multiguess.remote.protocol import (
     Commit,
@@ -45,31 +47,9 @@ from multiguess.remote.sessions import Key, Session, SessionsFull, SessionTable
 log = logging.getLogger(__name__)
 
 
-class WireExact:
-    """Sampling distributions rounded to float32 *before* children are drawn from them, so the
-    float32 rows sent to the target are exactly what was sampled (mixed into a drafter)."""
-
-    def _proposal_distributions(
-        self, requests: list[DraftRequest], rows: list[torch.Tensor]
-    ) -> list[torch.Tensor | None]:
-        dists = super()._proposal_distributions(requests, rows)  # type: ignore[misc]
-        return [None if d is None else d.float().double() for d in dists]
-
-
-class WireExactDrafter(WireExact, ModelDrafter):
-    """The draft model's drafter on a draft server."""
-
-
-class WireExactEagle3Drafter(WireExact, Eagle3Drafter):
-    """The EAGLE-3 head's drafter on a draft server."""
-
-
-def feature_width(drafter: ModelDrafter) -> int:
+def feature_width(drafter: ModelDrafter | Eagle3Drafter) -> int:
     """Values per position of the target's features the drafter reads (0: it reads none)."""
-    if not isinstance(drafter, Eagle3Drafter):
-        return 0
-    config = drafter.runner.head.config
-    return len(config.aux_layers) * config.target_hidden_size
+    return drafter.feature_width if isinstance(drafter, Eagle3Drafter) else 0
 
 
 @dataclass
@@ -100,14 +80,14 @@ def path_is_valid(session: Session, path: tuple[int, ...]) -> bool:
 class DraftService:
     def __init__(
         self,
-        drafter: ModelDrafter,
+        drafter: ModelDrafter | Eagle3Drafter,
         max_sessions: int,
         max_model_len: int,
         idle_seconds: float,
         clock: Callable[[], float] = time.monotonic,
         per_client: int | None = None,
     ) -> None:
-        """``drafter`` (``WireExactDrafter`` or ``WireExactEagle3Drafter``) has ``max_sessions`` slots."""
+        """``drafter`` (started, ``wire_exact``) has ``max_sessions`` slots."""
         self.drafter = drafter
         self.vocab_size = drafter.runner.vocab_size
         self.feature_width = feature_width(drafter)
@@ -260,7 +240,8 @@ class DraftService:
     ) -> None:
         """Give the head the request's features; should what it holds then not reach the root of
         a ``length``-token sequence, it forgets the sequence and proposes the root alone."""
-        drafter: Eagle3Drafter = self.drafter  # type: ignore[assignment]
+        drafter = self.drafter
+        assert isinstance(drafter, Eagle3Drafter)
         if sent is not None and values is not None:
             drafter.add_features(slot, sent.position, values)
         held = drafter.pending.get(slot)

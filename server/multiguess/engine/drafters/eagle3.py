@@ -5,10 +5,10 @@ positions the target has computed, the feature is the target's (``add_features``
 hands over the hidden states its forwards captured at the head's layers, the prompt's at
 prefill and the accepted path's after each verification). A sequence of n tokens whose target
 cache holds n - 1 of them therefore feeds its not yet seen positions up to n - 2 as a chain
-(the last one reads the root) and gets the first level's logits. Deeper levels are drafted as
-``ModelDrafter`` drafts them (same beam, selection and sampling rules), each node reading its
-parent's output feature and sitting at rotary position ``n - 2 + depth``, in a region after the
-committed positions. Nothing of the tree is kept on commit: the accepted tokens' true features
+(the last one reads the root) and gets the first level's logits. Deeper levels are grown by
+the model drafter's rules (``growing.TreeGrower``: same beam, selection and sampling), each
+node reading its parent's output feature and sitting at rotary position ``n - 2 + depth``, in a
+region after the committed positions. Nothing of the tree is kept on commit: the accepted tokens' true features
 arrive with the next verification and are fed then, as EAGLE does.
 """
 
@@ -19,10 +19,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from multiguess.engine.acceptance import Acceptance
-from multiguess.engine.drafter import DraftRequest, ModelDrafter, Proposal, SampleSpec, _Candidate
+from multiguess.engine.backends import backend_for
+from multiguess.engine.config import EngineConfig
+from multiguess.engine.drafter import DraftRequest, Proposal, SampleSpec
+from multiguess.engine.drafters.base import Drafter, DraftMemory
+from multiguess.engine.drafters.growing import Candidate, TreeGrower, place_level
 from multiguess.engine.eagle3_head import Eagle3Head
 from multiguess.engine.kv_cache import exchange_slots
 from multiguess.engine.linear import Projection
+from multiguess.engine.memory_plan import Footprint
+from multiguess.engine.memory_probe import MemoryMeter
 from multiguess.engine.prefix_cache import swap_keys
 from multiguess.engine.tree import TokenTree
 
@@ -114,6 +120,31 @@ class HeadRunner:
         return head.logits(out).float(), out
 
 
+def probe_head(
+    head: Eagle3Head,
+    embed: nn.Module,
+    projection: type[Projection],
+    meter: MemoryMeter,
+    slots: int,
+    width: int,
+) -> tuple[int, int]:
+    """(activation peak, KV bytes per position) of one head forward of ``slots`` chains of
+    ``width`` positions on a probe cache sized to them, allocated before the measurement."""
+    runner = HeadRunner(head, embed, slots, width, projection)
+    per_token = runner.cache.kv.nbytes // (slots * width)
+    features = torch.zeros(slots, width, len(head.config.aux_layers) * head.config.target_hidden_size)
+    tokens = torch.zeros(slots, width, dtype=torch.long)
+    positions = torch.arange(width).expand(slots, width)
+    visible = chain_visibility([0] * slots, [0] * slots, [width] * slots, width, width)
+
+    def forward() -> None:
+        runner.forward(
+            list(range(slots)), tokens, features, False, positions, [0] * slots, [width] * slots, visible
+        )
+
+    return meter.peak(runner.device, forward), per_token
+
+
 def chain_visibility(
     bases: list[int], starts: list[int], counts: list[int], width: int, length: int
 ) -> torch.Tensor:
@@ -139,12 +170,19 @@ def tree_visibility(bases: list[int], prefixes: list[int], region: torch.Tensor,
     return committed[:, None, :] | (picked & in_region[:, None, :])
 
 
-class Eagle3Drafter(ModelDrafter):
-    """A ``ModelDrafter`` whose model is an EAGLE-3 head reading the target's features."""
+class Eagle3Drafter(Drafter):
+    """Drafts with an EAGLE-3 ``head`` reading the target's features, by the tree rules of
+    ``growing.TreeGrower``; ``embed`` is the head's own token embeddings or the target's.
+    ``start`` sizes the head's KV cache; ``wire_exact``: see ``TreeGrower`` (a draft server's)."""
 
-    def __init__(self, runner: HeadRunner) -> None:
-        super().__init__(runner)  # type: ignore[arg-type]  # the tree rules only need vocab/forward
-        self.runner: HeadRunner = runner  # type: ignore[assignment]
+    takes_grafts = True
+    prefills = True
+
+    def __init__(self, head: Eagle3Head, embed: nn.Module, wire_exact: bool = False) -> None:
+        self.head = head
+        self.embed = embed
+        self.wire_exact = wire_exact
+        self.cached: dict[int, int] = {}  # slot -> positions whose KV the head holds
         self.base: dict[int, int] = {}  # slot -> the first position with features (and KV)
         self.pending: dict[int, torch.Tensor] = {}  # slot -> target features from cached[slot] on
         self._root: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> last row's logits, feature
@@ -153,7 +191,33 @@ class Eagle3Drafter(ModelDrafter):
     @property
     def feature_layers(self) -> tuple[int, ...]:
         """The target layers (transformers' ``output_hidden_states`` index) the head reads."""
-        return tuple(self.runner.head.config.aux_layers)
+        return tuple(self.head.config.aux_layers)
+
+    @property
+    def feature_width(self) -> int:
+        """Values per position of the target's features the head reads."""
+        return len(self.head.config.aux_layers) * self.head.config.target_hidden_size
+
+    def memory(self) -> DraftMemory:
+        """The head's weights (the target's embeddings count once), and the peak and KV bytes
+        of a head forward over ``max_batch`` chains as wide as a tree."""
+
+        def measure(meter: MemoryMeter, config: EngineConfig) -> Footprint:
+            projection = self._projection(config)
+            return Footprint(
+                *probe_head(self.head, self.embed, projection, meter, config.max_batch, config.tree_slack)
+            )
+
+        return DraftMemory(self.head.fc.weight.device, (self.head, self.embed), measure)
+
+    def start(self, slots: int, capacity: int, config: EngineConfig) -> None:
+        """The head's runner and KV cache, its linears in the device family's fused form."""
+        self.runner = HeadRunner(self.head, self.embed, slots, capacity, self._projection(config))
+        self.grower = TreeGrower(self.runner.head_vocab, self.runner.vocab_size, self.wire_exact)
+
+    def _projection(self, config: EngineConfig) -> type[Projection]:
+        weight = self.head.fc.weight
+        return backend_for(weight.device, weight.dtype, config.eager, config.backend).projection
 
     def add_features(self, slot: int, position: int, features: torch.Tensor) -> None:
         """The target's features ``[m, F]`` at positions ``position..position + m - 1`` of the
@@ -171,14 +235,12 @@ class Eagle3Drafter(ModelDrafter):
         self.pending[slot] = features
 
     def release(self, slot: int) -> None:
-        super().release(slot)
-        for state in (self.base, self.pending, self._root):
+        for state in (self.cached, self.base, self.pending, self._root):
             state.pop(slot, None)
 
     def retain(self, slot: int, length: int) -> None:
         """Keep the head's cache of the positions fed with the target's features whose tokens
         are among the first ``length`` (position p reads token p + 1)."""
-        self._fed.pop(slot, None)
         self._root.pop(slot, None)
         kept = self._reusable(slot, length)
         if not kept:
@@ -209,8 +271,9 @@ class Eagle3Drafter(ModelDrafter):
         return max(0, min(self.cached[slot], length - 1))
 
     def move(self, src: int, dst: int) -> None:
-        super().move(src, dst)
-        for state in (self.base, self.pending, self._root):
+        """Carry the sequence's head cache along, and what ``dst`` retained back to ``src``."""
+        self.runner.cache.exchange(src, dst, self.cached.get(src, 0), self.cached.get(dst, 0))
+        for state in (self.cached, self.base, self.pending, self._root):
             swap_keys(state, src, dst)
 
     def prefill(self, slot: int, token_ids: list[int]) -> None:
@@ -225,13 +288,16 @@ class Eagle3Drafter(ModelDrafter):
         prompt before its first verification, a sequence forgotten after a failure) get their
         root alone until the next verification hands their features over."""
         ready = [r for r in requests if r.slot in self.pending]
-        drafted = dict(zip([r.slot for r in ready], super().propose(ready) if ready else [], strict=True))
+        drafted: dict[int, Proposal] = {}
+        if ready:
+            logits, prefixes = self._catch_up(ready)
+            grown = self.grower.grow(ready, logits, prefixes, self._feed)
+            drafted = {r.slot: g.proposal for r, g in zip(ready, grown, strict=True)}
         return [drafted.get(r.slot) or Proposal(TokenTree.chain([r.token_ids[-1]])) for r in requests]
 
     def commit(self, slot: int, proposal: Proposal, acceptance: Acceptance) -> None:
         """Nothing of the tree is kept: its nodes read the head's own features, and the accepted
         ones are fed again with the target's once the verification's features arrive."""
-        self._fed.pop(slot, None)
 
     def _feed_chain(
         self, slots: list[int], token_ids: list[list[int]]
@@ -270,6 +336,8 @@ class Eagle3Drafter(ModelDrafter):
         return out
 
     def _catch_up(self, requests: list[DraftRequest]) -> tuple[torch.Tensor, list[int]]:
+        """Feed each sequence's positions with pending features: the roots' logits, and where
+        each sequence's tree region starts (after position ``n - 2``)."""
         self._feed_chain([r.slot for r in requests], [r.token_ids for r in requests])
         roots = [self._root[r.slot] for r in requests]
         self._hidden = [{-1: feature} for _, feature in roots]
@@ -280,10 +348,12 @@ class Eagle3Drafter(ModelDrafter):
         requests: list[DraftRequest],
         prefixes: list[int],
         beams: list[list[int]],
-        cands: list[list[_Candidate]],
+        cands: list[list[Candidate]],
         fed: list[dict[int, int]],
     ) -> list[torch.Tensor]:
-        tokens, depths, used, region = self._place_level(beams, cands, fed)
+        """One head forward over every sequence's beam, each node reading its parent's output
+        feature; returns each beam's logits rows."""
+        tokens, depths, used, region = place_level(beams, cands, fed)
         hidden_size = self.runner.head.config.hidden_size
         parents = torch.zeros(
             len(beams), tokens.shape[1], hidden_size, dtype=self.runner.dtype, device=self.runner.device
@@ -310,13 +380,13 @@ class Eagle3Drafter(ModelDrafter):
     ) -> list[int | None]:
         """Feed the positions whose target features arrived and rank each token they guess for
         the first time (position p guesses ``token_ids[p + 2]``) among the head's ``width``
-        guesses (``ModelDrafter._ranks``); nothing for a sequence it holds no features for."""
+        guesses (``TreeGrower.ranks``); nothing for a sequence it holds no features for."""
         if slot not in self.pending:
             return []
         ((start, logits, _),) = self._feed_chain([slot], [token_ids])
         first = max(start + 2, since)
         if first >= len(token_ids):
             return []
-        return self._ranks(
+        return self.grower.ranks(
             logits[first - 2 - start : len(token_ids) - 2 - start], token_ids, first, width, sample
         )
