@@ -22,6 +22,9 @@ FORMATS = {
     "q4_1": GGMLQuantizationType.Q4_1,
 }
 BLOCK = 32  # weights per block, in every format above
+GROUP = {"q8_0": 32, "q4_0": 32, "q4_1": 32}  # weights per scale
+ZERO = {"q8_0": 128, "q4_0": 8}  # formats whose weight is scale * (u - zero); the others scale * u + offset
+BITS = {"q8_0": 8, "q4_0": 4, "q4_1": 4}  # bits of the unsigned integers u (8 holds up to 8)
 
 
 def format_of(qtype: GGMLQuantizationType) -> str | None:
@@ -33,11 +36,16 @@ def block_bytes(kind: str) -> int:
     return GGML_QUANT_SIZES[FORMATS[kind]][1]
 
 
+def block_size(kind: str) -> int:
+    return GGML_QUANT_SIZES[FORMATS[kind]][0]
+
+
 def row_bytes(kind: str, in_features: int) -> int:
-    """Bytes of one quantized row of ``in_features`` weights (a multiple of ``BLOCK``)."""
-    if in_features % BLOCK:
-        raise ValueError(f"{kind} rows hold whole blocks of {BLOCK} weights; got {in_features}")
-    return in_features // BLOCK * block_bytes(kind)
+    """Bytes of one quantized row of ``in_features`` weights (a multiple of the format's block)."""
+    size = block_size(kind)
+    if in_features % size:
+        raise ValueError(f"{kind} rows hold whole blocks of {size} weights; got {in_features}")
+    return in_features // size * block_bytes(kind)
 
 
 def half(blocks: torch.Tensor, at: int) -> torch.Tensor:
@@ -47,24 +55,38 @@ def half(blocks: torch.Tensor, at: int) -> torch.Tensor:
 
 def nibbles(packed: torch.Tensor) -> torch.Tensor:
     """16 bytes of 4-bit pairs per block into 32 values: the low nibbles are the first 16."""
-    return torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
+    return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+
+
+def unpack(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of quantized blocks ``[n, row_bytes]`` (uint8) as their unsigned integers ``u``
+    ``[n, in]`` (uint8), scales and offsets ``[n, in / GROUP[kind]]`` (fp32): weight ``i`` is
+    ``scale * u + offset`` of its group. For the formats in ``ZERO`` the offset is
+    ``-zero * scale`` (exact: the zeros are powers of two)."""
+    if kind not in FORMATS:
+        raise ValueError(f"unknown quantized format {kind!r}; known: {', '.join(FORMATS)}")
+    rows = blocks.shape[0]
+    blocks = blocks.view(rows, -1, block_bytes(kind))
+    scale = half(blocks, 0)
+    if kind == "q8_0":
+        u = (blocks[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    elif kind == "q4_0":
+        u = nibbles(blocks[..., 2:])
+    else:
+        u = nibbles(blocks[..., 4:])
+    offset = half(blocks, 2) if kind == "q4_1" else -ZERO[kind] * scale
+    return u.reshape(rows, -1), scale.reshape(rows, -1), offset.reshape(rows, -1)
 
 
 def dequantize(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     """Rows of quantized blocks ``[n, row_bytes]`` (uint8) as fp32 ``[n, in]``, as ggml decodes
     them (scale times integer, plus the offset where the format has one)."""
-    rows = blocks.shape[0]
-    blocks = blocks.view(rows, -1, block_bytes(kind))
-    scale = half(blocks, 0)
-    if kind == "q8_0":
-        values = scale * blocks[..., 2:].contiguous().view(torch.int8).float()
-    elif kind == "q4_0":
-        values = scale * (nibbles(blocks[..., 2:]) - 8)
-    elif kind == "q4_1":
-        values = scale * nibbles(blocks[..., 4:]) + half(blocks, 2)
-    else:
-        raise ValueError(f"unknown quantized format {kind!r}; known: {', '.join(FORMATS)}")
-    return values.reshape(rows, -1)
+    u, scale, offset = unpack(blocks, kind)
+    rows, group = u.shape[0], GROUP[kind]
+    u = u.view(rows, -1, group).float()
+    if kind in ZERO:
+        return (scale[..., None] * (u - ZERO[kind])).reshape(rows, -1)
+    return (scale[..., None] * u + offset[..., None]).reshape(rows, -1)
 
 
 def quantize(weight: torch.Tensor, kind: str) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Projections over weights kept in GGUF's block formats, run by the integer kernels.
 
 The runner fuses layers that read one input (q/k/v, gate/up) into one product; for quantized
-layers the fused weight is their blocks' rows concatenated, which the modules then view (no
-copy kept twice). Norm, gating and residual run in the kernel's call, in fp32 (one call instead of a handful of
+layers the fused weight is their blocks' rows concatenated and repacked once into the kernel's
+layout (``quant_kernel.repack``). Norm, gating and residual run in the kernel's call, in fp32 (one call instead of a handful of
 torch ops); each is per row, as the product is, and with bf16 activations
 ``run_layers`` takes rotary, the cache write and attention to the bf16 library's per-row
 kernels, so a row's result never depends on the rows beside it. Layers that are not quantized
@@ -26,10 +26,11 @@ if TYPE_CHECKING:
 
 
 class QuantizedProjection(Projection):
-    """One or more ``QuantizedLinear`` layers of one format and input width, as one product."""
+    """One or more ``QuantizedLinear`` layers of one format and input width, as one product,
+    its weight repacked once for the kernel (``quant_kernel.repack``)."""
 
     def __init__(self, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None, sizes: list[int]) -> None:
-        self.blocks, self.kind = blocks, kind
+        self.weight = quant_kernel.repack(blocks, kind)
         self.bias = None if bias is None else bias.float().contiguous()
         self.sizes = sizes
 
@@ -55,18 +56,10 @@ class QuantizedProjection(Projection):
     @classmethod
     def _fuse(cls, linears: list[QuantizedLinear]) -> QuantizedProjection:
         sizes = [m.out_features for m in linears]
-        if len(linears) == 1:
-            (m,) = linears
-            return cls(m.blocks, m.kind, m.bias, sizes)
-        blocks = torch.cat([m.blocks for m in linears])
         bias = None
         if any(m.bias is not None for m in linears):
             bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in linears])
-        start = 0
-        for m in linears:
-            m.blocks = blocks[start : start + m.out_features]
-            start += m.out_features
-        return cls(blocks, linears[0].kind, bias, sizes)
+        return cls(torch.cat([m.blocks for m in linears]), linears[0].kind, bias, sizes)
 
     @classmethod
     def rows(cls, linear: torch.nn.Module, rows: torch.Tensor) -> Projection | None:
@@ -86,10 +79,10 @@ class QuantizedProjection(Projection):
     ) -> torch.Tensor:
         """The product with norm, gating and residual in the kernel call (fp32 inside)."""
         weight = None if norm is None else (norm.weight, norm.variance_epsilon)
-        return quant_kernel.matmul(self.blocks, self.kind, x, self.bias, weight, gated, residual).to(x.dtype)
+        return quant_kernel.matmul(self.weight, x, self.bias, weight, gated, residual).to(x.dtype)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_kernel.matmul(self.blocks, self.kind, x, self.bias).to(x.dtype)
+        return quant_kernel.matmul(self.weight, x, self.bias).to(x.dtype)
 
 
 def layers_supported(runner: ModelParts) -> bool:
