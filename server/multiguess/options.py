@@ -1,7 +1,15 @@
 """Names of the engine's choices, importable without torch (the CLI builds its help from them)."""
 
 DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
-QUANTIZATIONS = ("none", "int8", "q8_0", "q4_0", "q4_1")  # int8: torch dynamic; q*: GGUF blocks
+QUANTIZATIONS = (
+    "none",
+    "int8",
+    "q8_0",
+    "q4_0",
+    "q4_1",
+    "q4_k",
+    "q6_k",
+)  # int8: torch dynamic; q*: GGUF blocks
 DRAFTERS = ("model", "eagle3", "ngram", "suffix", "none")
 DRAFT_SERVER_DRAFTERS = ("model", "eagle3")  # what serve-draft can host
 DRAFT_MAX_FRAME_BYTES = 64 * 1024 * 1024  # a draft server's default limit on one step message

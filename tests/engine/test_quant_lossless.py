@@ -18,7 +18,7 @@ from multiguess.engine.tree import TokenTree
 from multiguess.models.loading import load_model
 
 from tests.engine.test_lossless import random_prompts
-from tests.gguf_files import tiny_gguf
+from tests.gguf_files import K_SIZES, tiny_gguf
 from tests.tiny_models import save_noisy_copy
 
 Q = gguf.GGMLQuantizationType
@@ -41,12 +41,16 @@ def draft_beside(target: Path, family: str, folder: Path) -> Path:
 
 
 @needs_kernel
-@pytest.mark.parametrize(("family", "qtype"), [("llama", Q.Q4_1), ("qwen2", Q.Q4_0), ("mistral", Q.Q8_0)])
+@pytest.mark.parametrize(
+    ("family", "qtype"),
+    [("llama", Q.Q4_1), ("qwen2", Q.Q4_0), ("mistral", Q.Q8_0), ("qwen2", Q.Q4_K), ("llama", Q.Q6_K)],
+)
 @pytest.mark.parametrize(("num_candidates", "depth"), [(1, 4), (3, 3)])
 def test_gguf_speculation_equals_its_plain_decoding(
     tmp_path: Path, family: str, qtype: Q, num_candidates: int, depth: int
 ) -> None:
-    target = tiny_gguf(tmp_path, family, qtype, tie_word_embeddings=family == "llama")
+    sizes = K_SIZES if qtype in (Q.Q4_K, Q.Q6_K) else {}
+    target = tiny_gguf(tmp_path, family, qtype, tie_word_embeddings=family == "llama", **sizes)
     draft = draft_beside(target, family, tmp_path / "draft")
     prompts = random_prompts(12, (1, 7, 30, 200), vocab=200)
     params = SamplingParams(max_tokens=40, ignore_eos=True)

@@ -47,14 +47,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         "none",
         choices=QUANTIZATIONS,
-        help="the target's linears in GGUF blocks (q8_0, q4_0, q4_1; CPUs), or int8 dynamic; a .gguf --target is quantized already",
+        help="the target's linears in GGUF blocks (q8_0, q4_0, q4_1, q4_k, q6_k; CPUs), or int8 dynamic; a .gguf --target is quantized already",
     )
     add_flag(
         parser,
         "--draft-quantization",
         None,
         choices=QUANTIZATIONS,
-        help="int8: dynamic int8 draft; q8_0, q4_0, q4_1: GGUF blocks",
+        help="int8: dynamic int8 draft; q8_0, q4_0, q4_1, q4_k, q6_k: GGUF blocks",
     )
     add_flag(
         parser,
