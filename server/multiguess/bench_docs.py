@@ -693,6 +693,12 @@ def headline(bench: Path) -> str:
     )
 
 
+def quant_accuracy(bench: Path) -> list[str]:
+    from multiguess import bench_docs_quant  # imported here: it renders with this module's helpers
+
+    return bench_docs_quant.quant_accuracy_section(load(bench, bench_docs_quant.QUANT_ACCURACY_FILE))
+
+
 SECTIONS: list[Callable[[Path], list[str]]] = [
     lambda b: engine_section(load(b, ENGINE_FILE.format(dtype="bfloat16")), "bfloat16"),
     lambda b: engine_section(load(b, ENGINE_FILE.format(dtype="float32")), "float32"),
@@ -703,6 +709,7 @@ SECTIONS: list[Callable[[Path], list[str]]] = [
     lambda b: sampling_section(load(b, SAMPLING_FILE)),
     lambda b: gpu_section(load(b, GPU_FILE)),
     lambda b: grounded_section(load(b, GROUNDED_FILE)),
+    lambda b: quant_accuracy(b),
 ]
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from multiguess.engine.backends.cpu import bf16_kernel
 from multiguess.engine.backends.cpu.bf16_kernel import KERNELS, Sources, Variant, cpu_variant, open_library
 from multiguess.engine.quantized import BITS, FORMATS, GROUP, unpack
 
@@ -28,7 +29,7 @@ AVX2 = ("-mavx2", "-mfma", "-mf16c")
 QUANT = Sources(
     "quant_kernels",
     (KERNELS / "quant_kernels.c",),
-    (),
+    (KERNELS / "layer_step.h",),
     {  # best first
         "avx512_vnni": Variant(
             frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"}),
@@ -56,6 +57,47 @@ class Packed:
     in_features: int
 
 
+class QuantWeight(ctypes.Structure):
+    """``multiguess_quant_weight``: a repacked weight and its bias, as the kernels read it."""
+
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("bits", ctypes.c_int),
+        ("groups", ctypes.c_int),
+        ("wide", ctypes.c_int),
+    ]
+
+    @classmethod
+    def of(cls, weight: Packed, bias: torch.Tensor | None) -> QuantWeight:
+        """The view of ``weight`` and fp32 ``bias``: both must outlive it."""
+        return cls(
+            weight.data.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            weight.out_features,
+            weight.in_features,
+            weight.bits,
+            weight.groups,
+            int(weight.wide),
+        )
+
+
+class QuantLayer(ctypes.Structure):
+    """``multiguess_quant_layer_weights``: one decoder layer's weights, norms and cache."""
+
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        *[(name, QuantWeight) for name in ("qkv", "o", "gate_up", "down")],
+        ("cache", ctypes.c_void_p),
+        ("eps", ctypes.c_float),
+        ("post_eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None (and one log line saying why) where they cannot be used."""
@@ -68,18 +110,18 @@ def library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.multiguess_quant_matmul.argtypes = [
-        ctypes.c_void_p,
-        *[ctypes.c_int] * 3,
-        *[ctypes.c_void_p] * 3,
-        *[ctypes.c_int64] * 3,
-        ctypes.c_int,
-        ctypes.c_int,
+        ctypes.POINTER(QuantWeight),
+        *[ctypes.c_void_p] * 2,
+        ctypes.c_int64,
+        *[ctypes.c_int] * 2,
         ctypes.c_void_p,
         ctypes.c_float,
         ctypes.c_int,
         ctypes.c_void_p,
     ]
     lib.multiguess_quant_matmul.restype = ctypes.c_int
+    lib.multiguess_quant_layer.argtypes = [ctypes.POINTER(QuantLayer), *[ctypes.c_void_p] * 4]
+    lib.multiguess_quant_layer.restype = ctypes.c_int
     return lib
 
 
@@ -141,16 +183,10 @@ def matmul(
     scale = None if norm is None else norm[0].to(dtype).contiguous()
     bias = None if bias is None else bias.float().contiguous()
     status = lib.multiguess_quant_matmul(
-        weight.data.data_ptr(),
-        weight.bits,
-        weight.groups,
-        int(weight.wide),
+        ctypes.byref(QuantWeight.of(weight, bias)),
         rows.data_ptr(),
-        None if bias is None else bias.data_ptr(),
         y.data_ptr(),
         rows.shape[0],
-        weight.in_features,
-        weight.out_features,
         torch.get_num_threads(),
         int(dtype == torch.bfloat16),
         None if scale is None else scale.data_ptr(),
@@ -161,3 +197,25 @@ def matmul(
     if status != 0:
         raise MemoryError("quantized kernel: no memory for the prepared inputs")
     return y.view(*x.shape[:-1], weight.out_features)
+
+
+@functools.cache
+def bf16_entries() -> tuple[int, int]:
+    """The addresses of the bf16 library's rotary-with-cache-write and attention kernels."""
+    bf16 = bf16_kernel.loaded()
+    functions = (bf16.multiguess_bf16_rope_cache, bf16.multiguess_attention)
+    return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in functions)  # type: ignore[return-value]
+
+
+def run_layer(layer: QuantLayer, step: ctypes.Structure, x: torch.Tensor) -> None:
+    """One decoder layer on the contiguous bf16 residual stream ``x`` ``[B, T, D]``, in place
+    (``multiguess_quant_layer``): the products here, rotary with the cache write and attention
+    from the bf16 library (``bf16_kernel.StepPlaces`` is ``step``), one call from Python."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the quantized kernels are not available: check usable() first")
+    status = lib.multiguess_quant_layer(
+        ctypes.byref(layer), ctypes.byref(step), x.data_ptr(), *bf16_entries()
+    )
+    if status != 0:
+        raise MemoryError("quantized layer kernel: no memory for the prepared inputs")

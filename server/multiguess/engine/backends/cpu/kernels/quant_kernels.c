@@ -32,6 +32,8 @@
 #include <omp.h>
 #endif
 
+#include "layer_step.h"
+
 #define QK 32
 #define TILE 16
 #if defined(__AVX512VNNI__)
@@ -417,17 +419,24 @@ static inline void store(void *p, int64_t i, float f, int bf16) {
                                                           : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+/* One repacked weight [n][k] as the kernels read it (quant_kernel.py: QuantWeight): ceil(n / 16)
+ * tiles of the layout (bits, groups, wide), its bias [n] fp32 or NULL. */
+typedef struct {
+  const uint8_t *data;
+  const float *bias;
+  int64_t n, k;
+  int bits, groups, wide;
+} multiguess_quant_weight;
+
 /* x: [m][k] (or [m][2k] when gated), norm_weight [k], residual and y [m][n]: bf16 when `bf16`
- * is set, else fp32 (k a multiple of 32); w: ceil(n / 16) tiles of the layout (bits, groups,
- * wide); bias [n] fp32 or NULL. y = input @ W^T + bias (+ residual), the input being x,
- * RMSNorm(x) * norm_weight or silu(gate) * up (input_row). Returns -1 when out of memory. */
-int multiguess_quant_matmul(const uint8_t *w, int bits, int groups, int wide, const void *x, const float *bias,
-                            void *y, int64_t m, int64_t k, int64_t n, int threads, int bf16,
-                            const void *norm_weight, float eps, int gated, const void *residual) {
+ * is set, else fp32 (k a multiple of 32). y = input @ W^T + bias (+ residual), the input being
+ * x, RMSNorm(x) * norm_weight or silu(gate) * up (input_row). Returns -1 when out of memory. */
+int multiguess_quant_matmul(const multiguess_quant_weight *W, const void *x, void *y, int64_t m, int threads,
+                            int bf16, const void *norm_weight, float eps, int gated, const void *residual) {
   if (m == 0) return 0;
-  const int64_t blocks = k / QK;
-  const int64_t header = 2 * groups * TILE * (wide ? 4 : 2);
-  const Layout L = {bits, groups, wide, k, blocks, header, header + TILE * QK * bits / 8};
+  const int64_t k = W->k, n = W->n, blocks = k / QK;
+  const int64_t header = 2 * W->groups * TILE * (W->wide ? 4 : 2);
+  const Layout L = {W->bits, W->groups, W->wide, k, blocks, header, header + TILE * QK * W->bits / 8};
   Prepared P = {malloc((size_t)(m * k)), malloc((size_t)(m * blocks) * sizeof(float)),
                 malloc((size_t)(m * blocks * 3) * sizeof(float))};
   float *rows = malloc((size_t)(threads * k) * sizeof(float));
@@ -450,7 +459,7 @@ int multiguess_quant_matmul(const uint8_t *w, int bits, int groups, int wide, co
     }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
-      const uint8_t *tile = w + t * blocks * L.bytes;
+      const uint8_t *tile = W->data + t * blocks * L.bytes;
       const int64_t j0 = t * TILE, columns = n - j0 < TILE ? n - j0 : TILE;
       float out[ROWS][TILE];
       for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
@@ -459,7 +468,7 @@ int multiguess_quant_matmul(const uint8_t *w, int bits, int groups, int wide, co
         for (int64_t r = 0; r < count; r++) {
           for (int64_t c = 0; c < columns; c++) {
             const int64_t i = (r0 + r) * n + j0 + c;
-            const float v = out[r][c] + (bias ? bias[j0 + c] : 0.0f);
+            const float v = out[r][c] + (W->bias ? W->bias[j0 + c] : 0.0f);
             store(y, i, residual ? widen(residual, i, bf16) + v : v, bf16);
           }
         }
@@ -468,4 +477,41 @@ int multiguess_quant_matmul(const uint8_t *w, int bits, int groups, int wide, co
   }
   free(P.q), free(P.dx), free(P.sums), free(rows);
   return 0;
+}
+
+/* One decoder layer's repacked weights, norms and cache (quant_kernel.py: QuantLayer). */
+typedef struct {
+  const uint16_t *input_norm, *post_norm; /* RMSNorm weights [d], bf16 */
+  multiguess_quant_weight qkv, o, gate_up, down;
+  float *cache; /* [slots][2 * kv_heads][capacity][dim] */
+  float eps, post_eps, scale; /* the two norms' epsilons, the attention scale */
+} multiguess_quant_layer_weights;
+
+/* The bf16 library's rotary-with-cache-write and attention kernels (bf16_kernels.c), passed in
+ * by address: the quantized layer runs them between its products. */
+typedef void (*rope_cache_fn)(const uint16_t *, const uint16_t *, const uint16_t *, float *, float *, const int64_t *,
+                              const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+typedef int (*attention_fn)(const float *, const float *, const int64_t *, const float *, uint16_t *, int64_t,
+                            int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
+
+/* A whole pre-norm SiLU-gated decoder layer on the bf16 residual stream x [m][d], updated in
+ * place: the products above with rotary, cache write and attention from the bf16 library, in
+ * one call from Python instead of six. Every step is per row, as in multiguess_bf16_layer.
+ * Returns -1 when out of memory. */
+int multiguess_quant_layer(const multiguess_quant_layer_weights *layer, const multiguess_step *step, uint16_t *x,
+                           rope_cache_fn rope_cache, attention_fn attention) {
+  const int64_t m = step->batch * step->width;
+  const int threads = step->threads;
+  if (multiguess_quant_matmul(&layer->qkv, x, step->qkv, m, threads, 1, layer->input_norm, layer->eps, 0, NULL))
+    return -1;
+  rope_cache(step->qkv, step->cos, step->sin, step->queries, layer->cache, step->slots, step->starts, step->batch,
+             step->width, step->heads, step->kv_heads, step->dim, step->capacity);
+  if (attention(step->queries, layer->cache, step->slots, step->mask, step->attn, step->batch, step->width,
+                step->heads, step->kv_heads, step->dim, step->capacity, step->length, layer->scale, threads))
+    return -1;
+  if (multiguess_quant_matmul(&layer->o, step->attn, step->h, m, threads, 1, NULL, 0.0f, 0, x)) return -1;
+  if (multiguess_quant_matmul(&layer->gate_up, step->h, step->gate_up, m, threads, 1, layer->post_norm,
+                              layer->post_eps, 0, NULL))
+    return -1;
+  return multiguess_quant_matmul(&layer->down, step->gate_up, x, m, threads, 1, NULL, 0.0f, 1, step->h);
 }
