@@ -24,16 +24,20 @@ def runnable_variants() -> list[str]:
     return [name for name, variant in quant_kernel.QUANT.variants.items() if variant.needs <= flags]
 
 
+def reset() -> None:
+    """Forget the chosen variant and the opened libraries (read again on next use)."""
+    for cached in (quant_kernel.library, quant_kernel.variant_library, quant_kernel.chosen_variant):
+        cached.cache_clear()
+
+
 @pytest.fixture(params=runnable_variants())
 def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Each test on every variant this CPU runs (the portable one stands for a CPU without AVX2)."""
-    needs = quant_kernel.QUANT.variants[request.param].needs
-    monkeypatch.setattr(bf16_kernel, "cpu_flags", lambda: needs)
-    quant_kernel.library.cache_clear()
-    assert quant_kernel.library() is not None
-    assert bf16_kernel.cpu_variant(quant_kernel.QUANT) == request.param
+    monkeypatch.setenv(quant_kernel.VARIANT, request.param)
+    reset()
+    assert quant_kernel.library() is not None and quant_kernel.chosen_variant() == request.param
     yield request.param
-    quant_kernel.library.cache_clear()
+    reset()
 
 
 def weights(
@@ -132,8 +136,29 @@ def test_the_portable_build_serves_cpus_without_avx2(monkeypatch: pytest.MonkeyP
 
 def test_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MULTIGUESS_QUANT_KERNEL", "0")
-    quant_kernel.library.cache_clear()
+    reset()
     try:
         assert quant_kernel.library() is None and not quant_kernel.usable("q4_1")
     finally:
-        quant_kernel.library.cache_clear()  # recomputed with the switch back on
+        reset()  # recomputed with the switch back on
+
+
+def test_the_variant_is_measured_among_the_vector_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the CPU runs more than one vector build, the faster at a streamed product is
+    chosen (here made to be AVX2); one named in the environment is taken as it is, and one
+    the CPU cannot run is refused."""
+    monkeypatch.setattr(bf16_kernel, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx_vnni"}))
+    monkeypatch.setattr(quant_kernel, "product_seconds", lambda name: {"avx_vnni": 2.0, "avx2": 1.0}[name])
+    reset()
+    try:
+        assert quant_kernel.chosen_variant() == "avx2"
+        monkeypatch.setenv(quant_kernel.VARIANT, "portable")
+        reset()
+        assert quant_kernel.chosen_variant() == "portable"
+        monkeypatch.setenv(quant_kernel.VARIANT, "avx512_vnni")
+        reset()
+        with pytest.raises(ValueError, match="does not run here; this CPU runs: avx_vnni, avx2, portable"):
+            quant_kernel.chosen_variant()
+    finally:
+        monkeypatch.delenv(quant_kernel.VARIANT)
+        reset()

@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
+import os
+import time
 from dataclasses import dataclass
 
 import torch
 
 from multiguess.engine.backends.cpu import bf16_kernel
-from multiguess.engine.backends.cpu.bf16_kernel import KERNELS, Sources, Variant, cpu_variant, open_library
-from multiguess.engine.quantized import BITS, FORMATS, GROUP, unpack
+from multiguess.engine.backends.cpu.bf16_kernel import KERNELS, Sources, Variant, open_library
+from multiguess.engine.quantized import BITS, FORMATS, GROUP, quantize, unpack
+
+log = logging.getLogger(__name__)
 
 AVX2 = ("-mavx2", "-mfma", "-mf16c")
 QUANT = Sources(
@@ -41,6 +46,7 @@ QUANT = Sources(
     },
     "MULTIGUESS_QUANT_KERNEL",
 )
+VARIANT = "MULTIGUESS_QUANT_VARIANT"  # a variant's name, or auto (measured)
 TILE = 16  # weight rows interleaved in one tile (quant_kernels.c: TILE)
 QK = 32  # inputs per block of the layout
 
@@ -100,10 +106,16 @@ class QuantLayer(ctypes.Structure):
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (and one log line saying why) where they cannot be used."""
+    """The compiled kernels (``chosen_variant``), or None (and one log line saying why) where
+    they cannot be used."""
+    return variant_library(chosen_variant())
+
+
+@functools.cache
+def variant_library(variant: str | None) -> ctypes.CDLL | None:
     lib = open_library(
         QUANT,
-        cpu_variant(QUANT),
+        variant,
         "quantized linears decode their weights on every call (slow)",
         "quantized kernels unavailable, decoding weights on every call",
     )
@@ -123,6 +135,49 @@ def library() -> ctypes.CDLL | None:
     lib.multiguess_quant_layer.argtypes = [ctypes.POINTER(QuantLayer), *[ctypes.c_void_p] * 4]
     lib.multiguess_quant_layer.restype = ctypes.c_int
     return lib
+
+
+@functools.cache
+def chosen_variant() -> str | None:
+    """The variant this process runs, once for all its products (so a step and a tree share
+    their arithmetic): ``$MULTIGUESS_QUANT_VARIANT`` names one, else among the vector variants
+    this CPU runs the fastest at a Q4_1 product of 1 and of 8 rows, measured (256-bit AVX-VNNI
+    may beat 512-bit AVX512-VNNI where the CPU splits 512-bit work)."""
+    runnable = [name for name, variant in QUANT.variants.items() if variant.needs <= bf16_kernel.cpu_flags()]
+    setting = os.environ.get(VARIANT, "auto")
+    if setting != "auto":
+        if setting not in runnable:
+            raise ValueError(f"{VARIANT}={setting!r} does not run here; this CPU runs: {', '.join(runnable)}")
+        return setting
+    vector = [name for name in runnable if name != "portable"]
+    if len(vector) < 2:
+        return runnable[0] if runnable else None
+    seconds = {name: product_seconds(name) for name in vector}
+    chosen = min(seconds, key=lambda name: seconds[name])
+    log.info(
+        "quantized kernels: %s (%s)", chosen, ", ".join(f"{n} {1000 * t:.2f} ms" for n, t in seconds.items())
+    )
+    return chosen
+
+
+def product_seconds(variant: str, repeats: int = 5) -> float:
+    """The fastest of ``repeats`` Q4_1 products by an 8192 x 4096 weight (21 MiB: streamed from
+    memory, as a decode step streams a model) of 1 row plus that of 8 rows; inf where the
+    variant does not build."""
+    lib = variant_library(variant)
+    if lib is None:
+        return float("inf")
+    generator = torch.Generator().manual_seed(0)
+    blocks = quantize(torch.randn(256, 4096, generator=generator), "q4_1")
+    weight = repack(blocks.repeat(32, 1), "q4_1")
+    best = {rows: float("inf") for rows in (1, 8)}
+    for _ in range(repeats):
+        for rows in best:
+            x = torch.randn(rows, 4096, generator=generator).to(torch.bfloat16)
+            start = time.perf_counter()
+            product(lib, weight, x, None)
+            best[rows] = min(best[rows], time.perf_counter() - start)
+    return sum(best.values())
 
 
 def usable(kind: str) -> bool:
@@ -175,6 +230,19 @@ def matmul(
     lib = library()
     if lib is None:
         raise RuntimeError("the quantized kernels are not available: check usable() first")
+    return product(lib, weight, x, bias, norm, gated, residual)
+
+
+def product(
+    lib: ctypes.CDLL,
+    weight: Packed,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm: tuple[torch.Tensor, float] | None = None,
+    gated: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``matmul`` on the library ``lib``."""
     dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     rows = x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
     y = torch.empty(rows.shape[0], weight.out_features, dtype=dtype)
