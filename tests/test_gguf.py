@@ -117,7 +117,7 @@ def test_unsupported_architecture_names_the_supported(tmp_path: Path) -> None:
 def test_unsupported_format_names_the_tensor_and_the_supported(tmp_path: Path) -> None:
     path = tiny_gguf(tmp_path, "qwen2", Q.Q5_0)
     with pytest.raises(
-        UnsupportedModelError, match=r"is Q5_0, .* supported tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1"
+        UnsupportedModelError, match=r"is Q5_0, .* supported tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K"
     ):
         load_model(str(path), device="cpu")
 
