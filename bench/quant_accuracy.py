@@ -83,18 +83,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--docs", type=Path, default=Path("docs"))
     args = parser.parse_args()
-    gguf = str(locate_target_gguf())
-    report = {
-        **bench_docs.provenance(),
-        "models": [
-            evaluate("SmolLM2-135M-Instruct (target)", str(prepare_target()), gguf),
-            evaluate("shipped draft", str(SHIPPED_DRAFT), None),
-        ],
-    }
+    models = [
+        ("shipped draft", str(SHIPPED_DRAFT), None),
+        ("SmolLM2-135M-Instruct (target)", str(prepare_target()), str(locate_target_gguf())),
+    ]
+    report: dict[str, object] = {**bench_docs.provenance(), "models": []}
     out = args.docs / "bench" / QUANT_ACCURACY_FILE
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    for name, path, gguf in models:  # the file and the page after each model
+        report["models"].append(evaluate(name, path, gguf))  # type: ignore[union-attr]
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        bench_docs.write(args.docs)
     print(json.dumps(report, indent=2))
-    bench_docs.write(args.docs)
 
 
 if __name__ == "__main__":
