@@ -709,6 +709,12 @@ def headline(bench: Path) -> str:
     )
 
 
+def quant_accuracy(bench: Path) -> list[str]:
+    import bench_docs_quant  # imported here: it renders with this module's helpers
+
+    return bench_docs_quant.quant_accuracy_section(load(bench, bench_docs_quant.QUANT_ACCURACY_FILE))
+
+
 SECTIONS: list[Callable[[Path], list[str]]] = [
     lambda b: engine_section(load(b, ENGINE_FILE.format(dtype="bfloat16")), "bfloat16"),
     lambda b: engine_section(load(b, ENGINE_FILE.format(dtype="float32")), "float32"),
@@ -720,6 +726,7 @@ SECTIONS: list[Callable[[Path], list[str]]] = [
     lambda b: gpu_section(load(b, GPU_FILE)),
     lambda b: grounded_section(load(b, GROUNDED_FILE)),
     lambda b: llama_cpp_section(load(b, LLAMA_CPP_FILE)),
+    lambda b: quant_accuracy(b),
 ]
 
 

@@ -1,6 +1,7 @@
 """Tiny GGUF files written in the test run with the ``gguf`` package, as llama.cpp's converter
 writes them: a tiny transformers model's tensors (Llama's q/k rows permuted, linears in a block
-format, norms in F32) and its byte-level BPE tokenizer as ``gpt2`` metadata."""
+format, norms in F32) and its byte-level BPE tokenizer as ``gpt2`` metadata. K formats hold
+super-blocks of 256 weights: ``K_SIZES`` gives the tiny model rows that wide."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
+from multiguess.engine.quantized import FORMATS, WRITERS, format_for, format_of, quantize
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from tests.tiny_models import build_text_tokenizer, model_config, save_model
 
+K_SIZES = {"hidden_size": 256, "intermediate_size": 256}
 ARCHITECTURE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 NAMES = {
     "input_layernorm": "attn_norm",
@@ -47,6 +50,19 @@ def llama_permute(weight: np.ndarray, heads: int) -> np.ndarray:
         .swapaxes(1, 2)
         .reshape(weight.shape)
     )
+
+
+def quantized(
+    data: np.ndarray, kind: gguf.GGMLQuantizationType
+) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    """Blocks of ``kind`` and their type: the gguf package's writer, or multiguess's for the K
+    formats it lacks, which fall back where the rows are not whole super-blocks, as llama.cpp's
+    quantizer does (``format_for``)."""
+    name = format_of(kind)
+    if name in WRITERS:
+        name = format_for(name, data.shape[1])
+        return quantize(torch.from_numpy(data), name).numpy(), FORMATS[name]
+    return gguf.quants.quantize(data, kind), kind
 
 
 def write_gguf(
@@ -93,7 +109,8 @@ def write_gguf(
             data = llama_permute(data, heads)
         kind = embed_qtype or qtype if name == "model.embed_tokens.weight" else qtype
         if data.ndim == 2 and kind not in (gguf.GGMLQuantizationType.F32,):
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(data, kind), raw_dtype=kind)
+            blocks, written = quantized(data, kind)
+            writer.add_tensor(gguf_name(name), blocks, raw_dtype=written)
         else:
             writer.add_tensor(gguf_name(name), np.ascontiguousarray(data))
     writer.write_header_to_file()

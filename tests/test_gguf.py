@@ -11,12 +11,19 @@ import numpy as np
 import pytest
 import torch
 from multiguess.benchmark import weight_bytes
-from multiguess.engine.quantized import FORMATS, QuantizedEmbedding, QuantizedLinear, dequantize, quantize
+from multiguess.engine.quantized import (
+    FORMATS,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    dequantize,
+    format_for,
+    quantize,
+)
 from multiguess.errors import UnsupportedModelError
 from multiguess.models.loading import load_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.gguf_files import tiny_gguf
+from tests.gguf_files import K_SIZES, tiny_gguf
 
 Q = gguf.GGMLQuantizationType
 
@@ -32,16 +39,32 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 @pytest.mark.parametrize("kind", list(FORMATS))
 def test_dequantize_matches_the_reference(kind: str) -> None:
-    weight = torch.randn(48, 256) * torch.linspace(0.01, 3, 256)
+    """Blocks written here decode, bit for bit, to what the gguf package decodes (its reader
+    is ggml's layout), and close to the weight they were written from."""
+    weight = torch.randn(48, 512, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.01, 3, 512)
     blocks = quantize(weight, kind)
-    reference = gguf.quants.dequantize(blocks.numpy(), FORMATS[kind])
-    assert torch.equal(dequantize(blocks, kind), torch.from_numpy(np.ascontiguousarray(reference)))
+    reference = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(blocks.numpy(), FORMATS[kind])))
+    assert torch.equal(dequantize(blocks, kind), reference)
+    error = ((reference - weight).norm(dim=1) / weight.norm(dim=1)).max()
+    assert error < {"q8_0": 0.01, "q6_k": 0.03}.get(kind, 0.15)
+
+
+def test_k_formats_fall_back_where_rows_are_not_whole_super_blocks(tmp_path: Path) -> None:
+    path = tiny_gguf(tmp_path, "llama", Q.F32, hidden_size=256, intermediate_size=96)
+    for kind, fallback in (("q4_k", "q4_1"), ("q6_k", "q8_0")):
+        model = load_model(str(path.parent / "llama-source"), device="cpu", quantization=kind).model
+        layer = model.model.layers[0]
+        assert layer.self_attn.q_proj.kind == layer.mlp.up_proj.kind == kind
+        assert layer.mlp.down_proj.kind == fallback  # 96 inputs
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K])
 def test_loaded_gguf_is_the_dequantized_reference(tmp_path: Path, family: str, qtype: Q) -> None:
-    path = tiny_gguf(tmp_path, family, qtype, embed_qtype=Q.Q8_0, tie_word_embeddings=family == "llama")
+    sizes = K_SIZES if qtype in (Q.Q4_K, Q.Q6_K) else {}
+    path = tiny_gguf(
+        tmp_path, family, qtype, embed_qtype=Q.Q8_0, tie_word_embeddings=family == "llama", **sizes
+    )
     loaded = load_model(str(path), dtype="float32", device="cpu")
     model = loaded.model
     reference = AutoModelForCausalLM.from_pretrained(  # transformers reads no head_dim from Qwen3 files
@@ -52,7 +75,8 @@ def test_loaded_gguf_is_the_dequantized_reference(tmp_path: Path, family: str, q
         for name in LINEARS:
             where = f"self_attn.{name}" if name[0] in "qkvo" else f"mlp.{name}"
             module, expected = layer.get_submodule(where), ref.get_submodule(where)
-            assert isinstance(module, QuantizedLinear) and module.kind == qtype.name.lower()
+            kind = format_for(qtype.name.lower(), module.in_features)  # Qwen3's o_proj reads 64 inputs
+            assert isinstance(module, QuantizedLinear) and module.kind == kind
             assert torch.equal(dequantize(module.blocks, module.kind), expected.weight)
             if expected.bias is not None:
                 assert torch.equal(module.bias, expected.bias)
@@ -93,7 +117,8 @@ def test_unsupported_architecture_names_the_supported(tmp_path: Path) -> None:
 def test_unsupported_format_names_the_tensor_and_the_supported(tmp_path: Path) -> None:
     path = tiny_gguf(tmp_path, "qwen2", Q.Q5_0)
     with pytest.raises(
-        UnsupportedModelError, match=r"is Q5_0, .* supported tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1"
+        UnsupportedModelError,
+        match=r"is Q5_0, .* supported tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K",
     ):
         load_model(str(path), device="cpu")
 

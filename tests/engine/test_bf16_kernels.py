@@ -231,7 +231,7 @@ def test_layer_kernel_equals_the_per_op_kernels(gqa_pair: tuple[Path, Path], pro
     fused, per_op = NativeRunner(loaded, 2, 256), NativeRunner(loaded, 2, 256)
     assert fused.backend.layer_kernels
 
-    def layers(_: NativeRunner, x: torch.Tensor, at: Placement) -> torch.Tensor:
+    def layers(_: NativeRunner, x: torch.Tensor, at: Placement, *kernel: object) -> torch.Tensor:
         r, rope, mask = per_op, tuple(table[:, :, 0] for table in at.rope), at.mask[:, 0]
         where = (torch.tensor(at.slots), at.write_from.to(torch.int64).contiguous())
         for i, layer in enumerate(r.layers):

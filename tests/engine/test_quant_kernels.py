@@ -1,7 +1,8 @@
 """The integer kernels over GGUF block weights (engine/backends/cpu/quant_kernel.py): a row's
 result does not depend on the rows computed with it (why speculation over quantized weights
 equals plain decoding), the arithmetic is the Q8-activation product llama.cpp computes, and the
-portable build is chosen, and right, where the CPU lacks AVX2."""
+variant this CPU gets is right next to the portable build (chosen where the CPU lacks AVX2),
+every variant reads weights repacked at load from each format."""
 
 from __future__ import annotations
 
@@ -17,21 +18,36 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=["best", "portable"])
+def runnable_variants() -> list[str]:
+    """Every variant of the library whose instructions this CPU has."""
+    flags = bf16_kernel.cpu_flags()
+    return [name for name, variant in quant_kernel.QUANT.variants.items() if variant.needs <= flags]
+
+
+def reset() -> None:
+    """Forget the chosen variant and the opened libraries (read again on next use)."""
+    for cached in (quant_kernel.library, quant_kernel.variant_library, quant_kernel.chosen_variant):
+        cached.cache_clear()
+
+
+@pytest.fixture(params=runnable_variants())
 def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Each test on the library this CPU gets and on the portable one (a CPU without AVX2)."""
-    if request.param == "portable":
-        monkeypatch.setattr(bf16_kernel, "cpu_flags", lambda: frozenset())
-    quant_kernel.library.cache_clear()
-    assert quant_kernel.library() is not None
-    yield bf16_kernel.cpu_variant(quant_kernel.QUANT)
-    quant_kernel.library.cache_clear()
+    """Each test on every variant this CPU runs (the portable one stands for a CPU without AVX2)."""
+    monkeypatch.setenv(quant_kernel.VARIANT, request.param)
+    reset()
+    assert quant_kernel.library() is not None and quant_kernel.chosen_variant() == request.param
+    yield request.param
+    reset()
 
 
-def weights(kind: str, outputs: int, inputs: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def weights(
+    kind: str, outputs: int, inputs: int, seed: int
+) -> tuple[torch.Tensor, quant_kernel.Packed, torch.Tensor]:
+    """Quantized blocks of a random weight, the same repacked for the kernel, and a bias."""
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(outputs, inputs, generator=generator) * torch.rand(inputs, generator=generator)
-    return quantize(weight, kind), torch.randn(outputs, generator=generator)
+    blocks = quantize(weight, kind)
+    return blocks, quant_kernel.repack(blocks, kind), torch.randn(outputs, generator=generator)
 
 
 def q8_rows(x: torch.Tensor) -> torch.Tensor:
@@ -47,16 +63,15 @@ def q8_rows(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind", list(FORMATS))
 def test_rows_do_not_depend_on_the_row_count(kind: str, variant: str) -> None:
     """Every row alone and inside batches of 2..19 rows, at every position: the same bits."""
-    blocks, bias = weights(kind, 67, 1536, seed=1)
+    _, packed, bias = weights(kind, 67, 1536, seed=1)
     x = torch.randn(19, 1536)
-    together = quant_kernel.matmul(blocks, kind, x, bias)
+    together = quant_kernel.matmul(packed, x, bias)
     for rows in range(1, 20):
         for first in range(0, 20 - rows, 5):
             assert torch.equal(
-                quant_kernel.matmul(blocks, kind, x[first : first + rows], bias),
-                together[first : first + rows],
+                quant_kernel.matmul(packed, x[first : first + rows], bias), together[first : first + rows]
             )
-    assert torch.equal(quant_kernel.matmul(blocks, kind, x[7], bias), together[7])  # one row, 1-D
+    assert torch.equal(quant_kernel.matmul(packed, x[7], bias), together[7])  # one row, 1-D
 
 
 @needs_kernel
@@ -64,11 +79,11 @@ def test_rows_do_not_depend_on_the_row_count(kind: str, variant: str) -> None:
 def test_the_product_of_q8_rows_and_the_weight_blocks(kind: str, variant: str) -> None:
     """The kernel's product is the dequantized weight times the Q8-quantized rows (fp32 sums:
     within 1e-5 of it); against the plain fp32 product, within the error Q8 rows bring."""
-    blocks, bias = weights(kind, 130, 512, seed=2)
+    blocks, packed, bias = weights(kind, 130, 512, seed=2)
     x = torch.randn(3, 512) * torch.linspace(0.1, 4, 512)
     x[1, :32] = 0.0  # an all-zero block
     weight = dequantize(blocks, kind).double()
-    y = quant_kernel.matmul(blocks, kind, x, bias).double()
+    y = quant_kernel.matmul(packed, x, bias).double()
     exact = q8_rows(x).double() @ weight.T + bias.double()
     torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-4)
     plain = x.double() @ weight.T + bias.double()
@@ -82,19 +97,19 @@ def test_fused_inputs_and_residual(fused: str, variant: str) -> None:
     """RMSNorm, SiLU gating and the residual in the call: bf16 rows stay independent of the row
     count, and in fp32 the result is the product of the prepared rows (torch's ops) within the
     Q8 rows' rounding."""
-    blocks, bias = weights("q4_1", 96, 256, seed=3)
+    blocks, packed, bias = weights("q4_1", 96, 256, seed=3)
     generator = torch.Generator().manual_seed(4)
     x = torch.randn(11, 512 if fused == "gated" else 256, generator=generator)
     norm = (torch.rand(256, generator=generator) + 0.5, 1e-5) if fused == "norm" else None
     residual = torch.randn(11, 96, generator=generator) if fused == "residual" else None
     gated = fused == "gated"
     half = (x.bfloat16(), None if norm is None else (norm[0].bfloat16(), norm[1]), residual)
-    together = quant_kernel.matmul(blocks, "q4_1", half[0], bias, half[1], gated, half[2])
+    together = quant_kernel.matmul(packed, half[0], bias, half[1], gated, half[2])
     for rows in (1, 2, 5, 8):
         part = None if residual is None else half[2][3 : 3 + rows]
-        alone = quant_kernel.matmul(blocks, "q4_1", half[0][3 : 3 + rows], bias, half[1], gated, part)
+        alone = quant_kernel.matmul(packed, half[0][3 : 3 + rows], bias, half[1], gated, part)
         assert torch.equal(alone, together[3 : 3 + rows])
-    y = quant_kernel.matmul(blocks, "q4_1", x, bias, norm, gated, residual).double()
+    y = quant_kernel.matmul(packed, x, bias, norm, gated, residual).double()
     prepared = x
     if norm is not None:
         prepared = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm[1]) * norm[0]
@@ -107,7 +122,10 @@ def test_fused_inputs_and_residual(fused: str, variant: str) -> None:
 
 
 def test_the_portable_build_serves_cpus_without_avx2(monkeypatch: pytest.MonkeyPatch) -> None:
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"}
     for cpu, expected in (
+        (avx512, "avx512_vnni"),
+        ({"avx2", "fma", "f16c", "avx_vnni"}, "avx_vnni"),
         ({"avx2", "fma", "f16c"}, "avx2"),
         ({"avx2", "fma"}, "portable"),
         (set(), "portable"),
@@ -118,8 +136,29 @@ def test_the_portable_build_serves_cpus_without_avx2(monkeypatch: pytest.MonkeyP
 
 def test_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MULTIGUESS_QUANT_KERNEL", "0")
-    quant_kernel.library.cache_clear()
+    reset()
     try:
         assert quant_kernel.library() is None and not quant_kernel.usable("q4_1")
     finally:
-        quant_kernel.library.cache_clear()  # recomputed with the switch back on
+        reset()  # recomputed with the switch back on
+
+
+def test_the_variant_is_measured_among_the_vector_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the CPU runs more than one vector build, the faster at a streamed product is
+    chosen (here made to be AVX2); one named in the environment is taken as it is, and one
+    the CPU cannot run is refused."""
+    monkeypatch.setattr(bf16_kernel, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx_vnni"}))
+    monkeypatch.setattr(quant_kernel, "product_seconds", lambda name: {"avx_vnni": 2.0, "avx2": 1.0}[name])
+    reset()
+    try:
+        assert quant_kernel.chosen_variant() == "avx2"
+        monkeypatch.setenv(quant_kernel.VARIANT, "portable")
+        reset()
+        assert quant_kernel.chosen_variant() == "portable"
+        monkeypatch.setenv(quant_kernel.VARIANT, "avx512_vnni")
+        reset()
+        with pytest.raises(ValueError, match="does not run here; this CPU runs: avx_vnni, avx2, portable"):
+            quant_kernel.chosen_variant()
+    finally:
+        monkeypatch.delenv(quant_kernel.VARIANT)
+        reset()

@@ -11,14 +11,15 @@ import pytest
 import torch
 from multiguess import LLM, SamplingParams
 from multiguess.engine.backends import cpu_has_fast_bf16
-from multiguess.engine.backends.cpu import quant_kernel
+from multiguess.engine.backends.cpu import bf16_kernel, quant_kernel
 from multiguess.engine.backends.cpu.quant import QuantizedProjection
+from multiguess.engine.placement import Placement
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.tree import TokenTree
 from multiguess.models.loading import load_model
 
 from tests.engine.test_lossless import random_prompts
-from tests.gguf_files import tiny_gguf
+from tests.gguf_files import K_SIZES, tiny_gguf
 from tests.tiny_models import save_noisy_copy
 
 Q = gguf.GGMLQuantizationType
@@ -41,12 +42,16 @@ def draft_beside(target: Path, family: str, folder: Path) -> Path:
 
 
 @needs_kernel
-@pytest.mark.parametrize(("family", "qtype"), [("llama", Q.Q4_1), ("qwen2", Q.Q4_0), ("mistral", Q.Q8_0)])
+@pytest.mark.parametrize(
+    ("family", "qtype"),
+    [("llama", Q.Q4_1), ("qwen2", Q.Q4_0), ("mistral", Q.Q8_0), ("qwen2", Q.Q4_K), ("llama", Q.Q6_K)],
+)
 @pytest.mark.parametrize(("num_candidates", "depth"), [(1, 4), (3, 3)])
 def test_gguf_speculation_equals_its_plain_decoding(
     tmp_path: Path, family: str, qtype: Q, num_candidates: int, depth: int
 ) -> None:
-    target = tiny_gguf(tmp_path, family, qtype, tie_word_embeddings=family == "llama")
+    sizes = K_SIZES if qtype in (Q.Q4_K, Q.Q6_K) else {}
+    target = tiny_gguf(tmp_path, family, qtype, tie_word_embeddings=family == "llama", **sizes)
     draft = draft_beside(target, family, tmp_path / "draft")
     prompts = random_prompts(12, (1, 7, 30, 200), vocab=200)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -78,6 +83,40 @@ def test_tree_nodes_have_the_logits_of_their_paths_decoded_alone(tmp_path: Path)
         for i, token in enumerate(path):
             step = step_runner.forward_trees([b], [lens[b] + i], [TokenTree.chain([token])])[0, 0]
             assert torch.equal(step, tree_logits[b, i])
+
+
+@needs_kernel
+@pytest.mark.skipif(not cpu_has_fast_bf16(), reason="bf16 activations need the bf16 kernels")
+def test_the_layer_kernel_equals_its_kernels_called_one_by_one(tmp_path: Path) -> None:
+    """One call a layer (``multiguess_quant_layer``) computes what the quantized products and
+    the bf16 library's rotary and attention compute called from Python one by one."""
+    target = tiny_gguf(tmp_path, "llama", Q.Q4_K, **K_SIZES)
+    loaded = load_model(str(target), device="cpu")
+    fused, per_op = NativeRunner(loaded, 2, 256), NativeRunner(loaded, 2, 256)
+    assert fused.backend.quantized_layers
+
+    def layers(_: NativeRunner, x: torch.Tensor, at: Placement, *kernel: object) -> torch.Tensor:
+        r, rope, mask = (
+            per_op,
+            tuple(table[:, :, 0].contiguous() for table in at.rope),
+            at.mask[:, 0].contiguous(),
+        )
+        where = (torch.tensor(at.slots), at.write_from.to(torch.int64).contiguous())
+        for i, layer in enumerate(r.layers):
+            qkv = r.qkv[i](x, norm=layer.input_layernorm).view(*x.shape[:2], -1, r.head_dim).contiguous()
+            q = bf16_kernel.rope_into_cache(qkv, *rope, r.cache.kv[i], *where, r.num_heads)
+            out = bf16_kernel.attention(q, r.cache.kv[i], where[0], mask, r.attention_scale(i), at.length)
+            h = r.o[i](out, residual=x)
+            x = r.down[i](r.gate_up[i](h, norm=layer.post_attention_layernorm), gated=True, residual=h)
+        return x
+
+    per_op.backend._layers_in_kernels = layers
+    prompts = random_prompts(2, (40, 9), vocab=200)
+    trees = [TokenTree((30, 41, 42, 43), (-1, 0, 0, 1)), TokenTree((7, 8), (-1, 0))]
+    for runner in (fused, per_op):
+        runner.forward_trees([0, 1], [0, 0], [TokenTree.chain(p) for p in prompts])
+    logits = [r.forward_trees([0, 1], [len(p) for p in prompts], trees) for r in (fused, per_op)]
+    assert torch.equal(logits[0], logits[1])
 
 
 @needs_kernel

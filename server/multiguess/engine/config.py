@@ -60,11 +60,11 @@ class ModelConfig:
     draft: str | None = option(None, "draft model folder or hub id (default: embedded draft)")
     quantization: str = option(
         "none",
-        "the target's linears in GGUF blocks (q8_0, q4_0, q4_1; CPUs), or int8 dynamic; a .gguf --target is quantized already",
+        "the target's linears in GGUF blocks (q8_0, q4_0, q4_1, q4_k, q6_k; CPUs), or int8 dynamic; a .gguf --target is quantized already",
         choices=QUANTIZATIONS,
     )
     draft_quantization: str | None = option(
-        None, "int8: dynamic int8 draft; q8_0, q4_0, q4_1: GGUF blocks", choices=QUANTIZATIONS
+        None, "int8: dynamic int8 draft; q8_0, q4_0, q4_1, q4_k, q6_k: GGUF blocks", choices=QUANTIZATIONS
     )
     drafter: str = option(
         "model",

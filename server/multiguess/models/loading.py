@@ -77,8 +77,9 @@ def load_model(
 
     ``quantization="int8"`` applies dynamic int8 quantization to every Linear layer (CPU only);
     activations then stay in fp32, which dynamic quantization requires. A block format
-    (``q8_0``, ``q4_0``, ``q4_1``) keeps every Linear in that format's blocks, as a GGUF file's
-    quantized linears are kept (CPU only; ``dtype`` is then the activations' and float tensors').
+    (``q8_0``, ``q4_0``, ``q4_1``, ``q4_k``, ``q6_k``) keeps every Linear in that format's blocks,
+    as a GGUF file's quantized linears are kept (CPU only; ``dtype`` is then the activations' and
+    float tensors'; ``quantize_linears`` says what a K format does with rows not a multiple of 256).
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}; got {quantization!r}")

@@ -10,13 +10,15 @@ the bits of the same token decoded alone.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import ctypes
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from multiguess.engine.backends import torch_layers
-from multiguess.engine.backends.cpu import bf16_kernel, quant
+from multiguess.engine.backends.cpu import bf16_kernel, quant, quant_kernel
 from multiguess.engine.backends.cpu.packed import PackedProjection, packing_supported, place_panels
 from multiguess.engine.backends.cpu.quant import QuantizedProjection
 from multiguess.engine.linear import Projection
@@ -107,6 +109,11 @@ class CpuBackend:
             [self._layer_weights(runner, i) for i in range(len(runner.layers))] if kernels else []
         )
         self.quantized_layers = self.packed and quant.layers_supported(runner)
+        self.quant_layers = (
+            [quant.layer_weights(runner, i) for i in range(len(runner.layers))]
+            if self.quantized_layers
+            else []
+        )
 
     @property
     def layer_kernels(self) -> bool:
@@ -130,9 +137,9 @@ class CpuBackend:
 
     def run_layers(self, runner: ModelParts, x: torch.Tensor, at: Placement) -> torch.Tensor:
         if self.layer_kernels:
-            return self._layers_in_kernels(runner, x, at)
+            return self._layers_in_kernels(runner, x, at, bf16_kernel.run_layer, self.layer_weights)
         if self.quantized_layers:
-            return quant.run_layers(runner, x, at)
+            return self._layers_in_kernels(runner, x, at, quant_kernel.run_layer, self.quant_layers)
         at = at._replace(mask=fold_mask(at.mask, runner.num_heads // runner.num_kv_heads))
         return torch_layers.run_layers(runner, x, at, attention)
 
@@ -161,16 +168,24 @@ class CpuBackend:
             scale=runner.attention_scale(i),
         )
 
-    def _layers_in_kernels(self, runner: ModelParts, x: torch.Tensor, at: Placement) -> torch.Tensor:
-        """Every layer on bf16 ``x`` ``[B, T, D]`` (updated in place), one kernel call each; the
-        kernels take ``[B, T, D]`` rotary tables, a ``[B, T, L]`` mask and slot/start tensors."""
+    @staticmethod
+    def _layers_in_kernels(
+        runner: ModelParts,
+        x: torch.Tensor,
+        at: Placement,
+        run: Callable[[Any, bf16_kernel.StepPlaces, torch.Tensor], None],
+        layers: Sequence[ctypes.Structure],
+    ) -> torch.Tensor:
+        """Every layer on bf16 ``x`` ``[B, T, D]`` (updated in place), one kernel call each
+        (``run``: the bf16 or the quantized layer kernel, over ``layers``); the kernels take
+        ``[B, T, D]`` rotary tables, a ``[B, T, L]`` mask and slot/start tensors."""
         x = x.contiguous()
         batch, width, d = x.shape
         rows, inner = batch * width, runner.num_heads * runner.head_dim
         bf16 = torch.bfloat16
-        qkv = torch.empty(rows, runner.qkv[0].weight.shape[0], dtype=bf16)
+        qkv = torch.empty(rows, sum(runner.qkv[0].sizes), dtype=bf16)
         attn, h = torch.empty(rows, inner, dtype=bf16), torch.empty(rows, d, dtype=bf16)
-        gate_up = torch.empty(rows, runner.gate_up[0].weight.shape[0], dtype=bf16)
+        gate_up = torch.empty(rows, sum(runner.gate_up[0].sizes), dtype=bf16)
         queries = torch.empty(rows, inner, dtype=torch.float32)
         cos, sin = (table[:, :, 0].contiguous() for table in at.rope)
         starts, mask = at.write_from.to(torch.int64).contiguous(), at.mask[:, 0].contiguous()
@@ -188,8 +203,8 @@ class CpuBackend:
             threads=torch.get_num_threads(),
             amx=int(bf16_kernel.matrix_units()),
         )
-        for i, layer in enumerate(self.layer_weights):
+        for i, layer in enumerate(layers):
             if at.captured is not None and i in at.captured:
                 at.captured[i] = x.clone()  # the kernel updates x in place
-            bf16_kernel.run_layer(layer, step, x)
+            run(layer, step, x)
         return x

@@ -80,7 +80,7 @@ VARIANTS = {  # best first
 BF16 = Sources(
     "bf16_kernels",
     (KERNELS / "bf16_kernels.c", KERNELS / "seeded_race.c"),  # one library
-    tuple(sorted(KERNELS.glob("isa_*.h"))),
+    (*sorted(KERNELS.glob("isa_*.h")), KERNELS / "layer_step.h"),
     VARIANTS,
     "MULTIGUESS_BF16_KERNEL",
 )

@@ -1,11 +1,13 @@
 """Projections over weights kept in GGUF's block formats, run by the integer kernels.
 
 The runner fuses layers that read one input (q/k/v, gate/up) into one product; for quantized
-layers the fused weight is their blocks' rows concatenated, which the modules then view (no
-copy kept twice). Norm, gating and residual run in the kernel's call, in fp32 (one call instead of a handful of
+layers the fused weight is their blocks' rows concatenated and repacked once into the kernel's
+layout (``quant_kernel.repack``). Norm, gating and residual run in the kernel's call, in fp32 (one call instead of a handful of
 torch ops); each is per row, as the product is, and with bf16 activations
-``run_layers`` takes rotary, the cache write and attention to the bf16 library's per-row
-kernels, so a row's result never depends on the rows beside it. Layers that are not quantized
+a whole layer runs in one call (``layer_weights``: ``multiguess_quant_layer``), with rotary, the
+cache write and attention in the bf16 library's per-row kernels (torch's attention blocks by
+the number of queries, so a tree node's bits would differ from its token decoded alone): a
+row's result never depends on the rows beside it. Layers that are not quantized
 go to ``PackedProjection`` as before.
 """
 
@@ -18,7 +20,6 @@ import torch
 from multiguess.engine.backends.cpu import bf16_kernel, quant_kernel
 from multiguess.engine.backends.cpu.packed import PackedProjection
 from multiguess.engine.linear import Projection, built_once
-from multiguess.engine.placement import Placement
 from multiguess.engine.quantized import QuantizedLinear
 
 if TYPE_CHECKING:
@@ -26,10 +27,11 @@ if TYPE_CHECKING:
 
 
 class QuantizedProjection(Projection):
-    """One or more ``QuantizedLinear`` layers of one format and input width, as one product."""
+    """One or more ``QuantizedLinear`` layers of one format and input width, as one product,
+    its weight repacked once for the kernel (``quant_kernel.repack``)."""
 
     def __init__(self, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None, sizes: list[int]) -> None:
-        self.blocks, self.kind = blocks, kind
+        self.weight = quant_kernel.repack(blocks, kind)
         self.bias = None if bias is None else bias.float().contiguous()
         self.sizes = sizes
 
@@ -55,18 +57,10 @@ class QuantizedProjection(Projection):
     @classmethod
     def _fuse(cls, linears: list[QuantizedLinear]) -> QuantizedProjection:
         sizes = [m.out_features for m in linears]
-        if len(linears) == 1:
-            (m,) = linears
-            return cls(m.blocks, m.kind, m.bias, sizes)
-        blocks = torch.cat([m.blocks for m in linears])
         bias = None
         if any(m.bias is not None for m in linears):
             bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in linears])
-        start = 0
-        for m in linears:
-            m.blocks = blocks[start : start + m.out_features]
-            start += m.out_features
-        return cls(blocks, linears[0].kind, bias, sizes)
+        return cls(torch.cat([m.blocks for m in linears]), linears[0].kind, bias, sizes)
 
     @classmethod
     def rows(cls, linear: torch.nn.Module, rows: torch.Tensor) -> Projection | None:
@@ -86,14 +80,14 @@ class QuantizedProjection(Projection):
     ) -> torch.Tensor:
         """The product with norm, gating and residual in the kernel call (fp32 inside)."""
         weight = None if norm is None else (norm.weight, norm.variance_epsilon)
-        return quant_kernel.matmul(self.blocks, self.kind, x, self.bias, weight, gated, residual).to(x.dtype)
+        return quant_kernel.matmul(self.weight, x, self.bias, weight, gated, residual).to(x.dtype)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_kernel.matmul(self.blocks, self.kind, x, self.bias).to(x.dtype)
+        return quant_kernel.matmul(self.weight, x, self.bias).to(x.dtype)
 
 
 def layers_supported(runner: ModelParts) -> bool:
-    """Whether every layer can run ``run_layers``: quantized projections throughout, bf16
+    """Whether every layer can run in the layer kernel: quantized projections throughout, bf16
     activations (the rotary and attention kernels' dtype), pre-norm SiLU-gated layers without
     q/k norms, a head width the attention kernel holds."""
     projections = (*runner.qkv, *runner.o, *runner.gate_up, *runner.down)
@@ -106,23 +100,25 @@ def layers_supported(runner: ModelParts) -> bool:
     )
 
 
-def run_layers(runner: ModelParts, x: torch.Tensor, at: Placement) -> torch.Tensor:
-    """Every layer on bf16 ``x`` ``[B, T, D]``: quantized products, and rotary, cache write and
-    attention in the bf16 library's kernels, each row computed alone (torch's attention blocks
-    by the number of queries, so a tree node's bits would differ from its token decoded alone)."""
-    cos, sin = (table[:, :, 0].contiguous() for table in at.rope)
-    mask, slots = at.mask[:, 0].contiguous(), torch.tensor(at.slots)
-    starts = at.write_from.to(torch.int64).contiguous()
-    batch, width = x.shape[:2]
-    for i, layer in enumerate(runner.layers):
-        if at.captured is not None and i in at.captured:
-            at.captured[i] = x.clone()
-        qkv = runner.qkv[i](x, norm=layer.input_layernorm).view(batch, width, -1, runner.head_dim)
-        cache = runner.cache.kv[i]
-        queries = bf16_kernel.rope_into_cache(
-            qkv.contiguous(), cos, sin, cache, slots, starts, runner.num_heads
+def layer_weights(runner: ModelParts, i: int) -> quant_kernel.QuantLayer:
+    """Layer i's repacked weights, norms and cache, as the quantized layer kernel reads them
+    (the projections hold the tensors it points to)."""
+    layer = runner.layers[i]
+    weights = {
+        name: quant_kernel.QuantWeight.of(p.weight, p.bias)
+        for name, p in (
+            ("qkv", runner.qkv[i]),
+            ("o", runner.o[i]),
+            ("gate_up", runner.gate_up[i]),
+            ("down", runner.down[i]),
         )
-        out = bf16_kernel.attention(queries, cache, slots, mask, runner.attention_scale(i), at.length)
-        h = runner.o[i](out, residual=x)
-        x = runner.down[i](runner.gate_up[i](h, norm=layer.post_attention_layernorm), gated=True, residual=h)
-    return x
+    }
+    return quant_kernel.QuantLayer(
+        input_norm=layer.input_layernorm.weight.data_ptr(),
+        post_norm=layer.post_attention_layernorm.weight.data_ptr(),
+        **weights,
+        cache=runner.cache.kv[i].data_ptr(),
+        eps=layer.input_layernorm.variance_epsilon,
+        post_eps=layer.post_attention_layernorm.variance_epsilon,
+        scale=runner.attention_scale(i),
+    )

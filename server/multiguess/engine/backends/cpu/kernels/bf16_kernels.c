@@ -26,6 +26,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "layer_step.h"
+
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -238,17 +240,6 @@ typedef struct {
   float eps, post_eps, scale; /* the two norms' epsilons, the attention scale */
 } multiguess_layer;
 
-/* What the layers of one forward share: shapes, rotary tables, cache places, mask, scratch. */
-typedef struct {
-  const uint16_t *cos, *sin;
-  const int64_t *slots, *starts;
-  const float *mask;
-  uint16_t *qkv, *attn, *gate_up, *h; /* [m][qkv_n], [m][heads * dim], [m][2 * inter], [m][d] */
-  float *queries; /* [m][heads * dim] */
-  int64_t batch, width, d, heads, kv_heads, dim, capacity, length;
-  int threads;
-  int amx; /* products on AMX tiles (multiguess_bf16_matmul) */
-} multiguess_step;
 
 /* A whole pre-norm SiLU-gated decoder layer on the residual stream x [m][d] (bf16, updated in
  * place), as the runner's per-op path computes it: the same kernels in the same order, so the

@@ -1,20 +1,25 @@
-/* Products of fp32 rows by weights in GGUF's block formats, with integer dot products
+/* Products of rows by weights kept in quantized blocks, with integer dot products
  * (quant_kernel.py beside this folder).
  *
- * y = x W^T (+ bias), W [n][k] stored as ggml writes it: each row is k / 32 blocks of an fp16
- * scale d (Q4_1: and an fp16 offset m) and 32 integers (Q8_0: int8; Q4_0 and Q4_1: 4-bit, the
- * low nibbles of 16 bytes first, then the high ones). As llama.cpp does, each row of x is
- * quantized first, per block of 32, to int8 with an fp32 scale dx (its largest magnitude maps to
- * 127) and the block's sum sx = dx * sum(q). A block's contribution is then
- *   Q8_0: d dx sum(w q)      Q4_0: d dx sum(w q) - 8 d sx      Q4_1: d dx sum(w q) + m sx
- * with sum(w q) exact in integers. Every output accumulates its blocks in order (in eight fp32
- * lanes with AVX2, then summed lane by lane), and a row of x is quantized from itself alone, so a
- * row's result does not depend on how many rows come with it: speculation over quantized
- * weights equals plain decoding of them bit for bit. Output rows are split between OpenMP
- * threads; each weight row is read once per call for every row of x.
+ * Weights arrive repacked at load (engine/backends/cpu/quant.py: repack) from any GGUF format
+ * into one layout: tiles of TILE = 16 weight rows, each tile the input's blocks of 32 in order;
+ * a tile's block is a header (per scale group of 32 or 16 inputs: 16 scales, then 16 offsets,
+ * fp16 or fp32) and the 16 x 32 weights as unsigned integers (4 or 8 bits) interleaved so that
+ * 64 bytes hold 4 consecutive inputs of each of the 16 rows: one vpdpbusd multiplies them by 4
+ * bytes of an input row broadcast. 4-bit weights hold inputs 0..15 of the block in the low
+ * nibbles and 16..31 in the high ones. A weight is scale * u + offset.
  *
- * Built per variant (quant_kernel.py: VARIANTS): AVX2 (vpmaddubsw, vpmaddwd) where the CPU has it,
- * a portable C loop elsewhere.
+ * Each input row is quantized once per call, as llama.cpp's Q8 activations: per block of 32, to
+ * int8 at scale dx = max|x| / 127, with the scaled sums dx * sum(q) of the block and of its
+ * halves. An output then sums, block after block in order, scale * dx * sum(u q) + offset * dx *
+ * sum(q) in fp32, sum(u q) exact in integers. A row of the input is quantized from itself alone
+ * and every output lane accumulates alone, so a row's result does not depend on how many rows
+ * come with it: speculation over quantized weights equals plain decoding of them bit for bit.
+ * Up to ROWS input rows share each pass over a tile (the tile stays in L1 for the next rows),
+ * so extra rows cost arithmetic, not memory traffic; tiles are split between OpenMP threads.
+ *
+ * Built per variant (quant_kernel.py: QUANT): AVX512-VNNI, AVX-VNNI and AVX2 (vpmaddubsw,
+ * vpmaddwd) give the same integers; a portable C loop elsewhere.
  */
 #include <math.h>
 #include <stdint.h>
@@ -23,11 +28,41 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "layer_step.h"
 
 #define QK 32
-enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 }; /* quant_kernel.py: CODES */
-static const int64_t BLOCK_BYTES[] = {34, 18, 20};
-#define ROWS 4 /* rows of x that share one decoded weight block */
+#define TILE 16
+#if defined(__AVX512VNNI__)
+#define ROWS 4
+#else
+#define ROWS 2
+#endif
+
+/* Static functions only: the vectors never cross a library boundary. */
+#pragma GCC diagnostic ignored "-Wpsabi"
+#define VECTOR static inline __attribute__((always_inline))
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef int8_t v16b __attribute__((vector_size(16)));
+
+/* One repacked weight: 4 or 8 bits a weight, 1 or 2 scale groups a block, fp32 (wide) or fp16
+ * header; bytes of a tile's block and of its header. */
+typedef struct {
+  int bits, groups, wide;
+  int64_t k, blocks, header, bytes;
+} Layout;
+
+/* Input rows in Q8 blocks: q [m][k], dx [m][blocks], sums [m][blocks][3] (dx * sum(q) of the
+ * block, of its first 16 and of its last 16). */
+typedef struct {
+  int8_t *q;
+  float *dx, *sums;
+} Prepared;
 
 static inline float half_to_float(const uint8_t *p) {
   uint16_t h;
@@ -52,101 +87,315 @@ static inline float half_to_float(const uint8_t *p) {
 #endif
 }
 
-/* One row of x in int8 blocks: q [k], scales d and scaled sums s [k / 32]. */
-static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, float *s) {
+/* Header value c of table t (scales of group g: t = g; offsets: t = groups + g). */
+static inline float header_value(const uint8_t *block, const Layout *L, int t, int c) {
+  if (L->wide) {
+    float f;
+    memcpy(&f, block + (t * TILE + c) * 4, sizeof f);
+    return f;
+  }
+  return half_to_float(block + (t * TILE + c) * 2);
+}
+
+/* ---- the input rows: widened, normed or gated, quantized (GCC vectors: one source for every
+ * variant, each the width its instruction set has) ---- */
+
+VECTOR v16f load16(const void *p, int64_t i, int bf16) {
+  v16f v;
+  if (!bf16) {
+    memcpy(&v, (const float *)p + i, sizeof v);
+    return v;
+  }
+  v16h h;
+  memcpy(&h, (const uint16_t *)p + i, sizeof h);
+  const v16i bits = __builtin_convertvector(h, v16i) << 16;
+  memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+VECTOR v16f vabs(v16f v) {
+  v16i bits;
+  memcpy(&bits, &v, sizeof bits);
+  bits &= 0x7fffffff;
+  memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+/* Lanes of a where `take` is set, else of b. */
+VECTOR v16f blend(v16i take, v16f a, v16f b) {
+  v16i x, y;
+  memcpy(&x, &a, sizeof x);
+  memcpy(&y, &b, sizeof y);
+  x = (x & take) | (y & ~take);
+  memcpy(&a, &x, sizeof a);
+  return a;
+}
+
+/* exp(x), x clamped to [-87, 88] (Cephes' expf: 2^n times a degree-6 polynomial, within 2 ulp). */
+VECTOR v16f vexp(v16f x) {
+  const v16f magic = (v16f){} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+  x = blend(x < -87.0f, (v16f){} - 87.0f, x);
+  x = blend(x > 88.0f, (v16f){} + 88.0f, x);
+  const v16f n = (x * 1.44269504088896341f + magic) - magic;
+  const v16f r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v16f p = (v16f){} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const v16i scale = (__builtin_convertvector(n, v16i) + 127) << 23;
+  v16f two_n;
+  memcpy(&two_n, &scale, sizeof two_n);
+  return p * two_n;
+}
+
+VECTOR float lanes_sum(v16f v) {
+  float s = 0.0f;
+  for (int i = 0; i < 16; i++) s += v[i];
+  return s;
+}
+
+/* Row r of the product's input in fp32 into `row` [k]: x itself, RMSNorm(x) * norm_weight
+ * (epsilon eps), or silu(gate) * up with x's row [2k] holding gate then up; from this row alone. */
+static void input_row(const void *x, int64_t r, int64_t k, int bf16, const void *norm_weight, float eps, int gated,
+                      float *row) {
+  for (int64_t j = 0; j < k; j += 16) {
+    v16f v;
+    if (gated) {
+      const v16f gate = load16(x, r * 2 * k + j, bf16), up = load16(x, r * 2 * k + k + j, bf16);
+      v = gate / (1.0f + vexp(-gate)) * up;
+    } else {
+      v = load16(x, r * k + j, bf16);
+    }
+    memcpy(row + j, &v, sizeof v);
+  }
+  if (!norm_weight) return;
+  v16f squares = {};
+  for (int64_t j = 0; j < k; j += 16) {
+    v16f v;
+    memcpy(&v, row + j, sizeof v);
+    squares += v * v;
+  }
+  const float scale = 1.0f / sqrtf(lanes_sum(squares) / (float)k + eps);
+  for (int64_t j = 0; j < k; j += 16) {
+    v16f v;
+    memcpy(&v, row + j, sizeof v);
+    v = v * scale * load16(norm_weight, j, bf16);
+    memcpy(row + j, &v, sizeof v);
+  }
+}
+
+/* A row [k] in Q8 blocks: q [k], dx [blocks], sums [blocks][3]. */
+static void quantize_row(const float *row, int64_t k, int8_t *q, float *dx, float *sums) {
+  const v16f magic = (v16f){} + 12582912.0f;
   for (int64_t b = 0; b < k / QK; b++) {
-    const float *xb = x + b * QK;
+    v16f halves[2];
+    memcpy(halves, row + b * QK, sizeof halves);
+    const v16f a = vabs(halves[0]), c = vabs(halves[1]);
     float top = 0.0f;
-    for (int j = 0; j < QK; j++) top = fabsf(xb[j]) > top ? fabsf(xb[j]) : top;
+    for (int i = 0; i < 16; i++) {
+      top = a[i] > top ? a[i] : top;
+      top = c[i] > top ? c[i] : top;
+    }
     const float scale = top / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
-    int sum = 0;
-    for (int j = 0; j < QK; j++) {
-      const int v = (int)nearbyintf(xb[j] * inverse);
-      q[b * QK + j] = (int8_t)v;
-      sum += v;
+    int32_t part[2];
+    for (int h = 0; h < 2; h++) {
+      const v16i ints = __builtin_convertvector((halves[h] * inverse + magic) - magic, v16i);
+      const v16b bytes = __builtin_convertvector(ints, v16b);
+      memcpy(q + b * QK + 16 * h, &bytes, sizeof bytes);
+      part[h] = 0;
+      for (int i = 0; i < 16; i++) part[h] += ints[i];
     }
-    d[b] = scale;
-    s[b] = scale * (float)sum;
+    dx[b] = scale;
+    sums[3 * b] = scale * (float)(part[0] + part[1]);
+    sums[3 * b + 1] = scale * (float)part[0];
+    sums[3 * b + 2] = scale * (float)part[1];
   }
 }
 
-#if defined(__AVX2__)
-/* A block's 32 weights as bytes: int8 for Q8_0, the nibbles 0..15 for Q4_0 and Q4_1. */
-static inline __m256i block_weights(const uint8_t *block, int format) {
-  if (format == Q8_0) return _mm256_loadu_si256((const __m256i *)(block + 2));
-  const __m128i packed = _mm_loadu_si128((const __m128i *)(block + (format == Q4_1 ? 4 : 2)));
-  const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(0x0f));
-  const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0f));
-  return _mm256_set_m128i(high, low);
+/* ---- one pass over a tile for R rows of the input from row r0: out[r][c] = W[c] . x[r0 + r] ---- */
+
+#if defined(__AVX512VNNI__)
+static inline __m512 header16(const uint8_t *block, const Layout *L, int t) {
+  if (L->wide) return _mm512_loadu_ps(block + t * TILE * 4);
+  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + t * TILE * 2)));
 }
 
-/* sum(w q) of a block in eight int32 lanes, as floats: unsigned weights multiply int8 inputs
- * directly; int8 weights take the inputs' signs so that vpmaddubsw sees |q| (at most 127: no
- * pair of products saturates int16). */
-static inline __m256 block_dot(__m256i w, const int8_t *q, int format) {
-  __m256i x = _mm256_loadu_si256((const __m256i *)q);
-  if (format == Q8_0) {
-    w = _mm256_sign_epi8(w, x);
-    x = _mm256_sign_epi8(x, x);
-    const __m256i pairs = _mm256_maddubs_epi16(x, w);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-  }
-  const __m256i pairs = _mm256_maddubs_epi16(w, x);
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-
-static inline float lanes_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-#endif
-
-/* Output j of `rows` (at most ROWS) rows of x from row r0: y[r][j] = W[j] . x[r] + bias[j]. */
-static void output_rows(const uint8_t *wrow, int format, const int8_t *xq, const float *xd, const float *xs,
-                        int64_t rows, int64_t r0, int64_t k, float start, float *y, int64_t n, int64_t j) {
-  const int64_t blocks = k / QK, size = BLOCK_BYTES[format];
-  float offset[ROWS] = {0};
-#if defined(__AVX2__)
-  __m256 acc[ROWS];
-  for (int64_t r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-#else
-  float acc[ROWS] = {0};
-#endif
-  for (int64_t b = 0; b < blocks; b++) {
-    const uint8_t *block = wrow + b * size;
-    const float d = half_to_float(block);
-    const float shift = format == Q4_1 ? half_to_float(block + 2) : format == Q4_0 ? -8.0f * d : 0.0f;
-#if defined(__AVX2__)
-    const __m256i w = block_weights(block, format);
-#else
-    int8_t w[QK];
-    for (int i = 0; i < QK; i++) {
-      if (format == Q8_0)
-        w[i] = (int8_t)block[2 + i];
-      else
-        w[i] = (int8_t)(i < 16 ? block[size - 16 + i] & 0x0f : block[size - 32 + i] >> 4);
+static inline __attribute__((always_inline)) void tile_pass(const uint8_t *tile, const Layout *L,
+                                                            const Prepared *P, int64_t r0, const int R,
+                                                            float out[][TILE]) {
+  __m512 f[ROWS], o[ROWS];
+  for (int r = 0; r < R; r++) f[r] = o[r] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  for (int64_t b = 0; b < L->blocks; b++) {
+    const uint8_t *block = tile + b * L->bytes, *w = block + L->header;
+    __m512i lo[ROWS], hi[ROWS];
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm512_setzero_si512();
+    for (int p = 0; p < 4; p++) {
+      __m512i wl, wh;
+      if (L->bits == 4) {
+        const __m512i raw = _mm512_loadu_si512(w + 64 * p);
+        wl = _mm512_and_si512(raw, nibble);
+        wh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+      } else {
+        wl = _mm512_loadu_si512(w + 64 * p);
+        wh = _mm512_loadu_si512(w + 64 * (p + 4));
+      }
+      for (int r = 0; r < R; r++) {
+        const int8_t *x = P->q + (r0 + r) * L->k + b * QK + 4 * p;
+        int32_t xl, xh;
+        memcpy(&xl, x, 4);
+        memcpy(&xh, x + 16, 4);
+        lo[r] = _mm512_dpbusd_epi32(lo[r], wl, _mm512_set1_epi32(xl));
+        hi[r] = _mm512_dpbusd_epi32(hi[r], wh, _mm512_set1_epi32(xh));
+      }
     }
-#endif
-    for (int64_t r = 0; r < rows; r++) {
-      const int64_t at = (r0 + r) * blocks + b;
-#if defined(__AVX2__)
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[at]), block_dot(w, xq + at * QK, format), acc[r]);
-#else
-      int32_t dot = 0;
-      for (int i = 0; i < QK; i++) dot += (int32_t)w[i] * xq[at * QK + i];
-      acc[r] += d * xd[at] * (float)dot;
-#endif
-      offset[r] += shift * xs[at];
+    for (int r = 0; r < R; r++) {
+      const int64_t at = (r0 + r) * L->blocks + b;
+      const __m512 dx = _mm512_set1_ps(P->dx[at]);
+      const float *sums = P->sums + 3 * at;
+      if (L->groups == 1) {
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[r], hi[r]));
+        f[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(header16(block, L, 0), dx), f[r]);
+        o[r] = _mm512_fmadd_ps(header16(block, L, 1), _mm512_set1_ps(sums[0]), o[r]);
+      } else {
+        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(header16(block, L, 0), dx), f[r]);
+        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(header16(block, L, 1), dx), f[r]);
+        o[r] = _mm512_fmadd_ps(header16(block, L, 2), _mm512_set1_ps(sums[1]), o[r]);
+        o[r] = _mm512_fmadd_ps(header16(block, L, 3), _mm512_set1_ps(sums[2]), o[r]);
+      }
     }
   }
-  for (int64_t r = 0; r < rows; r++) {
-#if defined(__AVX2__)
-    const float sum = lanes_sum(acc[r]);
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], _mm512_add_ps(f[r], o[r]));
+}
+
+#elif defined(__AVX2__)
+static inline __m256 header8(const uint8_t *block, const Layout *L, int t, int half) {
+  if (L->wide) return _mm256_loadu_ps((const float *)(block + (t * TILE + 8 * half) * 4));
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + (t * TILE + 8 * half) * 2)));
+}
+
+/* acc + sum of 4 products per lane: unsigned weights w by signed inputs x. 8-bit weights are
+ * split into nibbles on AVX2, whose vpmaddubsw saturates a pair of products at 32767. */
+static inline __m256i dot(__m256i acc, __m256i w, __m256i x, int bits) {
+#if defined(__AVXVNNI__)
+  (void)bits;
+  return _mm256_dpbusd_avx_epi32(acc, w, x);
 #else
-    const float sum = acc[r];
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (bits == 4) return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+  const __m256i nibble = _mm256_set1_epi8(0x0f);
+  const __m256i low = _mm256_maddubs_epi16(_mm256_and_si256(w, nibble), x);
+  const __m256i high = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), nibble), x);
+  const __m256i both = _mm256_add_epi32(_mm256_madd_epi16(low, ones), _mm256_madd_epi16(high, _mm256_set1_epi16(16)));
+  return _mm256_add_epi32(acc, both);
 #endif
-    y[(r0 + r) * n + j] = start + sum + offset[r];
+}
+
+static inline __attribute__((always_inline)) void tile_pass(const uint8_t *tile, const Layout *L,
+                                                            const Prepared *P, int64_t r0, const int R,
+                                                            float out[][TILE]) {
+  const __m256i nibble = _mm256_set1_epi8(0x0f);
+  for (int half = 0; half < 2; half++) {
+    __m256 f[ROWS], o[ROWS];
+    for (int r = 0; r < R; r++) f[r] = o[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < L->blocks; b++) {
+      const uint8_t *block = tile + b * L->bytes, *w = block + L->header + 32 * half;
+      __m256i lo[ROWS], hi[ROWS];
+      for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_si256();
+      for (int p = 0; p < 4; p++) {
+        __m256i wl, wh;
+        if (L->bits == 4) {
+          const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 64 * p));
+          wl = _mm256_and_si256(raw, nibble);
+          wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+        } else {
+          wl = _mm256_loadu_si256((const __m256i *)(w + 64 * p));
+          wh = _mm256_loadu_si256((const __m256i *)(w + 64 * (p + 4)));
+        }
+        for (int r = 0; r < R; r++) {
+          const int8_t *x = P->q + (r0 + r) * L->k + b * QK + 4 * p;
+          int32_t xl, xh;
+          memcpy(&xl, x, 4);
+          memcpy(&xh, x + 16, 4);
+          lo[r] = dot(lo[r], wl, _mm256_set1_epi32(xl), L->bits);
+          hi[r] = dot(hi[r], wh, _mm256_set1_epi32(xh), L->bits);
+        }
+      }
+      for (int r = 0; r < R; r++) {
+        const int64_t at = (r0 + r) * L->blocks + b;
+        const __m256 dx = _mm256_set1_ps(P->dx[at]);
+        const float *sums = P->sums + 3 * at;
+        if (L->groups == 1) {
+          const __m256 d = _mm256_cvtepi32_ps(_mm256_add_epi32(lo[r], hi[r]));
+          f[r] = _mm256_fmadd_ps(d, _mm256_mul_ps(header8(block, L, 0, half), dx), f[r]);
+          o[r] = _mm256_fmadd_ps(header8(block, L, 1, half), _mm256_set1_ps(sums[0]), o[r]);
+        } else {
+          f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[r]), _mm256_mul_ps(header8(block, L, 0, half), dx), f[r]);
+          f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r]), _mm256_mul_ps(header8(block, L, 1, half), dx), f[r]);
+          o[r] = _mm256_fmadd_ps(header8(block, L, 2, half), _mm256_set1_ps(sums[1]), o[r]);
+          o[r] = _mm256_fmadd_ps(header8(block, L, 3, half), _mm256_set1_ps(sums[2]), o[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r] + 8 * half, _mm256_add_ps(f[r], o[r]));
+  }
+}
+
+#else
+/* Weight u of row c, input i of a tile's block. */
+static inline int32_t weight(const uint8_t *w, int bits, int c, int i) {
+  if (bits == 8) return w[64 * (i / 4) + 4 * c + i % 4];
+  const uint8_t byte = w[64 * (i % 16 / 4) + 4 * c + i % 4];
+  return i < 16 ? byte & 0x0f : byte >> 4;
+}
+
+static inline __attribute__((always_inline)) void tile_pass(const uint8_t *tile, const Layout *L,
+                                                            const Prepared *P, int64_t r0, const int R,
+                                                            float out[][TILE]) {
+  for (int r = 0; r < R; r++) {
+    for (int c = 0; c < TILE; c++) {
+      float f = 0.0f, o = 0.0f;
+      for (int64_t b = 0; b < L->blocks; b++) {
+        const uint8_t *block = tile + b * L->bytes, *w = block + L->header;
+        const int64_t at = (r0 + r) * L->blocks + b;
+        const int8_t *x = P->q + (r0 + r) * L->k + b * QK;
+        int32_t dots[2] = {0, 0};
+        for (int i = 0; i < QK; i++) dots[i / 16] += weight(w, L->bits, c, i) * x[i];
+        if (L->groups == 1) {
+          f += (float)(dots[0] + dots[1]) * (header_value(block, L, 0, c) * P->dx[at]);
+          o += header_value(block, L, 1, c) * P->sums[3 * at];
+        } else {
+          for (int g = 0; g < 2; g++) {
+            f += (float)dots[g] * (header_value(block, L, g, c) * P->dx[at]);
+            o += header_value(block, L, 2 + g, c) * P->sums[3 * at + 1 + g];
+          }
+        }
+      }
+      out[r][c] = f + o;
+    }
+  }
+}
+#endif
+
+static void tile_rows(const uint8_t *tile, const Layout *L, const Prepared *P, int64_t r0, int64_t rows,
+                      float out[][TILE]) {
+  switch (rows) {
+#if ROWS == 4
+    case 4:
+      tile_pass(tile, L, P, r0, 4, out);
+      break;
+    case 3:
+      tile_pass(tile, L, P, r0, 3, out);
+      break;
+#endif
+    case 2:
+      tile_pass(tile, L, P, r0, 2, out);
+      break;
+    default:
+      tile_pass(tile, L, P, r0, 1, out);
   }
 }
 
@@ -170,55 +419,99 @@ static inline void store(void *p, int64_t i, float f, int bf16) {
                                                           : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* Row r of the product's input in fp32 into `row` [k]: x itself, RMSNorm(x) * norm_weight
- * (epsilon eps), or silu(gate) * up with x's row [2k] holding gate then up. In fp32 throughout,
- * from this row alone. */
-static void input_row(const void *x, int64_t r, int64_t k, int bf16, const void *norm_weight, float eps, int gated,
-                      float *row) {
-  if (gated) {
-    for (int64_t j = 0; j < k; j++) {
-      const float gate = widen(x, r * 2 * k + j, bf16), up = widen(x, r * 2 * k + k + j, bf16);
-      row[j] = gate / (1.0f + expf(-gate)) * up;
-    }
-    return;
-  }
-  for (int64_t j = 0; j < k; j++) row[j] = widen(x, r * k + j, bf16);
-  if (!norm_weight) return;
-  float squares = 0.0f;
-  for (int64_t j = 0; j < k; j++) squares += row[j] * row[j];
-  const float scale = 1.0f / sqrtf(squares / (float)k + eps);
-  for (int64_t j = 0; j < k; j++) row[j] = row[j] * scale * widen(norm_weight, j, bf16);
-}
+/* One repacked weight [n][k] as the kernels read it (quant_kernel.py: QuantWeight): ceil(n / 16)
+ * tiles of the layout (bits, groups, wide), its bias [n] fp32 or NULL. */
+typedef struct {
+  const uint8_t *data;
+  const float *bias;
+  int64_t n, k;
+  int bits, groups, wide;
+} multiguess_quant_weight;
 
 /* x: [m][k] (or [m][2k] when gated), norm_weight [k], residual and y [m][n]: bf16 when `bf16`
- * is set, else fp32 (k a multiple of 32); w: [n] rows of k / 32 blocks of `format`; bias [n]
- * fp32 or NULL. y = input @ W^T + bias (+ residual), the input being x, RMSNorm(x) * norm_weight
- * or silu(gate) * up (input_row). Returns -1 when out of memory. */
-int multiguess_quant_matmul(const uint8_t *w, int format, const void *x, const float *bias, void *y, int64_t m,
-                            int64_t k, int64_t n, int threads, int bf16, const void *norm_weight, float eps,
-                            int gated, const void *residual) {
+ * is set, else fp32 (k a multiple of 32). y = input @ W^T + bias (+ residual), the input being
+ * x, RMSNorm(x) * norm_weight or silu(gate) * up (input_row). Returns -1 when out of memory. */
+int multiguess_quant_matmul(const multiguess_quant_weight *W, const void *x, void *y, int64_t m, int threads,
+                            int bf16, const void *norm_weight, float eps, int gated, const void *residual) {
   if (m == 0) return 0;
-  const int64_t blocks = k / QK, row = blocks * BLOCK_BYTES[format];
-  int8_t *xq = malloc((size_t)(m * k));
-  float *xd = malloc((size_t)(m * blocks) * sizeof *xd), *xs = malloc((size_t)(m * blocks) * sizeof *xs);
-  float *prepared = malloc((size_t)k * sizeof *prepared), *sums = malloc((size_t)(m * n) * sizeof *sums);
-  if (!xq || !xd || !xs || !prepared || !sums) {
-    free(xq), free(xd), free(xs), free(prepared), free(sums);
+  const int64_t k = W->k, n = W->n, blocks = k / QK;
+  const int64_t header = 2 * W->groups * TILE * (W->wide ? 4 : 2);
+  const Layout L = {W->bits, W->groups, W->wide, k, blocks, header, header + TILE * QK * W->bits / 8};
+  Prepared P = {malloc((size_t)(m * k)), malloc((size_t)(m * blocks) * sizeof(float)),
+                malloc((size_t)(m * blocks * 3) * sizeof(float))};
+  float *rows = malloc((size_t)(threads * k) * sizeof(float));
+  if (!P.q || !P.dx || !P.sums || !rows) {
+    free(P.q), free(P.dx), free(P.sums), free(rows);
     return -1;
   }
-  for (int64_t r = 0; r < m; r++) {
-    input_row(x, r, k, bf16, norm_weight, eps, gated, prepared);
-    quantize_row(prepared, k, xq + r * k, xd + r * blocks, xs + r * blocks);
+  const int64_t tiles = (n + TILE - 1) / TILE;
+#pragma omp parallel num_threads(threads)
+  {
+#if defined(_OPENMP)
+    float *row = rows + (int64_t)omp_get_thread_num() * k;
+#else
+    float *row = rows;
+#endif
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+      input_row(x, r, k, bf16, norm_weight, eps, gated, row);
+      quantize_row(row, k, P.q + r * k, P.dx + r * blocks, P.sums + r * blocks * 3);
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+      const uint8_t *tile = W->data + t * blocks * L.bytes;
+      const int64_t j0 = t * TILE, columns = n - j0 < TILE ? n - j0 : TILE;
+      float out[ROWS][TILE];
+      for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+        const int64_t count = m - r0 < ROWS ? m - r0 : ROWS;
+        tile_rows(tile, &L, &P, r0, count, out);
+        for (int64_t r = 0; r < count; r++) {
+          for (int64_t c = 0; c < columns; c++) {
+            const int64_t i = (r0 + r) * n + j0 + c;
+            const float v = out[r][c] + (W->bias ? W->bias[j0 + c] : 0.0f);
+            store(y, i, residual ? widen(residual, i, bf16) + v : v, bf16);
+          }
+        }
+      }
+    }
   }
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t j = 0; j < n; j++) {
-    const float start = bias ? bias[j] : 0.0f;
-    for (int64_t r0 = 0; r0 < m; r0 += ROWS)
-      output_rows(w + j * row, format, xq, xd, xs, m - r0 < ROWS ? m - r0 : ROWS, r0, k, start, sums, n, j);
-  }
-  for (int64_t i = 0; i < m * n; i++) {
-    store(y, i, residual ? widen(residual, i, bf16) + sums[i] : sums[i], bf16);
-  }
-  free(xq), free(xd), free(xs), free(prepared), free(sums);
+  free(P.q), free(P.dx), free(P.sums), free(rows);
   return 0;
+}
+
+/* One decoder layer's repacked weights, norms and cache (quant_kernel.py: QuantLayer). */
+typedef struct {
+  const uint16_t *input_norm, *post_norm; /* RMSNorm weights [d], bf16 */
+  multiguess_quant_weight qkv, o, gate_up, down;
+  float *cache; /* [slots][2 * kv_heads][capacity][dim] */
+  float eps, post_eps, scale; /* the two norms' epsilons, the attention scale */
+} multiguess_quant_layer_weights;
+
+/* The bf16 library's rotary-with-cache-write and attention kernels (bf16_kernels.c), passed in
+ * by address: the quantized layer runs them between its products. */
+typedef void (*rope_cache_fn)(const uint16_t *, const uint16_t *, const uint16_t *, float *, float *, const int64_t *,
+                              const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+typedef int (*attention_fn)(const float *, const float *, const int64_t *, const float *, uint16_t *, int64_t,
+                            int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
+
+/* A whole pre-norm SiLU-gated decoder layer on the bf16 residual stream x [m][d], updated in
+ * place: the products above with rotary, cache write and attention from the bf16 library, in
+ * one call from Python instead of six. Every step is per row, as in multiguess_bf16_layer.
+ * Returns -1 when out of memory. */
+int multiguess_quant_layer(const multiguess_quant_layer_weights *layer, const multiguess_step *step, uint16_t *x,
+                           rope_cache_fn rope_cache, attention_fn attention) {
+  const int64_t m = step->batch * step->width;
+  const int threads = step->threads;
+  if (multiguess_quant_matmul(&layer->qkv, x, step->qkv, m, threads, 1, layer->input_norm, layer->eps, 0, NULL))
+    return -1;
+  rope_cache(step->qkv, step->cos, step->sin, step->queries, layer->cache, step->slots, step->starts, step->batch,
+             step->width, step->heads, step->kv_heads, step->dim, step->capacity);
+  if (attention(step->queries, layer->cache, step->slots, step->mask, step->attn, step->batch, step->width,
+                step->heads, step->kv_heads, step->dim, step->capacity, step->length, layer->scale, threads))
+    return -1;
+  if (multiguess_quant_matmul(&layer->o, step->attn, step->h, m, threads, 1, NULL, 0.0f, 0, x)) return -1;
+  if (multiguess_quant_matmul(&layer->gate_up, step->h, step->gate_up, m, threads, 1, layer->post_norm,
+                              layer->post_eps, 0, NULL))
+    return -1;
+  return multiguess_quant_matmul(&layer->down, step->gate_up, x, m, threads, 1, NULL, 0.0f, 1, step->h);
 }
