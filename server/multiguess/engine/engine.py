@@ -550,7 +550,7 @@ class Engine:
     def _room(self, seq: Sequence) -> int:
         """Levels a tree of ``seq`` may reach below its root: the tokens it may still produce
         and the context has room for, less the bonus token."""
-        return min(seq.remaining, self.config.max_model_len - len(seq.token_ids)) - 1
+        return min(seq.remaining, self.config.max_model_len - len(seq.prompt_ids) - len(seq.output_ids)) - 1
 
     def _propose(self, batch: list[Sequence]) -> list[Proposal]:
         proposals = [Proposal(TokenTree.chain([s.last_token])) for s in batch]
