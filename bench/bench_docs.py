@@ -28,6 +28,7 @@ SAMPLING_FILE = "sampling-exactness.json"
 GPU_FILE = "gpu_check.json"
 GROUNDED_FILE = "grounded.json"
 LLAMA_CPP_FILE = "llama-cpp.json"
+GROUNDED_LOAD_FILE = "load-grounded.json"
 HEADLINE_START, HEADLINE_END = "<!-- headline:start -->", "<!-- headline:end -->"
 
 Report = dict[str, Any]
@@ -467,6 +468,52 @@ def grounded_section(report: Report | None) -> list[str]:
     return [*lines, ""]
 
 
+def grounded_load_section(report: Report | None) -> list[str]:
+    """``bench/serving_load.py --workload grounded``: each workload's ratio to plain decoding,
+    mean accepted length and identity by client count."""
+    command = ".venv/bin/python bench/serving_load.py --workload grounded"
+    lines = ["## Grounded workloads under load (`bench/serving_load.py --workload grounded`)", ""]
+    if report is None:
+        return lines + missing(command, "the grounded workloads under load")
+    lines += [
+        provenance_line(report, command),
+        "",
+        "The grounded workloads' prompts as greedy chat completions over HTTP from several "
+        "clients at once (the code edit with the original file as its `prediction`), at most "
+        f"{report['max_tokens']} tokens, the embedded pair, `--max-batch {max(report['levels'])}`. "
+        "Plain decoding (`--drafter none`) and the default configuration take turns; `× plain` "
+        f"is the median over {report['repeats']} repeats of the ratio of their tokens/s in the "
+        "same repeat; every repeat and level uses its own `cache_salt` (no run copies another's "
+        "replies).",
+        "",
+    ]
+    rows = [
+        [
+            workload,
+            r["clients"],
+            r["setup"],
+            fmt(r["tokens_per_second"], 1),
+            fmt(r["vs_plain"]),
+            fmt(r["mean_accepted_length"]),
+            "yes" if r["identical_to_plain"] else "no",
+        ]
+        for workload, result in report["workloads"].items()
+        for r in result["rows"]
+        if r["setup"] != "plain"
+    ]
+    header = [
+        "workload",
+        "clients",
+        "setup",
+        "tokens/s",
+        "× plain",
+        "mean accepted length",
+        "identical to plain",
+    ]
+    lines += table(header, rows)
+    return [*lines, ""]
+
+
 # ---------------------------------------------------------------- llama.cpp (bench/llama_cpp.py)
 
 
@@ -725,6 +772,7 @@ SECTIONS: list[Callable[[Path], list[str]]] = [
     lambda b: sampling_section(load(b, SAMPLING_FILE)),
     lambda b: gpu_section(load(b, GPU_FILE)),
     lambda b: grounded_section(load(b, GROUNDED_FILE)),
+    lambda b: grounded_load_section(load(b, GROUNDED_LOAD_FILE)),
     lambda b: llama_cpp_section(load(b, LLAMA_CPP_FILE)),
     lambda b: quant_accuracy(b),
 ]

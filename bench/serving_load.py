@@ -20,6 +20,11 @@ streamed chunks, medians and p90):
     (c) no prefix caching, chunked prefill (--no-enable-prefix-caching --max-prefill-tokens N)
     (d) no prefix caching, whole prefills
 
+``--workload grounded``: ``bench/grounded.py``'s workloads (code edits with and without the
+original file as the prediction, extraction, reformatting, QA over passages, an agent loop, open
+chat) at 1, 4 and 8 clients, plain decoding against the default configuration
+(``grounded_load.py``).
+
 ``--workload long-prompt``: one greedy stream runs while a request with a prompt of
 ``--long-tokens`` token ids (2,000; new ids each trial, so no prefix cache helps) arrives; the
 stream's longest pause between text chunks while that prompt is prefilled, its median gap then
@@ -415,7 +420,9 @@ def shared_ratios(report: dict) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=("mixed", "shared-prompt", "long-prompt"), default="mixed")
+    parser.add_argument(
+        "--workload", choices=("mixed", "shared-prompt", "long-prompt", "grounded"), default="mixed"
+    )
     parser.add_argument(
         "--concurrency", default=None, help="levels (default: 1,2,4,8,16; shared-prompt 1,4,8)"
     )
@@ -444,6 +451,8 @@ def main() -> int:
 
     if args.workload == "long-prompt":
         return long_prompt(args)
+    if args.workload == "grounded":
+        return grounded(args)
     shared = args.workload == "shared-prompt"
     system = SYSTEM_PROMPT if shared else None
     conversations = [messages_for(p["text"], system) for p in load_prompts()[1]]
@@ -472,6 +481,24 @@ def main() -> int:
         summary = ratios(report)
     bench_docs.write(args.out)
     print("\n".join([markdown(report), "", *summary]))
+    return 0
+
+
+def grounded(args: argparse.Namespace) -> int:
+    """The grounded workloads at 1, 4 and 8 clients (``grounded_load.py``): measure, write
+    their JSON, render the pages."""
+    import bench_docs
+    import grounded_load
+    from multiguess.provenance import provenance
+
+    report = {**provenance(), "workload": args.workload, "max_tokens": args.max_tokens}
+    report |= {"rounds": args.rounds, "repeats": args.repeats}
+    report |= grounded_load.run(args, start_servers)
+    (args.out / "bench").mkdir(parents=True, exist_ok=True)
+    (args.out / "bench" / bench_docs.GROUNDED_LOAD_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    bench_docs.write(args.out)
+    for workload, result in report["workloads"].items():
+        print(workload, json.dumps(result["rows"]))
     return 0
 
 

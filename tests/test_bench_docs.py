@@ -166,3 +166,25 @@ def test_grounded_section_shows_each_workload_and_setup_against_plain() -> None:
     assert "| extraction | suffix | suffix | 40.0 | 3.21 | 5.50 | yes |" in lines
     assert "| open chat | suffix | suffix | 40.0 | 0.99 | 5.50 | no |" in lines
     assert any("abc1234" in line for line in lines)
+
+
+def test_grounded_load_section_shows_each_workload_and_client_count_against_plain() -> None:
+    rows = [
+        {"clients": c, "setup": s, "tokens_per_second": 50.0, "vs_plain": v, "mean_accepted_length": m}
+        | {"identical_to_plain": True, "requests": 8}
+        for c, s, v, m in ((4, "plain", 1.0, 1.0), (4, "default", 2.05, 4.2))
+    ]
+    report = {
+        "commit": "abc1234",
+        "date": "2026-01-01 00:00 UTC",
+        "machine": "a CPU",
+        "repeats": 3,
+        "max_tokens": 160,
+        "levels": [1, 4, 8],
+        "workloads": {"code edit + prediction": {"rows": rows}},
+    }
+    lines = bench_docs.grounded_load_section(report)
+    assert "| code edit + prediction | 4 | default | 50.0 | 2.05 | 4.20 | yes |" in lines
+    assert not any("| plain |" in line for line in lines)  # plain is the reference, not a row
+    assert any("abc1234" in line for line in lines)
+    assert any("No result recorded yet" in line for line in bench_docs.grounded_load_section(None))

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from multiguess import LLM, SamplingParams
 from multiguess.engine.adaptive import CopyYield, ForwardCost
-from multiguess.engine.prediction import START, align, prediction_draft
+from multiguess.engine.prediction import START, Alignment, align, prediction_draft
+from multiguess.engine.sequence import SOURCES
 from multiguess.errors import InvalidRequestError
 
 from tests.engine.test_lossless import random_prompts
@@ -29,12 +30,41 @@ def test_align_follows_the_output_and_re_anchors_after_an_edit() -> None:
 
 
 def test_prediction_draft_is_the_chain_after_the_alignment() -> None:
-    prediction = np.array([10, 11, 12, 13, 14])
-    found = prediction_draft(11, prediction, [10, 11], 0, 2, CopyYield())
-    assert found is not None
-    draft, anchor = found
-    assert draft.tree.tokens == (11, 12, 13) and anchor == 2 and draft.match == 2
-    assert prediction_draft(14, prediction, [10, 11, 12, 13, 14], 0, 8, CopyYield()) is None  # used up
+    alignment = Alignment(np.array([10, 11, 12, 13, 14]))
+    alignment.sync([10, 11])
+    draft = prediction_draft(11, alignment, 2, CopyYield())
+    assert draft is not None
+    assert draft.tree.tokens == (11, 12, 13) and alignment.anchor == 2 and draft.match == 2
+    alignment.sync([10, 11, 12, 13, 14])
+    assert prediction_draft(14, alignment, 8, CopyYield()) is None  # used up
+
+
+def brute_force_match(prediction: list[int], output: list[int], anchor: int, most: int) -> tuple[int, int]:
+    """The longest occurrence of the output's suffix (at most ``most``) followed by a token,
+    the nearest at or after ``anchor`` first: (length, end)."""
+    found = []
+    for end in range(len(prediction) - 1):
+        length = 0
+        while length < min(most, len(output), end + 1) and prediction[end - length] == output[-1 - length]:
+            length += 1
+        if length:
+            distance = end - anchor if end >= anchor else len(prediction) + anchor - end
+            found.append((-length, distance, end))
+    length, _, end = min(found)
+    return -length, end
+
+
+def test_alignment_kept_as_the_output_grows_agrees_with_the_brute_force_specification() -> None:
+    rng = np.random.default_rng(5)
+    prediction = [int(t) for t in rng.integers(0, 4, 200)]
+    output = [int(t) for t in rng.integers(0, 4, 120)]
+    kept = Alignment(np.array(prediction), max_match=16)
+    for size in range(1, len(output) + 1):
+        kept.sync(output[:size])
+        kept.anchor = 2 * size
+        found = kept.match()
+        assert found is not None
+        assert (found.length, found.end) == brute_force_match(prediction, output[:size], 2 * size, 16)
 
 
 PARAMS = {
@@ -97,6 +127,11 @@ def test_predicted_outputs_are_lossless_whatever_the_prediction(
             assert [r.token for r in seq.logprobs] == [r.token for r in out.outputs[0].logprobs]
             got, want = ([r.logprob for r in records] for records in (seq.logprobs, out.outputs[0].logprobs))
             assert got == pytest.approx(want, abs=1e-4)
+    for stats in (s.stats for s in seqs):  # every drafted and accepted token has one source
+        assert sum(getattr(stats, f"{source}_draft_tokens") for source in SOURCES) == stats.draft_tokens
+        assert sum(getattr(stats, f"{source}_accepted_tokens") for source in SOURCES) == stats.accepted_tokens
+    if kind == "right" and drafter == "model":  # the prediction covers what the model would guess
+        assert sum(s.stats.model_steps for s in seqs) < sum(s.stats.prediction_steps for s in seqs)
     accepted = sum(s.stats.prediction_accepted_tokens for s in seqs)
     # Each step adds one token of its own; a draft model's nodes that spell the prediction too
     # count as the model's.

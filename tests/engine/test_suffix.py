@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from multiguess import LLM, SamplingParams
 from multiguess.engine.adaptive import CopyYield, ForwardCost, copy_width, graft_outcome, match_bucket
 from multiguess.engine.ngram import graft
-from multiguess.engine.suffix import CopySource, Match, RecentOutputs, copy_tree, own_matches
+from multiguess.engine.suffix import CopySource, Match, OwnText, RecentOutputs, copy_tree, own_matches
 from multiguess.engine.tree import TokenTree
 
 from tests.engine.test_lossless import random_prompts
@@ -27,6 +28,31 @@ def test_own_matches_measure_each_occurrence_longest_then_latest() -> None:
     assert found[0].continuation(3) == (9, 5, 2)
     assert own_matches([4, 5, 6]) == [] and own_matches([4]) == []
     assert [m.length for m in own_matches([7] * 10, max_match=4)] == [4] * 6 + [3, 2, 1]
+
+
+def own(tokens: list[int]) -> OwnText:
+    text = OwnText()
+    text.sync(tokens)
+    return text
+
+
+def test_own_text_kept_as_it_grows_matches_as_measured_afresh() -> None:
+    """Tokens taken in one at a time give the matches of the whole text at once, the
+    vectorised walk back (``matching.match_lengths``) that the n-gram drafter shares."""
+    rng = np.random.default_rng(3)
+    prompt = [int(t) for t in rng.integers(0, 5, 40)]
+    output = [int(t) for t in rng.integers(0, 5, 150)]
+    kept = OwnText(max_match=12)
+    for size in range(len(output) + 1):
+        kept.sync(prompt, output[:size])
+        fresh = own_matches(prompt + output[:size], max_match=12, limit=1000)
+        assert [(m.length, m.end) for m in kept.matches(1000)] == [(m.length, m.end) for m in fresh]
+        for match in fresh:
+            tokens = prompt + output[:size]
+            length = 0
+            while length < min(12, match.end + 1) and tokens[match.end - length] == tokens[-1 - length]:
+                length += 1
+            assert match.length == length
 
 
 def test_recent_outputs_match_within_their_scope_only() -> None:
@@ -66,13 +92,13 @@ def test_copy_tree_weighs_branches_by_how_often_they_were_seen() -> None:
 def test_copy_drafts_grow_as_deep_as_the_match_supports() -> None:
     source = CopySource()
     text = list(range(10, 70))
-    short = source.draft([*text, 99, 10, 11], depth=32, max_nodes=32)
-    long = source.draft([*text, 99, *text[:20]], depth=32, max_nodes=32)
+    short = source.draft(own([*text, 99, 10, 11]), depth=32, max_nodes=32)
+    long = source.draft(own([*text, 99, *text[:20]]), depth=32, max_nodes=32)
     assert short is not None and short.match == 2 and short.tree.max_depth == 4
     assert long is not None and long.match == 20 and long.tree.tokens[1:] == tuple(text[20:52])
-    assert source.draft([1, 2, 3], depth=32, max_nodes=32) is None
+    assert source.draft(own([1, 2, 3]), depth=32, max_nodes=32) is None
     source.record([5, 6, 7, 8])
-    recalled = source.draft([1, 5, 6], depth=32, max_nodes=32)
+    recalled = source.draft(own([1, 5, 6]), depth=32, max_nodes=32)
     assert recalled is not None and recalled.tree.tokens == (6, 7, 8)
 
 

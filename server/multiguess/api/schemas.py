@@ -224,11 +224,21 @@ class SpecSummary(BaseModel):
     draft_tokens: int
     accepted_tokens: int
     fallback_steps: int
-    copy_draft_tokens: int = 0  # of draft_tokens, copy drafts (the request's text, recent outputs)
+    # By source (SpecStats): the drafter's own nodes (model), copy drafts (the request's text,
+    # recent outputs) and drafts that follow the prediction; steps: the verify steps it drafted in.
+    model_draft_tokens: int = 0
+    model_accepted_tokens: int = 0
+    model_steps: int = 0
+    copy_draft_tokens: int = 0
     copy_accepted_tokens: int = 0
-    prediction_draft_tokens: int = 0  # of draft_tokens, drafts that follow the prediction
+    copy_steps: int = 0
+    prediction_draft_tokens: int = 0
     prediction_accepted_tokens: int = 0
+    prediction_steps: int = 0
     mean_accepted_length: float
+    model_mean_accepted_length: float = 0.0
+    copy_mean_accepted_length: float = 0.0
+    prediction_mean_accepted_length: float = 0.0
 
 
 class CompletionLogprobs(BaseModel):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from jinja2 import TemplateError
@@ -31,6 +31,7 @@ from multiguess.engine.sequence import SpecStats
 from multiguess.params import SamplingParams
 from multiguess.scheduler import Event, Sample
 
+SPEC_COUNTS = tuple(f.name for f in fields(SpecStats))  # summed over a response's samples
 # Below this a temperature is greedy: dividing logits by it would overflow (vLLM does the same).
 GREEDY_BELOW = 1e-5
 
@@ -274,16 +275,7 @@ class Outcome:
         if event.finished:
             self.finish_reasons[event.index] = event.finish_reason
             self.cached_tokens[event.index] = int(event.stats.get("cached_tokens", 0))
-            for name in (
-                "verify_steps",
-                "draft_tokens",
-                "accepted_tokens",
-                "fallback_steps",
-                "copy_draft_tokens",
-                "copy_accepted_tokens",
-                "prediction_draft_tokens",
-                "prediction_accepted_tokens",
-            ):
+            for name in SPEC_COUNTS:
                 setattr(self.stats, name, getattr(self.stats, name) + int(event.stats.get(name, 0)))
 
     def usage(self) -> Usage:

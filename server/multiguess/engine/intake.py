@@ -10,6 +10,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from multiguess.engine.config import EngineConfig
+from multiguess.engine.prediction import Alignment
 from multiguess.engine.sampling import Generators
 from multiguess.engine.sequence import Sequence
 from multiguess.errors import InvalidRequestError
@@ -48,7 +49,8 @@ def new_sequence(
     if not params.greedy:
         generators = Generators(params.seed if params.seed is not None else random.getrandbits(63))
     seq = Sequence(request_id, list(prompt_ids), params, generators, group=group or request_id)
-    seq.prediction = prediction_ids(params, tokenizer, limit, vocab)
+    predicted = prediction_ids(params, tokenizer, limit, vocab)
+    seq.prediction = None if predicted is None else Alignment(predicted)
     return seq
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from multiguess.engine.matching import match_lengths
 from multiguess.engine.tree import TokenTree
 
 
@@ -25,11 +26,9 @@ def find_continuations(
     found: list[list[int]] = []
     firsts: set[int] = set()
     ends = np.flatnonzero(seq[:-1] == seq[-1])  # where an earlier match of any suffix ends
+    lengths = match_lengths(seq, ends, seq, max_ngram)
     for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
-        matched = ends[ends >= n - 1]
-        for back in range(1, n):  # the match's other tokens, compared at the candidates only
-            matched = matched[seq[matched - back] == seq[-1 - back]]
-        for end in matched[::-1]:
+        for end in ends[lengths >= n][::-1]:
             cont = seq[end + 1 : end + 1 + depth].tolist()
             if cont and cont[0] not in firsts:
                 firsts.add(cont[0])

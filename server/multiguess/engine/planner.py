@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.adaptive import (
@@ -32,6 +32,7 @@ from multiguess.engine.ngram import graft
 from multiguess.engine.prediction import prediction_draft
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.sequence import Sequence
+from multiguess.engine.sources import better_copy, copy_worth, model_drafts, model_worth
 from multiguess.engine.suffix import CopyDraft, CopySource, RecentOutputs
 from multiguess.engine.timing import measure_forward_cost
 from multiguess.engine.tree import TokenTree
@@ -39,6 +40,16 @@ from multiguess.params import SamplingParams
 
 # What the engine does with sequences whose drafter call failed: decode them plainly this step.
 Fallback = Callable[[Exception, list[Sequence]], None]
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A sequence's copy draft this step, whether it follows its prediction, and its worth in
+    tokens per plain step verified alone (``sources.copy_worth``)."""
+
+    draft: CopyDraft
+    predicted: bool
+    worth: float
 
 
 class Planner:
@@ -75,11 +86,12 @@ class Planner:
         The time it took feeds the draft's cost per level (see ``CostMeter``)."""
         self.steps += 1
         started = time.perf_counter()
-        proposals = [Proposal(TokenTree.chain([s.token_ids[-1]])) for s in batch]
+        proposals = [Proposal(TokenTree.chain([s.last_token])) for s in batch]
         base = [1.0] * len(batch)  # tokens each sequence's tree is expected to yield
+        copies = self._copy_drafts(batch, drafter is not None and drafter.takes_grafts)
         if drafter is not None and not drafter.copy_only:
-            self._draft(batch, proposals, base, drafter)
-        self._graft_copies(batch, proposals, base, drafter is not None and drafter.takes_grafts)
+            self._draft(batch, proposals, base, copies, drafter)
+        self._graft_copies(batch, proposals, base, copies)
         drafted = time.perf_counter()
         # Draft time per level only from steps that drafted on caught-up caches (see CostMeter).
         drafting = [s for s, p in zip(batch, proposals, strict=True) if p.own_nodes > 1]
@@ -109,19 +121,33 @@ class Planner:
         return outcomes
 
     def _draft(
-        self, batch: list[Sequence], proposals: list[Proposal], base: list[float], drafter: Drafter
+        self,
+        batch: list[Sequence],
+        proposals: list[Proposal],
+        base: list[float],
+        copies: dict[int, Copy],
+        drafter: Drafter,
     ) -> None:
         """The drafter's trees for the sequences the policy gives one, into ``proposals``, and
-        the tokens each is expected to yield into ``base``."""
+        the tokens each is expected to yield into ``base``. A sequence whose copy draft is worth
+        at least its tree drafts none (``sources.model_drafts``)."""
+        cfg, cost = self.config, self.forward_cost
         requests = []
         planned = self._planned(batch, drafter)
+        fixed, per_level = self.costs.ratios(cost(len(batch)))
         for i, seq in enumerate(batch):
             budget = self._budget(seq, planned[i])
-            if budget.depth > 0:
-                base[i] = expected_tokens(self.coverage[seq.params.greedy], budget)
-                requests.append(
-                    (i, DraftRequest(seq.slot, seq.token_ids, budget, sample_spec(seq), seq.grammar))
+            if budget.depth == 0:
+                continue
+            tokens = expected_tokens(self.coverage[seq.params.greedy], budget)
+            if cfg.adaptive and not fixed_tree(seq.params) and i in copies:
+                worth = model_worth(
+                    tokens, budget.max_nodes, budget.depth, cost, len(batch), fixed, per_level
                 )
+                if not model_drafts(copies[i].worth, worth):
+                    continue
+            base[i] = tokens
+            requests.append((i, DraftRequest(seq.slot, seq.token_ids, budget, sample_spec(seq), seq.grammar)))
         if not requests:
             return
         try:
@@ -196,42 +222,55 @@ class Planner:
     def _room(self, seq: Sequence) -> int:
         """Levels a tree of ``seq`` may reach below its root: the tokens it may still produce
         and the context has room for, less the bonus token."""
-        return min(seq.remaining, self.config.max_model_len - len(seq.token_ids)) - 1
+        return min(seq.remaining, self.config.max_model_len - len(seq.prompt_ids) - len(seq.output_ids)) - 1
 
-    def _graft_copies(
-        self, batch: list[Sequence], proposals: list[Proposal], base: list[float], takes_grafts: bool
-    ) -> None:
-        """Graft each sequence's copy draft onto its tree, drafted or not: its prediction's
-        continuation where it has one that aligns with the output (``engine/prediction.py``),
-        else the continuation of its suffix where it occurred before, in its text or in recent
-        outputs (``CopySource``; with a drafter that takes grafts). Where a reply repeats text
-        (code edits, quotes, extraction, an agent's tool calls) it goes on far past where a
-        draft's guesses fade, and costs microseconds. The forward pads every tree to the
-        widest, so grafts fill that padding for free and widen the batch only while their
-        expected tokens pay for the wider forward (``adaptive.copy_width`` over the measured
-        ``ForwardCost``, against what each tree is expected to yield: ``base``), which they never
-        do where matches are short and rarely accepted. Not onto a tree the request chose
-        itself, nor onto sampled children (exact sampling needs the distribution each was drawn
-        from; greedy and seeded acceptance hold for any tree, and an unseeded sample's tree of
-        copies alone is deterministic); under a grammar, only a prediction's chain, cut where
-        the grammar stops allowing it."""
+    def _copy_drafts(self, batch: list[Sequence], takes_grafts: bool) -> dict[int, Copy]:
+        """Each sequence's copy draft, by index in ``batch``: of its prediction's continuation
+        where it aligns with the output (``engine/prediction.py``) and the continuation of its
+        suffix where it occurred before, in its text or in recent outputs (``CopySource``; with a
+        drafter that takes grafts, and not under a grammar), the one worth more
+        (``sources.copy_worth``). None for a request that chose its own tree."""
         cfg = self.config
-        copying = bool(cfg.prompt_lookup) and takes_grafts
-        drafts: dict[int, tuple[TokenTree, tuple[float, ...], int, bool]] = {}
-        for i, (seq, proposal) in enumerate(zip(batch, proposals, strict=True)):
-            exact_for_any_tree = seq.params.greedy or seq.params.seed is not None or not proposal.draft_probs
-            if not cfg.prompt_lookup or not exact_for_any_tree or fixed_tree(seq.params):
+        if not cfg.prompt_lookup:
+            return {}
+        limit, found = 1 + cfg.prompt_lookup, {}
+        for i, seq in enumerate(batch):
+            if fixed_tree(seq.params):
                 continue
             room = min(cfg.prompt_lookup, self._room(seq))
-            copy, predicted = self._predicted(seq, room), True
-            if copy is None and copying and seq.grammar is None:
-                copy, predicted = (
-                    self.copies.draft(seq.token_ids, room, cfg.prompt_lookup, seq.params.cache_scope),
-                    False,
-                )
-            if copy is not None and len(copy.tree) > 1:
-                grafted, reach = graft(proposal.tree, copy.tree, copy.reach, cfg.prompt_lookup)
-                drafts[i] = grafted, reach, copy.match, predicted
+            drafts = [(self._predicted(seq, room), True)]
+            if takes_grafts and seq.grammar is None:
+                scope = seq.params.cache_scope
+                seq.own_text.sync(seq.prompt_ids, seq.output_ids)
+                drafts.append((self.copies.draft(seq.own_text, room, cfg.prompt_lookup, scope), False))
+            kept = [(d, predicted) for d, predicted in drafts if d is not None and len(d.tree) > 1]
+            worths = [copy_worth(d.reach, self.forward_cost, len(batch), limit) for d, _ in kept]
+            best = better_copy(worths)
+            if best is not None:
+                found[i] = Copy(kept[best][0], kept[best][1], worths[best])
+        return found
+
+    def _graft_copies(
+        self, batch: list[Sequence], proposals: list[Proposal], base: list[float], copies: dict[int, Copy]
+    ) -> None:
+        """Graft each sequence's copy draft (``_copy_drafts``) onto its tree, drafted or not.
+        Where a reply repeats text (code edits, quotes, extraction, an agent's tool calls) it
+        goes on far past where a draft's guesses fade, and costs microseconds. The forward pads
+        every tree to the widest, so grafts fill that padding for free and widen the batch only
+        while their expected tokens pay for the wider forward (``adaptive.copy_width`` over the
+        measured ``ForwardCost``, against what each tree is expected to yield: ``base``), which
+        they never do where matches are short and rarely accepted. Not onto sampled children
+        (exact sampling needs the distribution each was drawn from; greedy and seeded
+        acceptance hold for any tree, and an unseeded sample's tree of copies alone is
+        deterministic); under a grammar, only a prediction's chain, cut where the grammar stops
+        allowing it."""
+        cfg = self.config
+        drafts: dict[int, tuple[TokenTree, tuple[float, ...], int, bool]] = {}
+        for i, copy in copies.items():
+            seq, proposal = batch[i], proposals[i]
+            if seq.params.greedy or seq.params.seed is not None or not proposal.draft_probs:
+                grafted, reach = graft(proposal.tree, copy.draft.tree, copy.draft.reach, cfg.prompt_lookup)
+                drafts[i] = grafted, reach, copy.draft.match, copy.predicted
         if not drafts:
             return
         own = [len(p.tree) for p in proposals]
@@ -252,17 +291,10 @@ class Planner:
         to what its grammar allows; None without a prediction or where none aligns."""
         if seq.prediction is None:
             return None
-        found = prediction_draft(
-            seq.token_ids[-1],
-            seq.prediction,
-            seq.output_ids,
-            seq.prediction_anchor,
-            room,
-            self.prediction_yields,
-        )
-        if found is None:
+        seq.prediction.sync(seq.output_ids)
+        draft = prediction_draft(seq.last_token, seq.prediction, room, self.prediction_yields)
+        if draft is None:
             return None
-        draft, seq.prediction_anchor = found
         if seq.grammar is not None:
             allowed = seq.grammar.valid_prefix(list(draft.tree.tokens[1:]))
             draft = replace(

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from multiguess.engine.adaptive import CopyYield
+from multiguess.engine.matching import SuffixMatches
 from multiguess.engine.suffix import MAX_MATCH, CopyDraft, Match, copy_tree
 
 # The match length a prediction's beginning counts as before any output: the client's word
@@ -24,41 +25,60 @@ from multiguess.engine.suffix import MAX_MATCH, CopyDraft, Match, copy_tree
 START = 8
 
 
+class Alignment:
+    """A request's prediction and the occurrences in it of its output's suffix
+    (``matching.SuffixMatches``), kept as the output grows (``sync``), and where the output was
+    last aligned (``anchor``)."""
+
+    def __init__(self, prediction: np.ndarray, max_match: int = MAX_MATCH) -> None:
+        self.prediction = prediction
+        self.found = SuffixMatches(max_match)
+        self.seen = 0  # output tokens taken in
+        self.anchor = 0
+
+    def sync(self, output: Sequence[int]) -> None:
+        """Take in what ``output`` holds past the tokens already taken in."""
+        for token in output[self.seen :]:
+            self.found.advance(np.flatnonzero(self.prediction == token))
+        self.seen = len(output)
+
+    def match(self) -> Match | None:
+        """Where the output continues in the prediction: the longest occurrence there of the
+        output's suffix with a token after it, of those the nearest at or after ``anchor`` first,
+        then the nearest before it; the beginning when there is no output yet; None when the
+        output's last token occurs nowhere in the prediction but at its end."""
+        prediction = self.prediction
+        if not self.seen:
+            return Match(START, prediction, -1)
+        usable = self.found.ends < len(prediction) - 1
+        if not usable.any():
+            return None
+        ends, lengths = self.found.ends[usable], self.found.lengths[usable]
+        longest = lengths == lengths.max()
+        anchor = self.anchor
+        distance = np.where(ends >= anchor, ends - anchor, len(prediction) + anchor - ends)
+        best = np.flatnonzero(longest)[np.argmin(distance[longest])]
+        return Match(int(lengths[best]), prediction, int(ends[best]))
+
+
 def align(
     prediction: np.ndarray, output: Sequence[int], anchor: int, max_match: int = MAX_MATCH
 ) -> Match | None:
-    """Where ``output`` (the reply so far) continues in ``prediction``: the longest occurrence
-    there of the output's suffix, of those the nearest at or after ``anchor`` (the last
-    alignment's end) first, then the nearest before it; the beginning when there is no output
-    yet; None when the output's last token occurs nowhere in the prediction."""
-    if not output:
-        return Match(START, prediction, -1)
-    tail = np.asarray(output[-max_match:])
-    ends = np.flatnonzero(prediction[: len(prediction) - 1] == tail[-1])
-    if not ends.size:
-        return None
-    lengths = np.ones(len(ends), dtype=np.int64)
-    alive = np.arange(len(ends))
-    for back in range(1, len(tail)):
-        alive = alive[ends[alive] >= back]
-        alive = alive[prediction[ends[alive] - back] == tail[-1 - back]]
-        if not alive.size:
-            break
-        lengths[alive] += 1
-    longest = lengths == lengths.max()
-    distance = np.where(ends >= anchor, ends - anchor, len(prediction) + anchor - ends)
-    best = np.flatnonzero(longest)[np.argmin(distance[longest])]
-    return Match(int(lengths[best]), prediction, int(ends[best]))
+    """Where ``output`` continues in ``prediction`` after the last alignment's end ``anchor``
+    (``Alignment.match``)."""
+    alignment = Alignment(prediction, max_match)
+    alignment.sync(output)
+    alignment.anchor = anchor
+    return alignment.match()
 
 
-def prediction_draft(
-    root: int, prediction: np.ndarray, output: Sequence[int], anchor: int, depth: int, yields: CopyYield
-) -> tuple[CopyDraft, int] | None:
-    """The chain of the prediction's next tokens after ``output`` (at most ``depth``), each
-    level accepted with the chance ``yields`` measured for its match length, and the
-    alignment's next position (the next step's ``anchor``); None when the output's last token
-    is nowhere in the prediction or the prediction is used up there."""
-    match = align(prediction, output, anchor)
-    if match is None or match.end + 1 >= len(prediction) or depth < 1:
+def prediction_draft(root: int, alignment: Alignment, depth: int, yields: CopyYield) -> CopyDraft | None:
+    """The chain of the prediction's next tokens after the output ``alignment`` took in (at
+    most ``depth``), each level accepted with the chance ``yields`` measured for its match
+    length; it moves the alignment's anchor to the chain's start. None when the output's last
+    token is nowhere in the prediction or the prediction is used up there."""
+    match = alignment.match()
+    if match is None or depth < 1:
         return None
-    return copy_tree(root, [match], depth, yields.rate(match.length), depth), match.end + 1
+    alignment.anchor = match.end + 1
+    return copy_tree(root, [match], depth, yields.rate(match.length), depth)

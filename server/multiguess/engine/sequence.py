@@ -2,47 +2,65 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from multiguess.engine.detokenizer import IncrementalText
 from multiguess.engine.grammar import GrammarState
 from multiguess.engine.logprobs import TokenLogprob
+from multiguess.engine.prediction import Alignment
 from multiguess.engine.sampling import Generators, Processing
+from multiguess.engine.suffix import OwnText
 from multiguess.params import SamplingParams
+
+SOURCES = ("model", "copy", "prediction")  # drafting sources, as SpecStats counts them
 
 
 @dataclass
 class SpecStats:
-    """What speculation did for a request. Mean accepted length = 1 + accepted / verify steps."""
+    """What speculation did for a request. Mean accepted length = 1 + accepted / verify steps.
+
+    By source: the drafter's own nodes (``model``: a model, EAGLE-3 or n-gram), copy drafts
+    (engine/suffix.py) and drafts that follow the request's prediction; each source's drafted
+    and accepted tokens and the verify steps it drafted in, whose mean accepted length is
+    1 + its accepted tokens / its steps."""
 
     verify_steps: int = 0  # target forwards while decoding (each emits at least one token)
     draft_tokens: int = 0  # drafted nodes the target verified
     accepted_tokens: int = 0  # drafted tokens the target accepted
     fallback_steps: int = 0  # steps decoded without the drafter because it failed
-    copy_draft_tokens: int = 0  # of the drafted tokens, those copy drafts grafted (engine/suffix.py)
-    copy_accepted_tokens: int = 0  # of the accepted tokens, those copy drafts grafted
-    prediction_draft_tokens: int = 0  # of the drafted tokens, those drafted from the prediction
-    prediction_accepted_tokens: int = 0  # of the accepted tokens, those drafted from the prediction
+    model_draft_tokens: int = 0
+    model_accepted_tokens: int = 0
+    model_steps: int = 0
+    copy_draft_tokens: int = 0
+    copy_accepted_tokens: int = 0
+    copy_steps: int = 0
+    prediction_draft_tokens: int = 0
+    prediction_accepted_tokens: int = 0
+    prediction_steps: int = 0
 
     @property
     def mean_accepted_length(self) -> float:
         return 1.0 + self.accepted_tokens / self.verify_steps if self.verify_steps else 0.0
 
+    def source_mean_accepted_length(self, source: str) -> float:
+        steps = getattr(self, f"{source}_steps")
+        return 1.0 + getattr(self, f"{source}_accepted_tokens") / steps if steps else 0.0
+
+    def count(self, source: str, drafted: int, accepted: int) -> None:
+        """One verify step in which ``source`` drafted ``drafted`` tokens, ``accepted`` accepted."""
+        if drafted:
+            for name, value in (("draft_tokens", drafted), ("accepted_tokens", accepted), ("steps", 1)):
+                setattr(self, f"{source}_{name}", getattr(self, f"{source}_{name}") + value)
+
     def as_dict(self) -> dict[str, float]:
-        return {
-            "verify_steps": self.verify_steps,
-            "draft_tokens": self.draft_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "fallback_steps": self.fallback_steps,
-            "copy_draft_tokens": self.copy_draft_tokens,
-            "copy_accepted_tokens": self.copy_accepted_tokens,
-            "prediction_draft_tokens": self.prediction_draft_tokens,
-            "prediction_accepted_tokens": self.prediction_accepted_tokens,
-            "mean_accepted_length": round(self.mean_accepted_length, 4),
+        counts = {f.name: getattr(self, f.name) for f in fields(self)}
+        by_source = {
+            f"{source}_mean_accepted_length": round(self.source_mean_accepted_length(source), 4)
+            for source in SOURCES
         }
+        return {**counts, "mean_accepted_length": round(self.mean_accepted_length, 4), **by_source}
 
 
 @dataclass
@@ -67,13 +85,18 @@ class Sequence:
     cut: bool = False  # a stop string ended the text
     error: str | None = None  # why the grammar matcher failed (finish_reason "error")
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked
-    prediction: np.ndarray | None = None  # predicted output tokens (engine/prediction.py)
-    prediction_anchor: int = 0  # where in the prediction the output was last aligned
+    prediction: Alignment | None = None  # predicted output tokens (engine/prediction.py)
+    own_text: OwnText = field(default_factory=OwnText)  # for copy drafts (engine/suffix.py)
     group: str = ""  # the client request it is a sample of (admission's fair turns)
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def last_token(self) -> int:
+        """The newest token: the next tree's root."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
     @property
     def prefilling(self) -> bool:

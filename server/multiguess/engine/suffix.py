@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from multiguess.engine.adaptive import CopyYield
+from multiguess.engine.matching import SuffixMatches, match_lengths
 from multiguess.engine.tree import TokenTree
 from multiguess.params import SHARED_SCOPE
 
@@ -49,26 +50,60 @@ class Match:
         return tuple(int(t) for t in self.text[self.end + 1 : self.end + 1 + depth])
 
 
+class OwnText:
+    """A sequence's tokens (prompt and output so far) and the earlier occurrences of its
+    suffix (``matching.SuffixMatches``), kept as the sequence grows (``sync``): a step costs
+    the search for its new tokens' earlier occurrences, not a copy of the sequence and a walk
+    back along each match."""
+
+    def __init__(self, max_match: int = MAX_MATCH) -> None:
+        self.buffer = np.zeros(64, dtype=np.int64)
+        self.size = 0
+        self.found = SuffixMatches(max_match)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.buffer[: self.size]
+
+    def sync(self, prompt: Sequence[int], output: Sequence[int] = ()) -> None:
+        """Take in what ``prompt`` and ``output`` hold past the tokens already taken in."""
+        if self.size == 0:
+            self._start([*prompt, *output])
+            return
+        for token in output[self.size - len(prompt) :]:
+            self.found.advance(np.flatnonzero(self.tokens == token))
+            self._put([token])
+
+    def matches(self, limit: int = CANDIDATES) -> list[Match]:
+        """Earlier occurrences of the suffix (its last token at least), each with its match
+        length: the longest first, then the latest."""
+        text, found = self.tokens, self.found
+        return [Match(int(found.lengths[i]), text, int(found.ends[i])) for i in found.ranked(limit)]
+
+    def _start(self, tokens: list[int]) -> None:
+        self._put(tokens)
+        if self.size > 1:
+            text = self.tokens
+            ends = np.flatnonzero(text[:-1] == text[-1])
+            self.found = SuffixMatches(
+                self.found.most, ends, match_lengths(text, ends, text, self.found.most)
+            )
+
+    def _put(self, tokens: Sequence[int]) -> None:
+        if self.size + len(tokens) > len(self.buffer):
+            grown = np.zeros(max(2 * len(self.buffer), self.size + len(tokens)), dtype=np.int64)
+            grown[: self.size] = self.tokens
+            self.buffer = grown
+        self.buffer[self.size : self.size + len(tokens)] = tokens
+        self.size += len(tokens)
+
+
 def own_matches(tokens: Sequence[int], max_match: int = MAX_MATCH, limit: int = CANDIDATES) -> list[Match]:
     """Earlier occurrences in ``tokens`` of its own suffix (at least its last token), each with
-    its match length (at most ``max_match``): the longest first, then the latest. Vectorised:
-    each step back compares only the occurrences still matching."""
-    seq = np.asarray(tokens)
-    last = len(seq) - 1
-    if last < 1:
-        return []
-    ends = np.flatnonzero(seq[:-1] == seq[-1])
-    lengths = np.ones(len(ends), dtype=np.int64)
-    alive = np.arange(len(ends))
-    for back in range(1, min(max_match, last + 1)):
-        starts = ends[alive] - back
-        alive = alive[starts >= 0]
-        alive = alive[seq[ends[alive] - back] == seq[last - back]]
-        if not alive.size:
-            break
-        lengths[alive] += 1
-    order = np.lexsort((-ends, -lengths))[:limit]
-    return [Match(int(lengths[i]), seq, int(ends[i])) for i in order]
+    its match length (at most ``max_match``): the longest first, then the latest."""
+    text = OwnText(max_match)
+    text.sync(tokens)
+    return text.matches(limit)
 
 
 def _common_suffix(text: Sequence[int], end: int, context: Sequence[int], known: int, most: int) -> int:
@@ -207,13 +242,12 @@ class CopySource:
         self.recent = recent if recent is not None else RecentOutputs()
         self.yields = yields if yields is not None else CopyYield()
 
-    def draft(
-        self, tokens: Sequence[int], depth: int, max_nodes: int, scope: Hashable = SHARED
-    ) -> CopyDraft | None:
-        """The copy tree after ``tokens`` (at most ``depth`` deep and ``max_nodes`` nodes) from
+    def draft(self, text: OwnText, depth: int, max_nodes: int, scope: Hashable = SHARED) -> CopyDraft | None:
+        """The copy tree after ``text`` (at most ``depth`` deep and ``max_nodes`` nodes) from
         its longest matches, own and recent, as deep as ``DEPTH_PER_MATCH`` times their
         length; None when the suffix occurred nowhere."""
-        found = own_matches(tokens) + self.recent.matches(tokens, scope)
+        tokens = text.tokens
+        found = text.matches() + self.recent.matches(tokens, scope)
         if not found or depth < 1 or max_nodes < 1:
             return None
         longest = max(m.length for m in found)

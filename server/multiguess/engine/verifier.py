@@ -89,9 +89,5 @@ def record(stats: SpecStats, proposal: Proposal, acceptance: Acceptance) -> None
     stats.verify_steps += 1
     stats.draft_tokens += len(proposal.tree) - 1
     stats.accepted_tokens += acceptance.accepted_drafts
-    if proposal.predicted:
-        stats.prediction_draft_tokens += grafted
-        stats.prediction_accepted_tokens += copied
-    else:
-        stats.copy_draft_tokens += grafted
-        stats.copy_accepted_tokens += copied
+    stats.count("model", proposal.own_nodes - 1, acceptance.accepted_drafts - copied)
+    stats.count("prediction" if proposal.predicted else "copy", grafted, copied)
