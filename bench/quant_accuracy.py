@@ -20,7 +20,6 @@ from pathlib import Path
 
 import bench_docs
 import torch
-from bench_docs_quant import QUANT_ACCURACY_FILE
 from multiguess.engine.quantized import FORMATS
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.tree import TokenTree
@@ -89,7 +88,7 @@ def main() -> None:
         ("SmolLM2-135M-Instruct (target)", str(prepare_target()), str(locate_target_gguf())),
     ]
     report: dict[str, object] = {**provenance(), "models": []}
-    out = args.docs / "bench" / QUANT_ACCURACY_FILE
+    out = args.docs / "bench" / bench_docs.QUANT_ACCURACY_FILE
     for name, path, gguf in models:  # the file and the page after each model
         report["models"].append(evaluate(name, path, gguf))  # type: ignore[union-attr]
         out.write_text(json.dumps(report, indent=2) + "\n")

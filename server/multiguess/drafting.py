@@ -4,7 +4,8 @@
 ``serve``, ``serve-draft``, ``bench`` and the benchmarks call it); the engine receives it
 finished, so its memory plan counts what the drafter holds. Importing this module imports no
 torch (the CLI builds its help from ``DRAFTERS``): each builder imports its drafter when called.
-Adding a drafter is a module in ``engine/drafters/`` and a line in ``KINDS`` (CONTRIBUTING.md).
+Adding a drafter is a module in ``engine/drafters/``, a line in ``KINDS`` and its name in
+``options.DRAFTERS`` (CONTRIBUTING.md).
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from multiguess.remote.hosted import Hosted
+
 if TYPE_CHECKING:
     from multiguess.engine.drafters.base import Drafter
-    from multiguess.engine.drafters.eagle3 import Eagle3Drafter
-    from multiguess.engine.drafters.model import ModelDrafter
     from multiguess.engine.loaded_model import LoadedModel
     from multiguess.models.embedded import EmbeddedModels
 
@@ -55,16 +56,6 @@ class DraftOptions:
     loaded: LoadedModel | None = None
     serving: Serving | None = None
     target: str | None = None
-
-
-@dataclass(frozen=True)
-class Hosted:
-    """A drafter a draft server hosts (the server sizes it with ``start``; ``wire_exact``), and
-    the model name and tokenizer it announces (a head announces its target's tokenizer)."""
-
-    drafter: ModelDrafter | Eagle3Drafter
-    name: str
-    tokenizer: Any
 
 
 Builder = Callable[["LoadedModel", DraftOptions], "Drafter | None"]

@@ -1,7 +1,9 @@
 """Names of the engine's choices, importable without torch (the CLI builds its help from them)."""
 
-from multiguess.drafting import DRAFT_SERVER_DRAFTERS as DRAFT_SERVER_DRAFTERS  # the registry's
-from multiguess.drafting import DRAFTERS as DRAFTERS
+# The drafter registry's names (``drafting.KINDS``), written out so that the engine's options do
+# not import the registry that builds drafters; tests/engine/test_drafters.py fails when they differ.
+DRAFTERS = ("model", "eagle3", "ngram", "suffix", "none")
+DRAFT_SERVER_DRAFTERS = ("model", "eagle3")  # what serve-draft can host
 
 DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = (

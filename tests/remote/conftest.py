@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from multiguess.drafting import DraftOptions, Hosted, host_drafter
+from multiguess.drafting import DraftOptions, host_drafter
 from multiguess.engine.config import EngineConfig
 from multiguess.engine.drafters.base import Drafter
 from multiguess.engine.engine import Engine
@@ -20,6 +20,7 @@ from multiguess.models.loading import load_model
 from multiguess.params import SamplingParams
 from multiguess.remote import handshake
 from multiguess.remote.client import RemoteDrafter
+from multiguess.remote.hosted import Hosted
 from multiguess.remote.protocol import ServerInfo, websocket_url
 from multiguess.remote.server import DraftServerSettings, create_draft_app
 from prometheus_client import generate_latest

@@ -58,7 +58,9 @@ class Engine:
     ) -> None:
         """Serves ``target`` with ``drafter`` (``multiguess.drafting.build_drafter``; None: plain
         decoding): the memory plan counts what the drafter holds, then sizes its caches too."""
-        self.config, self.memory_plan = fit_to_memory(config or EngineConfig(), target, drafter)
+        self.config, self.memory_plan = fit_to_memory(
+            config or EngineConfig(), target, drafter.memory() if drafter is not None else None
+        )
         self.tokenizer = target.tokenizer
         capacity = self.config.max_model_len + self.config.tree_slack
         runner = {

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from multiguess.engine.drafters.base import DraftMemory
 from multiguess.engine.loaded_model import LoadedModel
 from multiguess.engine.logprobs import PROMPT_LOGPROB_ROWS, prompt_logprobs
 from multiguess.engine.memory_plan import (
@@ -38,7 +37,6 @@ from multiguess.params import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from multiguess.engine.config import EngineConfig
-    from multiguess.engine.drafters.base import Drafter
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +49,18 @@ class MemoryMeter(Protocol):
     def peak(self, device: torch.device, run: Callable[[], object]) -> int:
         """Bytes allocated on ``device`` while ``run`` runs, above what was allocated before."""
         ...
+
+
+@dataclass(frozen=True)
+class DraftMemory:
+    """What a model holds on ``device``, as the memory plan measures it: its ``weights`` (a
+    storage another model shares counts once) and ``measure``, which returns the activation
+    peak of its largest forwards in an engine of a config (its context length resolved), its
+    KV bytes per cached token and what its cache blocks and CUDA graphs take (``Footprint``)."""
+
+    device: torch.device
+    weights: tuple[torch.nn.Module, ...]
+    measure: Callable[[MemoryMeter, EngineConfig], Footprint]
 
 
 class CudaMeter:
@@ -187,13 +197,12 @@ def measure_model(
 
 
 def fit_to_memory(
-    config: EngineConfig, target: LoadedModel, drafter: Drafter | None
+    config: EngineConfig, target: LoadedModel, drafted: DraftMemory | None
 ) -> tuple[EngineConfig, MemoryPlan | None]:
     """``config`` with its context length resolved against the target's config and, where the
-    target or what the drafter holds (``Drafter.memory``: a draft model, an EAGLE-3 head) is on
-    a planned device, ``max_batch`` cut to the sequences whose caches fit."""
+    target or what the drafter holds (``drafted``, its ``Drafter.memory``: a draft model, an
+    EAGLE-3 head) is on a planned device, ``max_batch`` cut to the sequences whose caches fit."""
     held = {"target": DraftMemory(target.device, (target.model,), partial(measure_model, target))}
-    drafted = drafter.memory() if drafter is not None else None
     if drafted is not None:
         held["draft"] = drafted
     meters = {name: meter_for(h.device) for name, h in held.items()}

@@ -28,11 +28,11 @@ from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from multiguess.drafting import Hosted
 from multiguess.engine.config import EngineConfig
 from multiguess.options import DRAFT_MAX_FRAME_BYTES
 from multiguess.remote import handshake
 from multiguess.remote.handshake import AuthenticationFailed
+from multiguess.remote.hosted import Hosted
 from multiguess.remote.metrics import ServerMetrics
 from multiguess.remote.protocol import (
     PATH,

@@ -27,8 +27,6 @@ What a drafter can do beyond that is declared, not probed for:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,20 +36,7 @@ from multiguess.engine.drafter import DraftRequest, Proposal, SampleSpec
 
 if TYPE_CHECKING:
     from multiguess.engine.config import EngineConfig
-    from multiguess.engine.memory_plan import Footprint
-    from multiguess.engine.memory_probe import MemoryMeter
-
-
-@dataclass(frozen=True)
-class DraftMemory:
-    """What a model holds on ``device``, as the memory plan measures it: its ``weights`` (a
-    storage another model shares counts once) and ``measure``, which returns the activation
-    peak of its largest forwards in an engine of a config (its context length resolved), its
-    KV bytes per cached token and what its cache blocks and CUDA graphs take (``Footprint``)."""
-
-    device: torch.device
-    weights: tuple[torch.nn.Module, ...]
-    measure: Callable[[MemoryMeter, EngineConfig], Footprint]
+    from multiguess.engine.memory_probe import DraftMemory
 
 
 class Drafter(ABC):

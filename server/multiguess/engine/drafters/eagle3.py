@@ -22,13 +22,13 @@ from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.backends import backend_for
 from multiguess.engine.config import EngineConfig
 from multiguess.engine.drafter import DraftRequest, Proposal, SampleSpec
-from multiguess.engine.drafters.base import Drafter, DraftMemory
+from multiguess.engine.drafters.base import Drafter
 from multiguess.engine.drafters.growing import Candidate, TreeGrower, place_level
 from multiguess.engine.eagle3_head import Eagle3Head
 from multiguess.engine.kv_cache import exchange_slots
 from multiguess.engine.linear import Projection
 from multiguess.engine.memory_plan import Footprint
-from multiguess.engine.memory_probe import MemoryMeter
+from multiguess.engine.memory_probe import DraftMemory, MemoryMeter
 from multiguess.engine.prefix_cache import swap_keys
 from multiguess.engine.tree import TokenTree
 

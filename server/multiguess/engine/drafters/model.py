@@ -13,11 +13,11 @@ import torch
 from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.config import EngineConfig
 from multiguess.engine.drafter import DraftRequest, Proposal, SampleSpec
-from multiguess.engine.drafters.base import Drafter, DraftMemory
+from multiguess.engine.drafters.base import Drafter
 from multiguess.engine.drafters.growing import Candidate, TreeGrower, place_level
 from multiguess.engine.loaded_model import LoadedModel
 from multiguess.engine.memory_plan import Footprint
-from multiguess.engine.memory_probe import MemoryMeter, measure_model
+from multiguess.engine.memory_probe import DraftMemory, MemoryMeter, measure_model
 from multiguess.engine.padding import padded_groups
 from multiguess.engine.prefix_cache import swap_keys
 from multiguess.engine.runner import NativeRunner
