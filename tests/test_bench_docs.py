@@ -37,7 +37,7 @@ def test_every_recorded_result_names_its_commit_machine_and_command() -> None:
 def test_empty_results_render_as_not_yet_measured(tmp_path: Path) -> None:
     (tmp_path / "bench").mkdir()
     page = bench_docs.render(tmp_path)
-    assert page.count("No result recorded yet") == 9
+    assert page.count("No result recorded yet") == 11
     assert "Not yet run on a GPU" in page
     assert "No results recorded yet." in bench_docs.headline(tmp_path / "bench")
 
