@@ -58,7 +58,9 @@ def test_cuda_graphs_pool_and_per_sequence_buffers_come_off_the_room() -> None:
     """A graph pool is held beside the activations; the shared logits buffer and the replay's
     mask grow with the sequences, like their KV caches."""
     devices = {"cuda:0": DeviceMemory(80 * GIB, 1 * GIB)}
-    graphed = ModelMemory("target", "cuda:0", 16 * GIB, 2 * GIB, 131072, 3 * GIB, GIB)
+    graphed = ModelMemory(
+        "target", "cuda:0", 16 * GIB, 2 * GIB, 131072, graph_pool=3 * GIB, graph_bytes_per_sequence=GIB
+    )
     plan = plan_memory([graphed], devices, 0.9, 256, 8192 - 18, 8192)
     # 53 GiB as above, less the 3 GiB pool: 50 GiB at 2 GiB a sequence (KV and graph rows).
     assert plan.sequences == 25
@@ -225,7 +227,9 @@ def test_the_plan_counts_cuda_graphs_where_they_run(
     capacity = 64 + config.tree_slack
     assert measured.graph_pool == 5000
     assert measured.graph_bytes_per_sequence == config.graph_width * (engine.target.vocab_size * 4 + capacity)
-    plain = Engine(target, None, EngineConfig(max_batch=2, max_model_len=64, adaptive=False, backend="torch"))
+    # Without graphs the torch backend pages its cache: a pool of a few blocks, not the meter's terabyte.
+    plain_config = EngineConfig(max_batch=2, max_model_len=64, adaptive=False, backend="torch", kv_blocks=16)
+    plain = Engine(target, None, plain_config)
     assert plain.memory_plan.models[0].graph_pool == plain.memory_plan.models[0].graph_bytes_per_sequence == 0
 
 
