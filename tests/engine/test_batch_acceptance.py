@@ -237,6 +237,6 @@ def test_a_step_transfers_a_constant_whatever_the_batch_and_tree(
         engine = Engine(target, ModelDrafter(draft) if depth > 1 else None, config)
         counts = counted_steps(engine, random_prompts(41, (5, 17, 9, 11)[:batch]), params)
         seen[batch, num_candidates, depth, graphs] = max(counts)
-        assert engine.steps > len(counts) > 0
+        assert engine.planner.steps > len(counts) > 0
     assert all(syncs <= MOST_SYNCS and copies <= MOST_COPIES for syncs, copies in seen.values()), seen
     assert seen[4, 3, 4, True][1] <= 3  # a graph replay's inputs: one copy
