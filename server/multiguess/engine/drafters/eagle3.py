@@ -23,7 +23,7 @@ from multiguess.engine.backends import backend_for
 from multiguess.engine.config import EngineConfig
 from multiguess.engine.drafter import DraftRequest, Proposal, SampleSpec
 from multiguess.engine.drafters.base import Drafter
-from multiguess.engine.drafters.growing import Candidate, TreeGrower, place_level
+from multiguess.engine.drafters.growing import Level, TreeGrower
 from multiguess.engine.eagle3_head import Eagle3Head
 from multiguess.engine.kv_cache import exchange_slots
 from multiguess.engine.linear import Projection
@@ -343,17 +343,11 @@ class Eagle3Drafter(Drafter):
         self._hidden = [{-1: feature} for _, feature in roots]
         return torch.stack([logits for logits, _ in roots]), [len(r.token_ids) - 1 for r in requests]
 
-    def _feed(
-        self,
-        requests: list[DraftRequest],
-        prefixes: list[int],
-        beams: list[list[int]],
-        cands: list[list[Candidate]],
-        fed: list[dict[int, int]],
-    ) -> list[torch.Tensor]:
+    def _feed(self, level: Level) -> list[torch.Tensor]:
         """One head forward over every sequence's beam, each node reading its parent's output
         feature; returns each beam's logits rows."""
-        tokens, depths, used, region = place_level(beams, cands, fed)
+        requests, prefixes, beams, cands = level.requests, level.prefixes, level.beams, level.cands
+        tokens, depths, used, region = level.place()
         hidden_size = self.runner.head.config.hidden_size
         parents = torch.zeros(
             len(beams), tokens.shape[1], hidden_size, dtype=self.runner.dtype, device=self.runner.device

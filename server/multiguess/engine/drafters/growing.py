@@ -39,12 +39,25 @@ class Candidate:
     sees: tuple[int, ...] = ()  # once fed to the draft: region offsets of its ancestors and itself
 
 
-# One draft forward over every sequence's beam (candidate indices into its candidates), written
-# at the region offsets ``place_level`` records in ``fed``: each beam's logits rows.
-FeedLevel = Callable[
-    [list[DraftRequest], list[int], list[list[int]], list[list[Candidate]], list[dict[int, int]]],
-    list[torch.Tensor],
-]
+@dataclass
+class Level:
+    """One level to feed the draft: each sequence's beam (candidate indices into its
+    candidates), after its region's start (``prefixes``), and the region offsets every fed
+    candidate took (``fed``, which ``place`` extends)."""
+
+    requests: list[DraftRequest]
+    prefixes: list[int]
+    beams: list[list[int]]
+    cands: list[list[Candidate]]
+    fed: list[dict[int, int]]
+
+    def place(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``place_level`` of this level."""
+        return place_level(self.beams, self.cands, self.fed)
+
+
+# One draft forward over a level's beams: each beam's logits rows.
+FeedLevel = Callable[[Level], list[torch.Tensor]]
 
 
 @dataclass
@@ -185,7 +198,7 @@ class TreeGrower:
                 beams[b] = new[: req.budget.num_candidates]
             if level + 1 == depth or not any(beams):
                 break
-            rows = feed(requests, prefixes, beams, cands, fed)
+            rows = feed(Level(requests, prefixes, beams, cands, fed))
 
         grown = []
         for b, req in enumerate(requests):

@@ -14,7 +14,7 @@ from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.config import EngineConfig
 from multiguess.engine.drafter import DraftRequest, Proposal, SampleSpec
 from multiguess.engine.drafters.base import Drafter
-from multiguess.engine.drafters.growing import Candidate, TreeGrower, place_level
+from multiguess.engine.drafters.growing import Level, TreeGrower
 from multiguess.engine.loaded_model import LoadedModel
 from multiguess.engine.memory_plan import Footprint
 from multiguess.engine.memory_probe import DraftMemory, MemoryMeter, measure_model
@@ -132,21 +132,13 @@ class ModelDrafter(Drafter):
             self.cached[r.slot] = n
         return logits, prefixes
 
-    def _feed(
-        self,
-        requests: list[DraftRequest],
-        prefixes: list[int],
-        beams: list[list[int]],
-        cands: list[list[Candidate]],
-        fed: list[dict[int, int]],
-    ) -> list[torch.Tensor]:
+    def _feed(self, level: Level) -> list[torch.Tensor]:
         """One draft forward over every sequence's beam; returns each beam's logits rows."""
-        tokens, depths, used, visible = place_level(beams, cands, fed)
-        lens = torch.tensor(prefixes)[:, None]
-        logits = self.runner.forward(
-            [r.slot for r in requests], prefixes, tokens, lens + depths, lens[:, 0] + used, visible
-        )
-        return [logits[b, : len(beam)] for b, beam in enumerate(beams)]
+        tokens, depths, used, visible = level.place()
+        lens = torch.tensor(level.prefixes)[:, None]
+        slots = [r.slot for r in level.requests]
+        logits = self.runner.forward(slots, level.prefixes, tokens, lens + depths, lens[:, 0] + used, visible)
+        return [logits[b, : len(beam)] for b, beam in enumerate(level.beams)]
 
     def observe(
         self, slot: int, token_ids: list[int], width: int, since: int, sample: SampleSpec | None = None
