@@ -18,7 +18,7 @@ from multiguess.drafting import Serving
 from multiguess.engine.backends.cpu.backend import CpuBackend
 from multiguess.engine.drafter import DraftRequest, TreeBudget
 from multiguess.engine.drafters.eagle3 import Eagle3Drafter
-from multiguess.engine.drafters.growing import Candidate
+from multiguess.engine.drafters.growing import Candidate, Level
 from multiguess.engine.eagle3_head import default_aux_layers
 from multiguess.errors import IncompatibleDraftError, UnsupportedModelError
 from multiguess.models.eagle3_checkpoint import save_head
@@ -82,7 +82,7 @@ def test_chained_nodes_equal_the_training_time_test_forward(tiny_target: torch.n
         fed: list[dict[int, int]] = [{}]
         for depth in range(1, steps):
             cands.append(Candidate(int(ids[j + 1 + depth]), len(cands) - 1, 0.0, 0, True, depth))
-            (rows,) = drafter._feed([request], prefixes, [[len(cands) - 1]], [cands], fed)
+            (rows,) = drafter._feed(Level([request], prefixes, [[len(cands) - 1]], [cands], fed))
             torch.testing.assert_close(
                 drafter._hidden[0][len(cands) - 1], outs[depth][0, j], atol=1e-3, rtol=1e-4
             )
