@@ -115,7 +115,7 @@ def fresh_copies(engine: object, run: Generator) -> Generator:
     from multiguess.engine.suffix import RecentOutputs
 
     def wrapped(prompt: list[int]) -> list[int]:
-        engine.copies.recent = RecentOutputs(engine.config.recent_outputs, engine.config.recent_age)
+        engine.planner.copies.recent = RecentOutputs(engine.config.recent_outputs, engine.config.recent_age)
         return run(prompt)
 
     return wrapped
@@ -155,7 +155,7 @@ def measure(built: LlamaCpp, models: BenchModels, args: argparse.Namespace) -> d
 
     configure_threads(args.threads)
     mg = multiguess_engines(models)
-    tokenizer = mg["engines"]["multiguess plain, bf16"].target.tokenizer
+    tokenizer = mg["engines"]["multiguess plain, bf16"].tokenizer
     prompts = [chat(tokenizer, p["text"]) for p in bm.load_prompts()[1][: args.prompts]]
     results = {name: bm.MethodResult(name) for name in [*OWN_PLAIN.values(), *OWN_PLAIN]}
     decode: dict[str, list[float]] = {name: [] for name in results}
