@@ -17,7 +17,6 @@ from multiguess.engine.acceptance import Acceptance, accept_sampled_rows, accept
 from multiguess.engine.drafter import Proposal
 from multiguess.engine.one_copy import Packed
 from multiguess.engine.sampling import (
-    Processing,
     RowSettings,
     position_key,
     raced_rows,
@@ -57,7 +56,7 @@ def accept_batch(
     pack = Packed()
     tokens_at = pack.add(torch.tensor([(*t.tokens, *(-1,) * (width - len(t))) for t in trees]))
     parents_at = pack.add(torch.tensor([(*t.parents, *(0,) * (width - len(t))) for t in trees]))
-    processing = [Processing(s.params.temperature, s.params.top_p, s.params.top_k) for s in batch]
+    processing = [s.processing for s in batch]
     settings_at = pack.add(settings_table(processing, vocab))
     truncating = any(processing[b].truncates(vocab) for b in seeded + sampled)
     if seeded:
