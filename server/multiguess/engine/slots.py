@@ -59,9 +59,8 @@ class Slots:
         highest slot into it. A move copies one sequence's committed entries once, in the
         draft's cache too. With prefix caching the freed slot keeps ``seq``'s tokens and KV,
         and a move swaps them into the slot the moved sequence leaves."""
-        kept = seq.token_ids[: seq.cache_len] if self.prefix_caching else []
+        kept = self._remember(seq)
         self.prefixes.keep(seq.slot, kept, seq.params.cache_scope)
-        self.cache.remember(seq.slot, kept, seq.params.cache_scope)
         self.cache.truncate(seq.slot, len(kept))
         if drafter is not None:
             drafter.retain(seq.slot, len(kept))
@@ -81,18 +80,25 @@ class Slots:
         if self.cache.fits(writes):
             return True
         for slot in range(running, self.max_batch):
-            self.prefixes.drop(slot)
-            self.cache.truncate(slot, 0)
-            if drafter is not None:
-                drafter.release(slot)
+            self._empty(slot, drafter)
         return self.cache.fits(writes)
 
     def evict(self, seq: Sequence, drafter: Drafter | None) -> None:
         """Give back every block of a preempted ``seq``'s slot; its full blocks stay findable by
         content, so its prompt and output may be found again when it is admitted again."""
+        self._remember(seq)
+        self._empty(seq.slot, drafter)
+
+    def _remember(self, seq: Sequence) -> list[int]:
+        """The tokens of ``seq``'s cache that are kept for reuse (none without prefix caching),
+        named by content in the cache."""
         kept = seq.token_ids[: seq.cache_len] if self.prefix_caching else []
         self.cache.remember(seq.slot, kept, seq.params.cache_scope)
-        self.cache.truncate(seq.slot, 0)
-        self.prefixes.drop(seq.slot)
+        return kept
+
+    def _empty(self, slot: int, drafter: Drafter | None) -> None:
+        """``slot`` keeps nothing: no prefix, no blocks, no draft state."""
+        self.prefixes.drop(slot)
+        self.cache.truncate(slot, 0)
         if drafter is not None:
-            drafter.release(seq.slot)
+            drafter.release(slot)
