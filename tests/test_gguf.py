@@ -123,10 +123,30 @@ def test_unsupported_format_names_the_tensor_and_the_supported(tmp_path: Path) -
         load_model(str(path), device="cpu")
 
 
-def test_gguf_on_a_gpu_is_refused_clearly(tmp_path: Path) -> None:
+def test_gguf_blocks_on_a_gpu_are_refused_clearly(tmp_path: Path) -> None:
     path = tiny_gguf(tmp_path, "qwen2", Q.Q8_0)
-    with pytest.raises(UnsupportedModelError, match="GGUF files run on CPUs only"):
+    with pytest.raises(UnsupportedModelError, match="GGUF blocks run on CPUs only.*--quantization none"):
         load_model(str(path), device="cuda")
+
+
+def test_a_gguf_is_not_quantized_again(tmp_path: Path) -> None:
+    path = tiny_gguf(tmp_path, "qwen2", Q.Q8_0)
+    with pytest.raises(ValueError, match="quantized already"):
+        load_model(str(path), device="cpu", quantization="q4_0")
+
+
+def test_quantization_none_dequantizes_a_gguf(tmp_path: Path) -> None:
+    """Float weights, as transformers decodes them, and the same tokenizer as the blocks' load:
+    the path a GGUF takes to a GPU."""
+    path = tiny_gguf(tmp_path, "llama", Q.Q4_1, embed_qtype=Q.Q8_0)
+    loaded = load_model(str(path), dtype="float32", device="cpu", quantization="none")
+    blocks = load_model(str(path), dtype="float32", device="cpu")
+    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    q = loaded.model.model.layers[0].self_attn.q_proj
+    assert type(q) is torch.nn.Linear and loaded.dtype == torch.float32
+    assert torch.equal(q.weight, reference.model.layers[0].self_attn.q_proj.weight)
+    assert torch.equal(q.weight, dequantize(blocks.model.model.layers[0].self_attn.q_proj.blocks, "q4_1"))
+    assert loaded.tokenizer.get_vocab() == blocks.tokenizer.get_vocab()
 
 
 def test_safetensors_quantized_at_load(tmp_path: Path) -> None:

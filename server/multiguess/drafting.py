@@ -89,7 +89,7 @@ def load_draft_model(target: LoadedModel, options: DraftOptions) -> LoadedModel 
     if path is None:
         return None
     quantization = options.quantization or (embedded.draft_quantization if embedded else None)
-    draft = load_model(path, dtype=options.dtype, device=options.device, quantization=quantization or "none")
+    draft = load_model(path, dtype=options.dtype, device=options.device, quantization=quantization or "auto")
     check_draft_compatible(target.tokenizer, draft.tokenizer)
     return draft
 
@@ -122,7 +122,7 @@ def hosted_model(options: DraftOptions) -> Hosted:
         draft = str(embedded.draft)
         quantization = quantization or embedded.draft_quantization
         dtype = embedded.dtype if dtype == "auto" else dtype
-    loaded = load_model(draft, dtype=dtype, device=options.device, quantization=quantization or "none")
+    loaded = load_model(draft, dtype=dtype, device=options.device, quantization=quantization or "auto")
     return Hosted(ModelDrafter(loaded, wire_exact=True), loaded.name, loaded.tokenizer)
 
 

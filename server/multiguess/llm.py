@@ -12,7 +12,7 @@ from multiguess.drafting import DraftOptions, Serving, build_drafter, check_draf
 from multiguess.engine.config import EngineConfig, ModelConfig, split_options
 from multiguess.engine.engine import Engine
 from multiguess.engine.loaded_model import LoadedModel
-from multiguess.models.loading import load_model
+from multiguess.models.loading import load_model, resolve_device
 from multiguess.outputs import CompletionOutput, RequestOutput
 from multiguess.params import SamplingParams
 
@@ -23,15 +23,18 @@ Prompt = str | list[int]
 
 
 def load_target(
-    target: str | None, dtype: str, device: str, quantization: str = "none"
+    target: str | None, dtype: str, device: str, quantization: str = "auto"
 ) -> tuple[LoadedModel, EmbeddedModels | None, str]:
     """The target (``None``: the embedded pair's), the embedded pair when it is that one, and
-    the dtype setting its drafts follow (``auto`` is the embedded pair's own dtype)."""
+    the dtype setting its drafts follow (``auto`` is the embedded pair's own dtype). The
+    embedded target is its shipped GGUF where ``quantization`` is ``auto`` on a CPU, else its
+    bf16 weights (quantized again where ``quantization`` names a format)."""
     embedded = None
     if target is None:
         from multiguess.models.embedded import prepare_embedded
 
-        embedded = prepare_embedded()
+        shipped = quantization == "auto" and resolve_device(device).startswith("cpu")
+        embedded = prepare_embedded(shipped=shipped)
         target = str(embedded.target)
         dtype = embedded.dtype if dtype == "auto" else dtype
     return load_model(target, dtype=dtype, device=device, quantization=quantization), embedded, dtype
@@ -46,7 +49,7 @@ def load_pair(
     draft_quantization: str | None,
     speculate: bool = True,
     draft_dtype: str | None = None,
-    quantization: str = "none",
+    quantization: str = "auto",
 ) -> tuple[LoadedModel, LoadedModel | None]:
     """Load target and draft model; ``target=None`` means the embedded default pair.
 
@@ -71,7 +74,7 @@ def build_engine(
     draft_device: str | None = None,
     draft_quantization: str | None = None,
     draft_dtype: str | None = None,
-    quantization: str = "none",
+    quantization: str = "auto",
     serving: Serving | None = None,
 ) -> Engine:
     """An engine with the chosen drafter (``drafting.KINDS``): a draft ``model``, an ``eagle3``

@@ -7,6 +7,7 @@ DRAFT_SERVER_DRAFTERS = ("model", "eagle3")  # what serve-draft can host
 
 DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = (
+    "auto",
     "none",
     "int8",
     "q8_0",
@@ -14,5 +15,5 @@ QUANTIZATIONS = (
     "q4_1",
     "q4_k",
     "q6_k",
-)  # int8: torch dynamic; q*: GGUF blocks
+)  # auto: as the checkpoint stores it; none: float; int8: torch dynamic; q*: GGUF blocks
 DRAFT_MAX_FRAME_BYTES = 64 * 1024 * 1024  # a draft server's default limit on one step message

