@@ -3,9 +3,10 @@
 Code edits (with the original file as the prediction, and without), extraction and quotation, reformatting, question answering over passages, an agent
 loop whose requests repeat tool-call JSON, and open chat as the control, each decoded greedily
 by plain decoding (``--drafter none``, no prediction), the default drafter and the suffix
-drafter, on the embedded pair. The setups take turns within each repeat (the order rotating every repeat) and
-each starts every repeat with an empty recent-output index, so no repeat copies an earlier
-one's replies. Reported per workload and setup: the median over repeats of tokens per second
+drafter, on the embedded pair. The setups take turns workload by workload within each repeat
+(the order rotating every repeat), so a slow stretch of a shared machine falls on all of them
+alike, and each starts every repeat with an empty recent-output index, so no repeat copies an
+earlier one's replies. Reported per workload and setup: the median over repeats of tokens per second
 of the workload's prompts, the ratio to plain decoding of the same repeat, the mean accepted
 length, and whether every output is plain decoding's token for token. Run from the repo root
 on an otherwise idle machine: ``.venv/bin/python bench/grounded.py``; the JSON goes to
@@ -136,13 +137,14 @@ def main() -> int:
         llm.generate(chat(llm, "Say hello."), SamplingParams(max_tokens=8, temperature=0))
     runs: dict[str, dict[str, list[dict]]] = {w: {s: [] for s in SETUPS} for w in WORKLOADS}
     for repeat in range(args.repeats):
-        order = list(SETUPS)[repeat % len(SETUPS) :] + list(SETUPS)[: repeat % len(SETUPS)]
-        for name in order:
-            engine = llms[name].engine
+        for llm in llms.values():
+            engine = llm.engine
             engine.planner.copies.recent = RecentOutputs(
                 engine.config.recent_outputs, engine.config.recent_age
             )
-            for workload, ids in prompts.items():
+        order = list(SETUPS)[repeat % len(SETUPS) :] + list(SETUPS)[: repeat % len(SETUPS)]
+        for workload, ids in prompts.items():
+            for name in order:
                 predicted = PREDICTIONS.get(workload) if name != "plain" else None
                 runs[workload][name].append(
                     run_workload(llms[name], ids, replace(params, prediction=predicted))

@@ -1,8 +1,8 @@
 """Grounded workloads under load: ``bench/grounded.py``'s prompts over HTTP from 1, 4 and 8 clients.
 
 ``serving_load.py --workload grounded`` runs it: two servers with the embedded pair, plain
-decoding (``--drafter none``) and the default configuration, take turns level by level and
-repeat by repeat (the order rotating), each client sending the workload's prompts (the code
+decoding (``--drafter none``, no prompt lookup, so a prediction drafts nothing) and the
+default configuration, take turns workload by workload (the order rotating every repeat), each client sending the workload's prompts (the code
 edit with the original file as its ``prediction``) as greedy chat completions. Every (repeat,
 level) pair sends its own ``cache_salt``, so no run copies an earlier run's replies from the
 recent-output index or reuses its prompts' KV. Reported per workload, level and setup: the
@@ -23,7 +23,8 @@ import time
 from grounded import PREDICTIONS, WORKLOADS
 from openai import AsyncOpenAI
 
-SETUPS = {"plain": ["--drafter", "none"], "default": []}
+# Plain decoding drafts nothing, a request's prediction included (prompt lookup off).
+SETUPS = {"plain": ["--drafter", "none", "--prompt-lookup", "0"], "default": []}
 
 
 async def one_request(
@@ -83,9 +84,10 @@ def measure(servers: dict[str, int], levels: list[int], args: argparse.Namespace
     for c in levels:
         for repeat in range(args.repeats):
             salt = f"grounded-{c}-{repeat}-{time.time_ns()}"
-            for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
-                url = f"http://127.0.0.1:{servers[name]}/v1"
-                for workload, texts in WORKLOADS.items():
+            order = names[repeat % len(names) :] + names[: repeat % len(names)]
+            for workload, texts in WORKLOADS.items():
+                for name in order:
+                    url = f"http://127.0.0.1:{servers[name]}/v1"
                     requests = max(c * args.rounds, len(texts))
                     run = asyncio.run(run_workload(url, workload, c, requests, salt, args.max_tokens))
                     runs[workload][c][name].append(run)
