@@ -88,18 +88,17 @@ def llama_generator(
 def multiguess_engines(models: BenchModels) -> dict:
     """The four multiguess methods: the defaults of ``LLM`` with batch 1, no prefix cache (each
     repeat serves the same prompts again) and every prompt prefilled whole (the prompts are
-    short; measuring a prefill chunk at start would only add to the load time), on the bf16
-    folder and on the Q4_1 file."""
+    short; measuring a prefill chunk at start would only add to the load time), on the Q4_1
+    file (the embedded default on CPUs) and on the bf16 folder (``quantization="none"``)."""
     from multiguess import LLM
-    from multiguess.models.embedded import shipped_draft
 
     common = {"max_batch": 1, "prefix_caching": False, "max_prefill_tokens": None}
-    q4_1, draft = str(models.target_q4_1), str(shipped_draft())
+    bf16 = {"quantization": "none", **common}
     setups = {
-        "multiguess plain, bf16": lambda: LLM(drafter="none", **common),
-        "multiguess plain, Q4_1": lambda: LLM(target=q4_1, drafter="none", **common),
-        "multiguess tree, bf16": lambda: LLM(**common),
-        "multiguess tree, Q4_1": lambda: LLM(target=q4_1, draft=draft, **common),
+        "multiguess plain, bf16": lambda: LLM(drafter="none", **bf16),
+        "multiguess plain, Q4_1": lambda: LLM(drafter="none", **common),
+        "multiguess tree, bf16": lambda: LLM(**bf16),
+        "multiguess tree, Q4_1": lambda: LLM(**common),
     }
     engines, loads = {}, {}
     for name, make in setups.items():
