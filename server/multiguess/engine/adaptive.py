@@ -21,10 +21,11 @@ many get none.
 
 While nothing is drafted, one sequence at a time *probes*, so the estimates can recover: the
 one observed longest ago, after ``probe_every`` steps, then at doubling intervals up to
-``probe_every`` × batch size (at most ``probe_every_max``) while probes keep finding that
-drafting does not pay (see ``ProbeSchedule``): alone, a sequence probes every ``probe_every``
-steps, because a good stretch of text (code, a quote) should turn drafting back on within a few
-tokens. A greedy sequence probes by *observation* (``Drafter.observe``): the draft catches up
+``probe_every`` × the batch size, or × ``probe_spread`` when the batch is smaller (at most
+``probe_every_max``), while probes keep finding that drafting does not pay (see
+``ProbeSchedule``). Stretches that copy text (code, a quote) are drafted from the text itself
+at no draft cost (``suffix.py``), so a lone sequence need not probe often to catch them: on a
+CPU, where a plain step takes a few milliseconds, a probe every few steps is a cost of its own. A greedy sequence probes by *observation* (``Drafter.observe``): the draft catches up
 on the tokens the target chose since it last saw the sequence and ranks each among its guesses,
 which is what a verified tree would have measured, at no cost to the target. Other sequences
 probe with a one-level tree as wide as the budget allows (it measures every width's coverage at
@@ -45,6 +46,8 @@ from dataclasses import dataclass, field
 
 from multiguess.engine.drafter import TreeBudget
 from multiguess.engine.tree import TokenTree
+
+PLAN_DIGITS = 2  # the precision plans read the estimates and cost ratios at
 
 # One level a verified tree's accepted path tried: how many children the path's node had, and
 # the rank among them of the child the target accepted (None: none was, the path ended there).
@@ -70,6 +73,12 @@ class Coverage:
         and measured (a chain never observes what width would have caught)."""
         rates = tuple(round(1 - (1 - top1) ** c, 3) for c in range(1, max(1, width) + 1))
         return cls(rates, (rates,) * (depth - 1))
+
+    def rounded(self, digits: int) -> Coverage:
+        return Coverage(
+            tuple(round(r, digits) for r in self.rates),
+            tuple(tuple(round(r, digits) for r in rates) for rates in self.deeper),
+        )
 
     def at(self, depth: int) -> tuple[float, ...]:
         """The rates by width of nodes ``depth`` levels below the root (1: its children)."""
@@ -192,6 +201,7 @@ class AdaptivePolicy:
     prior: float = 0.5  # top-1 acceptance assumed before anything was verified
     probe_every: int = 8  # steps from drafting stopping to the first probe
     probe_every_max: int = 64  # longest interval between probes while they keep finding no gain
+    probe_spread: int = 4  # the batch size below which the longest interval stops shrinking
     nearly_free: float = 0.25  # a forward this close to one token's time raises token_budget
 
     def initial(self, width: int, depth: int) -> Coverage:
@@ -202,7 +212,7 @@ class AdaptivePolicy:
 
     def probe_interval(self, batch_size: int) -> int:
         """The longest wait between probes at this batch size (see the module's docstring)."""
-        return min(self.probe_every_max, self.probe_every * max(1, batch_size))
+        return min(self.probe_every_max, self.probe_every * max(self.probe_spread, batch_size))
 
     def plan(
         self,
@@ -217,10 +227,13 @@ class AdaptivePolicy:
 
         ``coverages`` holds each sequence's estimates (the engine keeps one for greedy and one
         for sampled requests, whose rates differ several-fold); a shape's tokens are their mean.
-        Plans are remembered: while drafting is off nothing they read changes from step to step."""
-        kinds = tuple(collections.Counter(coverages).items())
+        Plans are remembered, and read their inputs to two decimals (finer differences change
+        no plan): while drafting is off nothing they read changes from step to step, and while
+        it is on, every step's verified tree moves the estimates by a little."""
+        kinds = tuple(collections.Counter(c.rounded(PLAN_DIGITS) for c in coverages).items())
         cost = forward_cost or ForwardCost()
-        return self._plan(base, kinds, len(coverages), cost_ratio, cost, step_ratio)
+        ratios = round(cost_ratio, PLAN_DIGITS), round(step_ratio, PLAN_DIGITS)
+        return self._plan(base, kinds, len(coverages), ratios[0], cost, ratios[1])
 
     @functools.lru_cache(maxsize=1024)  # noqa: B019 - policies are few and live as long as engines
     def _plan(
@@ -444,5 +457,7 @@ def copy_width(
         extra = sum(s[min(len(s) - 1, max(0, width - o))] for s, o in zip(sums, own, strict=True))
         return (sum(base) + extra) / (batch * cost.growth(batch, width))
 
-    best = max(range(start, max(start, limit) + 1), key=per_cost)
+    # Past the longest tree with its grafts a wider forward only costs more.
+    widest = min(limit, max(o + len(r) for o, r in zip(own, reach, strict=True)))
+    best = max(range(start, max(start, widest) + 1), key=per_cost)
     return best if per_cost(best) >= min_gain * max(1.0, per_cost(start)) else start

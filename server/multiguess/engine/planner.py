@@ -83,21 +83,21 @@ class Planner:
     def propose(self, batch: list[Sequence], drafter: Drafter | None) -> list[Proposal]:
         """This step's tree per sequence of ``batch``: the drafter's where the policy gives one,
         with copy or prediction drafts grafted on where they pay; a root-only tree otherwise.
-        The time it took feeds the draft's cost per level (see ``CostMeter``)."""
+        The drafter's own time feeds the draft's cost per level (see ``CostMeter``): the
+        planning around it is paid whether or not anything is drafted."""
         self.steps += 1
-        started = time.perf_counter()
         proposals = [Proposal(TokenTree.chain([s.last_token])) for s in batch]
         base = [1.0] * len(batch)  # tokens each sequence's tree is expected to yield
         copies = self._copy_drafts(batch, drafter is not None and drafter.takes_grafts)
+        seconds = 0.0
         if drafter is not None and not drafter.copy_only:
-            self._draft(batch, proposals, base, copies, drafter)
+            seconds = self._draft(batch, proposals, base, copies, drafter)
         self._graft_copies(batch, proposals, base, copies)
-        drafted = time.perf_counter()
         # Draft time per level only from steps that drafted on caught-up caches (see CostMeter).
         drafting = [s for s, p in zip(batch, proposals, strict=True) if p.own_nodes > 1]
         steady = all(s.drafted_at == self.steps - 1 for s in drafting)
         levels = max(p.drafted_depth for p in proposals) if steady else 0
-        self.costs.record(drafted - started, levels)
+        self.costs.record(seconds, levels)
         for seq in drafting:
             seq.drafted_at = self.steps
         return proposals
@@ -127,10 +127,11 @@ class Planner:
         base: list[float],
         copies: dict[int, Copy],
         drafter: Drafter,
-    ) -> None:
+    ) -> float:
         """The drafter's trees for the sequences the policy gives one, into ``proposals``, and
-        the tokens each is expected to yield into ``base``. A sequence whose copy draft is worth
-        at least its tree drafts none (``sources.model_drafts``)."""
+        the tokens each is expected to yield into ``base``; returns the seconds the drafter
+        took. A sequence whose copy draft is worth at least its tree drafts none
+        (``sources.model_drafts``)."""
         cfg, cost = self.config, self.forward_cost
         requests = []
         planned = self._planned(batch, drafter)
@@ -149,16 +150,18 @@ class Planner:
             base[i] = tokens
             requests.append((i, DraftRequest(seq.slot, seq.token_ids, budget, sample_spec(seq), seq.grammar)))
         if not requests:
-            return
+            return 0.0
+        started = time.perf_counter()
         try:
             drafted = drafter.propose([r for _, r in requests])
         except Exception as exc:  # a failing drafter must never fail a request
             self.fallback(exc, [batch[i] for i, _ in requests])
             for i, _ in requests:
                 base[i] = 1.0
-            return
+            return 0.0
         for (i, _), proposal in zip(requests, drafted, strict=True):
             proposals[i] = proposal
+        return time.perf_counter() - started
 
     def _planned(self, batch: list[Sequence], drafter: Drafter) -> list[TreeBudget]:
         """The adaptive policy's tree for each sequence of ``batch`` this step.
