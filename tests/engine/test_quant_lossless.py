@@ -120,13 +120,28 @@ def test_the_layer_kernel_equals_its_kernels_called_one_by_one(tmp_path: Path) -
 
 
 @needs_kernel
-def test_safetensors_quantized_at_load_speculates_losslessly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("draft_format", [None, "q4_1"])
+def test_safetensors_quantized_at_load_speculates_losslessly(
+    tmp_path: Path, draft_format: str | None
+) -> None:
+    """A target quantized at load, and a draft in float weights or in blocks of its own."""
     source = tiny_gguf(tmp_path, "qwen2", Q.F32).parent / "qwen2-source"
     draft = save_noisy_copy(source, tmp_path / "draft", noise=0.3, seed=5)
     prompts = random_prompts(4, (3, 50), vocab=200)
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     plain = LLM(str(source), None, max_batch=2, quantization="q8_0")
-    spec = LLM(str(source), str(draft), 3, 3, max_batch=2, adaptive=False, quantization="q8_0")
+    spec = LLM(
+        str(source),
+        str(draft),
+        3,
+        3,
+        max_batch=2,
+        adaptive=False,
+        quantization="q8_0",
+        draft_quantization=draft_format,
+    )
     assert isinstance(spec.engine.target.qkv[0], QuantizedProjection)
+    drafted = spec.engine.drafter.runner.qkv[0]
+    assert isinstance(drafted, QuantizedProjection) == (draft_format is not None)
     outputs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)] for llm in (plain, spec)]
     assert outputs[0] == outputs[1]
