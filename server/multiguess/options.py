@@ -15,5 +15,5 @@ QUANTIZATIONS = (
     "q4_1",
     "q4_k",
     "q6_k",
-)  # auto: as the checkpoint stores it; none: float; int8: torch dynamic; q*: GGUF blocks
+)  # auto: as the checkpoint stores it; none: float; q*: GGUF blocks; int8: q8_0
 DRAFT_MAX_FRAME_BYTES = 64 * 1024 * 1024  # a draft server's default limit on one step message

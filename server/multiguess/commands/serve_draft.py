@@ -97,7 +97,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         str,
         help="eagle3: the target whose features the head reads (config, tokenizer, token embeddings only)",
     )
-    add_flag(parser, "--draft-quantization", None, str, help="draft quantization: none or int8")
+    add_flag(
+        parser,
+        "--draft-quantization",
+        None,
+        str,
+        help="the draft's weights: auto, none or a block format (q8_0, q4_0, q4_1, q4_k, q6_k; CPUs)",
+    )
     add_flag(parser, "--dtype", "auto", str, help="auto, bfloat16, float16 or float32")
     add_flag(parser, "--device", "auto", str, help="auto, cpu or cuda[:N]")
     add_flag(parser, "--host", "0.0.0.0", str, help="address to listen on")

@@ -63,11 +63,11 @@ class ModelConfig:
         "auto",
         "the target's weights: auto keeps them as the checkpoint stores them (a GGUF's blocks on "
         "CPUs; the embedded target's Q4_1 file on CPUs, its bf16 conversion on GPUs); none: float "
-        "(a GGUF dequantized); q8_0, q4_0, q4_1, q4_k, q6_k: GGUF blocks (CPUs); int8: torch dynamic",
+        "(a GGUF dequantized); q8_0, q4_0, q4_1, q4_k, q6_k: GGUF blocks (CPUs); int8: q8_0",
         choices=QUANTIZATIONS,
     )
     draft_quantization: str | None = option(
-        None, "int8: dynamic int8 draft; q8_0, q4_0, q4_1, q4_k, q6_k: GGUF blocks", choices=QUANTIZATIONS
+        None, "the draft's weights, as --quantization (default: auto)", choices=QUANTIZATIONS
     )
     drafter: str = option(
         "model",

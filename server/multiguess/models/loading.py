@@ -78,8 +78,8 @@ def load_model(
 
     ``quantization="auto"`` keeps the weights as the checkpoint stores them: a GGUF's blocks
     (CPU only), a safetensors model's floats; ``none`` loads floats, dequantizing a GGUF.
-    ``quantization="int8"`` applies dynamic int8 quantization to every Linear layer (CPU only);
-    activations then stay in fp32, which dynamic quantization requires. A block format
+    ``int8`` is Q8_0 blocks (integer weights on the integer kernels, in the place of torch's
+    deprecated dynamic int8 quantization). A block format
     (``q8_0``, ``q4_0``, ``q4_1``, ``q4_k``, ``q6_k``) keeps every Linear in that format's blocks,
     as a GGUF file's quantized linears are kept (CPU only; ``dtype`` is then the activations' and
     float tensors'; ``quantize_linears`` says what a K format does with rows not a multiple of 256).
@@ -89,14 +89,14 @@ def load_model(
     device = resolve_device(device)
     if is_gguf(name):
         return load_gguf_model(name, dtype, device, quantization)
-    quantization = "none" if quantization == "auto" else quantization
+    quantization = {"auto": "none", "int8": "q8_0"}.get(quantization, quantization)
     try:
         config = AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load model {name!r}: {exc}") from exc
     check_architecture(config, name)
     blocks = quantization in FORMATS
-    torch_dtype = torch.float32 if quantization == "int8" else resolve_dtype(dtype, device)
+    torch_dtype = resolve_dtype(dtype, device)
     if quantization != "none" and not device.startswith("cpu"):
         raise ValueError(f"{quantization} quantization runs on the CPU only; use quantization='none'")
     try:
@@ -107,9 +107,7 @@ def load_model(
         raise ModelLoadError(f"cannot load model {name!r}: {exc}") from exc
     model.to(device)
     model.eval()
-    if quantization == "int8":
-        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
-    elif blocks:
+    if blocks:
         quantize_linears(model, quantization)
         model.to(torch_dtype)  # norms, embeddings and biases; the blocks stay uint8
     log.info("loaded %s (%s, %s, quantization=%s)", name, config.model_type, torch_dtype, quantization)
