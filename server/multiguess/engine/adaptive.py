@@ -21,11 +21,10 @@ many get none.
 
 While nothing is drafted, one sequence at a time *probes*, so the estimates can recover: the
 one observed longest ago, after ``probe_every`` steps, then at doubling intervals up to
-``probe_every`` × the batch size, or × ``probe_spread`` when the batch is smaller (at most
-``probe_every_max``), while probes keep finding that drafting does not pay (see
-``ProbeSchedule``). Stretches that copy text (code, a quote) are drafted from the text itself
-at no draft cost (``suffix.py``), so a lone sequence need not probe often to catch them: on a
-CPU, where a plain step takes a few milliseconds, a probe every few steps is a cost of its own. A greedy sequence probes by *observation* (``Drafter.observe``): the draft catches up
+``probe_every`` × batch size (at most ``probe_every_max``) while probes keep finding that
+drafting does not pay (see ``ProbeSchedule``): alone, a sequence probes every ``probe_every``
+steps, because a good stretch of text (code, a quote) should turn drafting back on within a few
+tokens. A greedy sequence probes by *observation* (``Drafter.observe``): the draft catches up
 on the tokens the target chose since it last saw the sequence and ranks each among its guesses,
 which is what a verified tree would have measured, at no cost to the target. Other sequences
 probe with a one-level tree as wide as the budget allows (it measures every width's coverage at
@@ -201,7 +200,6 @@ class AdaptivePolicy:
     prior: float = 0.5  # top-1 acceptance assumed before anything was verified
     probe_every: int = 8  # steps from drafting stopping to the first probe
     probe_every_max: int = 64  # longest interval between probes while they keep finding no gain
-    probe_spread: int = 4  # the batch size below which the longest interval stops shrinking
     nearly_free: float = 0.25  # a forward this close to one token's time raises token_budget
 
     def initial(self, width: int, depth: int) -> Coverage:
@@ -212,7 +210,7 @@ class AdaptivePolicy:
 
     def probe_interval(self, batch_size: int) -> int:
         """The longest wait between probes at this batch size (see the module's docstring)."""
-        return min(self.probe_every_max, self.probe_every * max(self.probe_spread, batch_size))
+        return min(self.probe_every_max, self.probe_every * max(1, batch_size))
 
     def plan(
         self,
