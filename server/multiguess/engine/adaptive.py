@@ -340,6 +340,8 @@ class CostMeter:
     min_samples: int = 3
     prior_ratio: float = 0.1  # per level, assumed before enough was measured: a small draft
     samples: collections.deque[tuple[int, float]] = field(init=False)
+    _fit: tuple[float, float] | None = field(init=False, default=None)
+    _fresh: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.samples = collections.deque(maxlen=self.window)
@@ -347,9 +349,16 @@ class CostMeter:
     def record(self, draft_seconds: float, levels: int) -> None:
         if levels > 0:
             self.samples.append((levels, draft_seconds))
+            self._fresh = False
 
     def fitted(self) -> tuple[float, float] | None:
-        """Seconds per drafting step and per level, or None before ``min_samples`` steps."""
+        """Seconds per drafting step and per level, or None before ``min_samples`` steps; kept
+        until the next sample (every step's plan reads it)."""
+        if not self._fresh:
+            self._fit, self._fresh = self._fitted(), True
+        return self._fit
+
+    def _fitted(self) -> tuple[float, float] | None:
         if len(self.samples) < self.min_samples:
             return None
         slopes = [
