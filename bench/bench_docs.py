@@ -440,7 +440,8 @@ def grounded_section(report: Report | None) -> list[str]:
         "Replies that copy their input (code edits, extraction and quotation, reformatting, answers "
         "quoting passages, an agent loop repeating tool-call JSON) and open chat as the control, "
         f"greedy, batch {report['batch']}, at most {report['max_tokens']} tokens, through the engine "
-        "with the embedded pair. `× plain` is the median over "
+        f"with the embedded pair as `LLM()` loads it (the target's weights: "
+        f"{report.get('target_weights', 'bfloat16')}). `× plain` is the median over "
         f"{report['repeats']} repeats of the ratio to plain decoding (`--drafter none`) in the same "
         "repeat; every setup starts each repeat with an empty recent-output index.",
         "",
@@ -482,7 +483,9 @@ def grounded_load_section(report: Report | None) -> list[str]:
         "",
         "The grounded workloads' prompts as greedy chat completions over HTTP from several "
         "clients at once (the code edit with the original file as its `prediction`), at most "
-        f"{report['max_tokens']} tokens, the embedded pair, `--max-batch {max(report['levels'])}`. "
+        f"{report['max_tokens']} tokens, the embedded pair as `multiguess serve` loads it "
+        f"(the target's weights: {report.get('target_weights', 'bfloat16')}), "
+        f"`--max-batch {max(report['levels'])}`. "
         "Plain decoding (`--drafter none`) and the default configuration take turns; `× plain` "
         f"is the median over {report['repeats']} repeats of the ratio of their tokens/s in the "
         "same repeat; every repeat and level uses its own `cache_salt` (no run copies another's "

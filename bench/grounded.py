@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
 
 import bench_docs
 from multiguess import LLM, SamplingParams
+from multiguess.benchmark import weights_of
 from multiguess.engine.suffix import RecentOutputs
 from multiguess.provenance import provenance
 
@@ -173,6 +174,7 @@ def main() -> int:
             )
     report = {
         **provenance(),
+        "target_weights": weights_of(llms["plain"].engine.target.model),
         "repeats": args.repeats,
         "max_tokens": args.max_tokens,
         "batch": 1,

@@ -143,4 +143,12 @@ def run(args: argparse.Namespace, start_servers: object) -> dict:
         for process, _ in servers.values():
             process.terminate()
             process.wait(timeout=60)
-    return {"levels": levels, "setups": setups, "workloads": results}
+    return {"levels": levels, "setups": setups, "workloads": results, "target_weights": served_weights()}
+
+
+def served_weights() -> str:
+    """The format of the embedded target's linears as the servers load it on this machine."""
+    from multiguess.benchmark import weights_of
+    from multiguess.llm import load_target
+
+    return weights_of(load_target(None, "auto", "auto")[0].model)

@@ -12,6 +12,7 @@ which bound what speculation can gain on the machine.
 
 from __future__ import annotations
 
+import collections
 import json
 import statistics
 import time
@@ -194,6 +195,17 @@ def weight_bytes(model: torch.nn.Module) -> int:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
     return total
+
+
+def weights_of(model: torch.nn.Module) -> str:
+    """The format most of a model's linears hold their weights in: a GGUF block format
+    (``Q4_1``), else the float dtype's name."""
+    from multiguess.engine.quantized import QuantizedLinear
+
+    kinds = collections.Counter(m.kind for m in model.modules() if isinstance(m, QuantizedLinear))
+    if kinds:
+        return kinds.most_common(1)[0][0].upper()
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def verify_cost(target: LoadedModel, sizes: tuple[int, ...], prompt: list[int], repeats: int = 5) -> dict:
