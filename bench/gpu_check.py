@@ -732,7 +732,8 @@ def embedded_pair(p: Profile, section: Section, budget: Budget) -> None:
     try:
         from multiguess.llm import load_pair
 
-        target, draft = load_pair(None, None, "auto", p.device, None, "none")  # int8 is CPU-only
+        # Float weights on any device (the Q4_1 file is the CPUs' default), a float draft.
+        target, draft = load_pair(None, None, "auto", p.device, None, "none", quantization="none")
     except (ImportError, FileNotFoundError) as exc:
         section.status, section.note = "skipped", f"embedded pair not present: {exc}"
         return
