@@ -13,7 +13,9 @@ from multiguess import LLM, SamplingParams
 from multiguess.engine.backends import cpu_has_fast_bf16
 from multiguess.engine.backends.cpu import bf16_kernel, quant_kernel
 from multiguess.engine.backends.cpu.quant import QuantizedProjection
+from multiguess.engine.memory_probe import weight_bytes
 from multiguess.engine.placement import Placement
+from multiguess.engine.quantized import QuantizedLinear
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.tree import TokenTree
 from multiguess.models.loading import load_model
@@ -145,3 +147,35 @@ def test_safetensors_quantized_at_load_speculates_losslessly(
     assert isinstance(drafted, QuantizedProjection) == (draft_format is not None)
     outputs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)] for llm in (plain, spec)]
     assert outputs[0] == outputs[1]
+
+
+@needs_kernel
+@pytest.mark.parametrize(("qtype", "growth"), [(Q.Q4_1, 1.1), (Q.Q6_K, 1.9)], ids=["q4_1", "q6_k"])
+def test_the_repacked_weights_replace_the_blocks(tmp_path: Path, qtype: Q, growth: float) -> None:
+    """Memory: once the CPU backend has repacked the linears, the modules drop their blocks, so the
+    model's tensors hold the weights once (the repacked copy: Q4_1's layout is the size of its
+    blocks, Q6_K's wider, its 6 bits held in bytes), not twice. What still reads a
+    layer (called as a module; an LM head over part of the vocabulary) reads the repacked copy
+    and gets the same bits as from the blocks."""
+    sizes = K_SIZES if qtype == Q.Q6_K else {}
+    target = tiny_gguf(tmp_path, "llama", qtype, tie_word_embeddings=False, **sizes)
+    loaded = load_model(str(target), device="cpu")
+    linears = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
+    blocks = sum(m.blocks.nbytes for m in linears)
+    before = weight_bytes(loaded.model, set())
+    inputs = [torch.randn(3, m.in_features, dtype=loaded.dtype) for m in linears]
+    with torch.no_grad():
+        outputs = [m(x) for m, x in zip(linears, inputs, strict=True)]
+    vocab = torch.tensor([5, 0, 17, 3, 40, 41, 42])
+    subset = quant_kernel.repack(loaded.model.lm_head.blocks[vocab], loaded.model.lm_head.kind)
+
+    runner = NativeRunner(loaded, 1, 64)
+    assert all(m.blocks is None for m in linears)
+    projections = (*runner.qkv, *runner.o, *runner.gate_up, *runner.down, runner.head)
+    repacked = sum(p.weight.data.nbytes for p in projections)
+    assert weight_bytes(loaded.model, set()) == before - blocks + repacked
+    assert repacked < growth * blocks
+    with torch.no_grad():
+        for m, x, y in zip(linears, inputs, outputs, strict=True):
+            assert torch.equal(m(x), y)
+    assert torch.equal(QuantizedProjection.rows(loaded.model.lm_head, vocab).weight.data, subset.data)

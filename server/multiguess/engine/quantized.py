@@ -13,6 +13,7 @@ float weight, so a safetensors model can run quantized (``--quantization q8_0``)
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -122,7 +123,11 @@ def unpack_q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 def dequantize(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     """Rows of quantized blocks ``[n, row_bytes]`` (uint8) as fp32 ``[n, in]``, as ggml decodes
     them (scale times integer, plus the offset where the format has one)."""
-    u, scale, offset = unpack(blocks, kind)
+    return decode(*unpack(blocks, kind), kind)
+
+
+def decode(u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, kind: str) -> torch.Tensor:
+    """``unpack``'s integers, scales and offsets as the fp32 weights ``dequantize`` gives."""
     rows, group = u.shape[0], GROUP[kind]
     u = u.view(rows, -1, group).float()
     if kind in ZERO:
@@ -142,10 +147,14 @@ def quantize(weight: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(blocks))
 
 
+Unpacked = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ``unpack``'s u, scales, offsets
+
+
 class QuantizedLinear(torch.nn.Module):
     """A Linear layer whose weight stays in quantized blocks ``[out, row_bytes]``; the bias, if
     any, is a float tensor. ``forward`` decodes the weight on every call: backends with kernels
-    for the format read ``blocks`` instead."""
+    for the format read ``blocks`` instead, and where they keep a copy of their own they
+    ``release`` the blocks (one copy of the weight in memory, not two)."""
 
     def __init__(self, blocks: torch.Tensor, kind: str, in_features: int, bias: torch.Tensor | None = None):
         super().__init__()
@@ -158,9 +167,27 @@ class QuantizedLinear(torch.nn.Module):
         self.out_features = blocks.shape[0]
         self.register_buffer("blocks", blocks.contiguous())
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self.source: Callable[[], Unpacked] | None = None
+
+    def unpacked(self) -> Unpacked:
+        """The weight as ``unpack`` reads it: from the blocks, or from the copy that replaced them."""
+        if self.blocks is not None:
+            return unpack(self.blocks, self.kind)
+        if self.source is None:
+            raise RuntimeError("the blocks were released without a source to read the weight from")
+        return self.source()
+
+    def release(self, source: Callable[[], Unpacked], held: torch.Tensor) -> None:
+        """Drop the blocks: a backend holds the weight in ``held``, a layout of its own, and
+        ``source`` reads it back (the same integers, scales and offsets) for whatever still needs
+        the weight. ``held`` becomes a buffer (not saved), so the bytes a model's weights take
+        are still its parameters and buffers (a tensor that several layers share counts once)."""
+        self.source = source
+        self.blocks = None
+        self.register_buffer("held", held, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = dequantize(self.blocks, self.kind).to(x.dtype)
+        weight = decode(*self.unpacked(), self.kind).to(x.dtype)
         return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
 
     def extra_repr(self) -> str:

@@ -2,9 +2,10 @@
 
 The runner fuses layers that read one input (q/k/v, gate/up) into one product; for quantized
 layers the fused weight is their blocks' rows concatenated and repacked once into the kernel's
-layout (``quant_kernel.repack``). Norm, gating and residual run in the kernel's call, in fp32 (one call instead of a handful of
-torch ops); each is per row, as the product is, and with bf16 activations
-a whole layer runs in one call (``layer_weights``: ``multiguess_quant_layer``), with rotary, the
+layout (``quant_kernel.layout``), after which the layers release their blocks (the weight is
+held once). Norm, gating and residual run in the kernel's call, in fp32 (one call instead of a
+handful of torch ops); each is per row, as the product is, and with bf16 activations a whole
+layer runs in one call (``layer_weights``: ``multiguess_quant_layer``), with rotary, the
 cache write and attention in the bf16 library's per-row kernels (torch's attention blocks by
 the number of queries, so a tree node's bits would differ from its token decoded alone): a
 row's result never depends on the rows beside it. Layers that are not quantized
@@ -13,6 +14,7 @@ go to ``PackedProjection`` as before.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,10 +30,10 @@ if TYPE_CHECKING:
 
 class QuantizedProjection(Projection):
     """One or more ``QuantizedLinear`` layers of one format and input width, as one product,
-    its weight repacked once for the kernel (``quant_kernel.repack``)."""
+    its weight repacked once for the kernel (``quant_kernel.layout``)."""
 
-    def __init__(self, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None, sizes: list[int]) -> None:
-        self.weight = quant_kernel.repack(blocks, kind)
+    def __init__(self, weight: quant_kernel.Packed, bias: torch.Tensor | None, sizes: list[int]) -> None:
+        self.weight = weight
         self.bias = None if bias is None else bias.float().contiguous()
         self.sizes = sizes
 
@@ -56,11 +58,22 @@ class QuantizedProjection(Projection):
 
     @classmethod
     def _fuse(cls, linears: list[QuantizedLinear]) -> QuantizedProjection:
+        """The layers' weights repacked as one; each layer then releases its blocks and reads its
+        rows of the repacked weight where it is still called (``QuantizedLinear.release``), so
+        the weight is held once."""
         sizes = [m.out_features for m in linears]
         bias = None
         if any(m.bias is not None for m in linears):
             bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in linears])
-        return cls(torch.cat([m.blocks for m in linears]), linears[0].kind, bias, sizes)
+        u, scale, offset = (torch.cat(parts) for parts in zip(*(m.unpacked() for m in linears), strict=True))
+        weight = quant_kernel.layout(u, scale, offset, linears[0].kind)
+        start = 0
+        for m in linears:
+            m.release(
+                functools.partial(quant_kernel.unlayout, weight, start, start + m.out_features), weight.data
+            )
+            start += m.out_features
+        return cls(weight, bias, sizes)
 
     @classmethod
     def rows(cls, linear: torch.nn.Module, rows: torch.Tensor) -> Projection | None:
@@ -69,7 +82,8 @@ class QuantizedProjection(Projection):
         if not cls.fusable([linear]):
             return None
         bias = None if linear.bias is None else linear.bias.detach()[rows]
-        return cls(linear.blocks[rows].contiguous(), linear.kind, bias, [len(rows)])
+        u, scale, offset = linear.unpacked()
+        return cls(quant_kernel.layout(u[rows], scale[rows], offset[rows], linear.kind), bias, [len(rows)])
 
     def __call__(
         self,

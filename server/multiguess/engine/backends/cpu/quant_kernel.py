@@ -26,7 +26,7 @@ import torch
 
 from multiguess.engine.backends.cpu import bf16_kernel
 from multiguess.engine.backends.cpu.bf16_kernel import KERNELS, Sources, Variant, open_library
-from multiguess.engine.quantized import BITS, FORMATS, GROUP, quantize, unpack
+from multiguess.engine.quantized import BITS, FORMATS, GROUP, Unpacked, quantize, unpack
 
 log = logging.getLogger(__name__)
 
@@ -190,11 +190,15 @@ def exact_in_half(values: torch.Tensor) -> bool:
 
 
 def repack(blocks: torch.Tensor, kind: str) -> Packed:
-    """Rows of ``kind`` blocks ``[out, row_bytes]`` in the kernel's layout: per tile of 16 rows
-    and block of 32 inputs, the scales then the offsets of each scale group (16 each: fp16
-    where every one is exactly an fp16, else fp32), then the integers, 64 bytes per 4 inputs of
-    the 16 rows (4-bit: inputs 0..15 of the block in the low nibbles, 16..31 in the high)."""
-    u, scale, offset = unpack(blocks, kind)
+    """Rows of ``kind`` blocks ``[out, row_bytes]`` in the kernel's layout (``layout``)."""
+    return layout(*unpack(blocks, kind), kind)
+
+
+def layout(u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, kind: str) -> Packed:
+    """A weight as ``unpack`` reads it in the kernel's layout: per tile of 16 rows and block of 32
+    inputs, the scales then the offsets of each scale group (16 each: fp16 where every one is
+    exactly an fp16, else fp32), then the integers, 64 bytes per 4 inputs of the 16 rows (4-bit:
+    inputs 0..15 of the block in the low nibbles, 16..31 in the high)."""
     rows, k = u.shape
     groups, bits = QK // GROUP[kind], BITS[kind]
     tiles = -(-rows // TILE)
@@ -212,6 +216,29 @@ def repack(blocks: torch.Tensor, kind: str) -> Packed:
     header = header.view(torch.uint8).view(tiles, k // QK, -1)
     data = torch.cat([header, weights], -1).reshape(-1).contiguous()
     return Packed(data, bits, groups, wide, rows, k)
+
+
+def unlayout(weight: Packed, start: int = 0, stop: int | None = None) -> Unpacked:
+    """Rows ``start:stop`` of a weight in the kernel's layout as ``unpack`` reads them: the same
+    integers, scales and offsets ``layout`` was given (its inverse)."""
+    stop = weight.out_features if stop is None else stop
+    first, last = start // TILE, -(-stop // TILE)
+    blocks, groups = weight.in_features // QK, weight.groups
+    header_bytes = 2 * groups * TILE * (4 if weight.wide else 2)
+    data = weight.data.view(-1, blocks, header_bytes + TILE * QK * weight.bits // 8)[first:last]
+    tiles = last - first
+    header = data[..., :header_bytes].contiguous().view(torch.float32 if weight.wide else torch.float16)
+    header = header.view(tiles, blocks, 2, groups, TILE).permute(0, 4, 2, 1, 3).float()
+    header = header.reshape(tiles * TILE, 2, blocks * groups)
+    if weight.bits == 4:
+        packed = data[..., header_bytes:].reshape(tiles, blocks, 4, TILE, 4).permute(0, 3, 1, 2, 4)
+        halves = (packed & 0x0F, packed >> 4)
+        u = torch.cat([h.reshape(tiles, TILE, blocks, 16) for h in halves], -1)
+    else:
+        u = data[..., header_bytes:].reshape(tiles, blocks, 8, TILE, 4).permute(0, 3, 1, 2, 4)
+    rows = slice(start - first * TILE, stop - first * TILE)
+    u = u.reshape(tiles * TILE, weight.in_features)[rows]
+    return u.contiguous(), header[rows, 0].contiguous(), header[rows, 1].contiguous()
 
 
 def matmul(

@@ -37,7 +37,7 @@
 #define QK 32
 #define TILE 16
 #if defined(__AVX512VNNI__)
-#define ROWS 4
+#define ROWS 8
 #else
 #define ROWS 2
 #endif
@@ -223,11 +223,14 @@ static inline __m512 header16(const uint8_t *block, const Layout *L, int t) {
   return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + t * TILE * 2)));
 }
 
+/* Each row keeps two integer sums a block (inputs 0..15 and 16..31: two chains of vpdpbusd)
+ * and one fp32 sum over the blocks, so 8 rows fit the 32 registers beside the tile's weights,
+ * which are loaded and split into nibbles once for all of them. */
 static inline __attribute__((always_inline)) void tile_pass(const uint8_t *tile, const Layout *L,
                                                             const Prepared *P, int64_t r0, const int R,
                                                             float out[][TILE]) {
-  __m512 f[ROWS], o[ROWS];
-  for (int r = 0; r < R; r++) f[r] = o[r] = _mm512_setzero_ps();
+  __m512 f[ROWS];
+  for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0f);
   for (int64_t b = 0; b < L->blocks; b++) {
     const uint8_t *block = tile + b * L->bytes, *w = block + L->header;
@@ -252,23 +255,28 @@ static inline __attribute__((always_inline)) void tile_pass(const uint8_t *tile,
         hi[r] = _mm512_dpbusd_epi32(hi[r], wh, _mm512_set1_epi32(xh));
       }
     }
-    for (int r = 0; r < R; r++) {
-      const int64_t at = (r0 + r) * L->blocks + b;
-      const __m512 dx = _mm512_set1_ps(P->dx[at]);
-      const float *sums = P->sums + 3 * at;
-      if (L->groups == 1) {
+    if (L->groups == 1) {
+      const __m512 scale = header16(block, L, 0), offset = header16(block, L, 1);
+      for (int r = 0; r < R; r++) {
+        const int64_t at = (r0 + r) * L->blocks + b;
         const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[r], hi[r]));
-        f[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(header16(block, L, 0), dx), f[r]);
-        o[r] = _mm512_fmadd_ps(header16(block, L, 1), _mm512_set1_ps(sums[0]), o[r]);
-      } else {
-        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(header16(block, L, 0), dx), f[r]);
-        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(header16(block, L, 1), dx), f[r]);
-        o[r] = _mm512_fmadd_ps(header16(block, L, 2), _mm512_set1_ps(sums[1]), o[r]);
-        o[r] = _mm512_fmadd_ps(header16(block, L, 3), _mm512_set1_ps(sums[2]), o[r]);
+        f[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(P->dx[at])), f[r]);
+        f[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(P->sums[3 * at]), f[r]);
+      }
+    } else {
+      const __m512 scale_lo = header16(block, L, 0), scale_hi = header16(block, L, 1);
+      const __m512 offset_lo = header16(block, L, 2), offset_hi = header16(block, L, 3);
+      for (int r = 0; r < R; r++) {
+        const int64_t at = (r0 + r) * L->blocks + b;
+        const __m512 dx = _mm512_set1_ps(P->dx[at]);
+        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(scale_lo, dx), f[r]);
+        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(scale_hi, dx), f[r]);
+        f[r] = _mm512_fmadd_ps(offset_lo, _mm512_set1_ps(P->sums[3 * at + 1]), f[r]);
+        f[r] = _mm512_fmadd_ps(offset_hi, _mm512_set1_ps(P->sums[3 * at + 2]), f[r]);
       }
     }
   }
-  for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], _mm512_add_ps(f[r], o[r]));
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], f[r]);
 }
 
 #elif defined(__AVX2__)
@@ -383,7 +391,19 @@ static inline __attribute__((always_inline)) void tile_pass(const uint8_t *tile,
 static void tile_rows(const uint8_t *tile, const Layout *L, const Prepared *P, int64_t r0, int64_t rows,
                       float out[][TILE]) {
   switch (rows) {
-#if ROWS == 4
+#if ROWS == 8
+    case 8:
+      tile_pass(tile, L, P, r0, 8, out);
+      break;
+    case 7:
+      tile_pass(tile, L, P, r0, 7, out);
+      break;
+    case 6:
+      tile_pass(tile, L, P, r0, 6, out);
+      break;
+    case 5:
+      tile_pass(tile, L, P, r0, 5, out);
+      break;
     case 4:
       tile_pass(tile, L, P, r0, 4, out);
       break;
