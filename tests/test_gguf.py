@@ -125,7 +125,7 @@ def test_unsupported_format_names_the_tensor_and_the_supported(tmp_path: Path) -
 
 def test_gguf_blocks_on_a_gpu_are_refused_clearly(tmp_path: Path) -> None:
     path = tiny_gguf(tmp_path, "qwen2", Q.Q8_0)
-    with pytest.raises(UnsupportedModelError, match="GGUF blocks run on CPUs only.*--quantization none"):
+    with pytest.raises(UnsupportedModelError, match=r"GGUF blocks run on CPUs only.*--quantization none"):
         load_model(str(path), device="cuda")
 
 

@@ -152,7 +152,7 @@ def chosen_variant() -> str | None:
     vector = [name for name in runnable if name != "portable"]
     if len(vector) < 2:
         return runnable[0] if runnable else None
-    seconds = {name: product_seconds(name) for name in vector}
+    seconds = product_seconds(vector)
     chosen = min(seconds, key=lambda name: seconds[name])
     log.info(
         "quantized kernels: %s (%s)", chosen, ", ".join(f"{n} {1000 * t:.2f} ms" for n, t in seconds.items())
@@ -160,24 +160,23 @@ def chosen_variant() -> str | None:
     return chosen
 
 
-def product_seconds(variant: str, repeats: int = 5) -> float:
-    """The fastest of ``repeats`` Q4_1 products by an 8192 x 4096 weight (21 MiB: streamed from
-    memory, as a decode step streams a model) of 1 row plus that of 8 rows; inf where the
-    variant does not build."""
-    lib = variant_library(variant)
-    if lib is None:
-        return float("inf")
+def product_seconds(variants: list[str], repeats: int = 7) -> dict[str, float]:
+    """Per variant, the fastest of ``repeats`` Q4_1 products by an 8192 x 4096 weight (21 MiB:
+    streamed from memory, as a decode step streams a model) of 1 row plus that of 8 rows; inf
+    where the variant does not build. The variants take turns round by round, so a burst of
+    other work on the cores slows one sample, not one variant."""
+    libraries = {name: variant_library(name) for name in variants}
     generator = torch.Generator().manual_seed(0)
     blocks = quantize(torch.randn(256, 4096, generator=generator), "q4_1")
     weight = repack(blocks.repeat(32, 1), "q4_1")
-    best = {rows: float("inf") for rows in (1, 8)}
+    rows = {count: torch.randn(count, 4096, generator=generator).to(torch.bfloat16) for count in (1, 8)}
+    best = {(name, count): float("inf") for name, lib in libraries.items() if lib for count in rows}
     for _ in range(repeats):
-        for rows in best:
-            x = torch.randn(rows, 4096, generator=generator).to(torch.bfloat16)
+        for name, count in best:
             start = time.perf_counter()
-            product(lib, weight, x, None)
-            best[rows] = min(best[rows], time.perf_counter() - start)
-    return sum(best.values())
+            product(libraries[name], weight, rows[count], None)
+            best[name, count] = min(best[name, count], time.perf_counter() - start)
+    return {name: sum(best.get((name, c), float("inf")) for c in rows) for name in variants}
 
 
 def usable(kind: str) -> bool:
