@@ -141,7 +141,9 @@ def test_quantization_none_dequantizes_a_gguf(tmp_path: Path) -> None:
     path = tiny_gguf(tmp_path, "llama", Q.Q4_1, embed_qtype=Q.Q8_0)
     loaded = load_model(str(path), dtype="float32", device="cpu", quantization="none")
     blocks = load_model(str(path), dtype="float32", device="cpu")
-    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     q = loaded.model.model.layers[0].self_attn.q_proj
     assert type(q) is torch.nn.Linear and loaded.dtype == torch.float32
     assert torch.equal(q.weight, reference.model.layers[0].self_attn.q_proj.weight)
