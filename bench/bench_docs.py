@@ -440,15 +440,16 @@ def grounded_section(report: Report | None) -> list[str]:
         "Replies that copy their input (code edits, extraction and quotation, reformatting, answers "
         "quoting passages, an agent loop repeating tool-call JSON) and open chat as the control, "
         f"greedy, batch {report['batch']}, at most {report['max_tokens']} tokens, through the engine "
-        f"with the embedded pair as `LLM()` loads it (the target's weights: "
-        f"{report.get('target_weights', 'bfloat16')}). `× plain` is the median over "
-        f"{report['repeats']} repeats of the ratio to plain decoding (`--drafter none`) in the same "
-        "repeat; every setup starts each repeat with an empty recent-output index.",
+        "with the embedded pair; `weights` are the target's (`LLM()`'s default on CPUs: its Q4_1 "
+        'file; bf16: `quantization="none"`). `× plain` is the median over '
+        f"{report['repeats']} repeats of the ratio to plain decoding (`--drafter none`) of the same "
+        "weights in the same repeat; every setup starts each repeat with an empty recent-output index.",
         "",
     ]
     rows = [
         [
             r["workload"],
+            r.get("weights", "bfloat16"),
             r["setup"],
             r["drafter"],
             fmt(r["tokens_per_second"], 1),
@@ -460,6 +461,7 @@ def grounded_section(report: Report | None) -> list[str]:
     ]
     header = [
         "workload",
+        "weights",
         "setup",
         "--drafter",
         "tokens/s",
@@ -483,20 +485,21 @@ def grounded_load_section(report: Report | None) -> list[str]:
         "",
         "The grounded workloads' prompts as greedy chat completions over HTTP from several "
         "clients at once (the code edit with the original file as its `prediction`), at most "
-        f"{report['max_tokens']} tokens, the embedded pair as `multiguess serve` loads it "
-        f"(the target's weights: {report.get('target_weights', 'bfloat16')}), "
-        f"`--max-batch {max(report['levels'])}`. "
-        "Plain decoding (`--drafter none`) and the default configuration take turns; `× plain` "
-        f"is the median over {report['repeats']} repeats of the ratio of their tokens/s in the "
-        "same repeat; every repeat and level uses its own `cache_salt` (no run copies another's "
-        "replies).",
+        f"{report['max_tokens']} tokens, the embedded pair, `--max-batch {max(report['levels'])}`; "
+        "`weights` are the target's (`multiguess serve`'s default on CPUs: its Q4_1 file; bf16: "
+        "`--quantization none`). Plain decoding (`--drafter none --prompt-lookup 0`) and the "
+        "default configuration take turns on each; `× plain` is the median over "
+        f"{report['repeats']} repeats of the ratio of their tokens/s to plain decoding's of the "
+        "same weights in the same repeat; every repeat and level uses its own `cache_salt` (no "
+        "run copies another's replies).",
         "",
     ]
     rows = [
         [
             workload,
             r["clients"],
-            r["setup"],
+            weights_of_setup(report, r["setup"]),
+            r["setup"].split()[0],
             fmt(r["tokens_per_second"], 1),
             fmt(r["vs_plain"]),
             fmt(r["mean_accepted_length"]),
@@ -504,11 +507,12 @@ def grounded_load_section(report: Report | None) -> list[str]:
         ]
         for workload, result in report["workloads"].items()
         for r in result["rows"]
-        if r["setup"] != "plain"
+        if not r["setup"].startswith("plain")
     ]
     header = [
         "workload",
         "clients",
+        "weights",
         "setup",
         "tokens/s",
         "× plain",
@@ -517,6 +521,12 @@ def grounded_load_section(report: Report | None) -> list[str]:
     ]
     lines += table(header, rows)
     return [*lines, ""]
+
+
+def weights_of_setup(report: Report, setup: str) -> str:
+    """A load setup's target weights (older reports name none: bf16)."""
+    weights = report.get("target_weights")
+    return weights.get(setup, "bfloat16") if isinstance(weights, dict) else "bfloat16"
 
 
 # ---------------------------------------------------------------- llama.cpp (bench/llama_cpp.py)
@@ -734,14 +744,17 @@ def headline_rows(bench: Path) -> list[list[Any]]:
 
 def grounded_headline(report: Report) -> str:
     """The default drafter's range over the workloads that copy their input, open chat, and
-    the suffix drafter's best, against plain decoding."""
-    rows = [r for r in report["rows"] if r["setup"] != "plain"]
+    the suffix drafter's best, against plain decoding, on the weights listed first (``LLM()``'s
+    default)."""
+    weights = report["rows"][0].get("weights")
+    rows = [r for r in report["rows"] if r["setup"] != "plain" and r.get("weights") == weights]
     copying = [r["vs_plain"] for r in rows if r["setup"] == "default" and r["workload"] != "open chat"]
     chat = next(r["vs_plain"] for r in rows if r["setup"] == "default" and r["workload"] == "open chat")
     best = max((r for r in rows if r["setup"] == "suffix"), key=lambda r: r["vs_plain"])
     same = sum(r["identical_to_plain"] for r in rows)
     return (
-        f"replies that copy their input {fmt(min(copying))}–{fmt(max(copying))}× plain decoding, open chat "
+        f"{weights + ': ' if weights else ''}replies that copy their input "
+        f"{fmt(min(copying))}–{fmt(max(copying))}× plain decoding, open chat "
         f"{fmt(chat)}× (default drafter); `--drafter suffix` up to {fmt(best['vs_plain'])}× ({best['workload']}); "
         f"output identical to plain in {same} of {len(rows)} runs"
     )

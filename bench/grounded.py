@@ -3,7 +3,9 @@
 Code edits (with the original file as the prediction, and without), extraction and quotation, reformatting, question answering over passages, an agent
 loop whose requests repeat tool-call JSON, and open chat as the control, each decoded greedily
 by plain decoding (``--drafter none``, no prediction), the default drafter and the suffix
-drafter, on the embedded pair. The setups take turns workload by workload within each repeat
+drafter, on the embedded pair, with the target's weights as ``LLM()`` loads them by default
+(on CPUs its Q4_1 file) and in bf16 (``quantization="none"``), each against plain decoding of
+the same weights. The setups take turns workload by workload within each repeat
 (the order rotating every repeat), so a slow stretch of a shared machine falls on all of them
 alike, and each starts every repeat with an empty recent-output index, so no repeat copies an
 earlier one's replies. Reported per workload and setup: the median over repeats of tokens per second
@@ -128,38 +130,47 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument(
+        "--quantization",
+        default="auto,none",
+        help="the target's weights, each a set of setups: auto (LLM()'s default: the Q4_1 file on "
+        "CPUs), none (bf16)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("docs"), help="docs folder: bench/ JSON and BENCHMARKS.md"
     )
     args = parser.parse_args()
-    llms = {name: LLM(drafter=drafter, max_batch=1) for name, drafter in SETUPS.items()}
+    setups = [(q, name) for q in args.quantization.split(",") for name in SETUPS]
+    llms = {(q, name): LLM(drafter=SETUPS[name], max_batch=1, quantization=q) for q, name in setups}
+    weights = {q: weights_of(llms[q, "plain"].engine.target.model) for q, _ in setups}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
-    prompts = {w: [chat(llms["plain"], p) for p in ps] for w, ps in WORKLOADS.items()}
+    prompts = {w: [chat(llms[setups[0]], p) for p in ps] for w, ps in WORKLOADS.items()}
     for llm in llms.values():  # warm up kernels and caches on a prompt outside the set
         llm.generate(chat(llm, "Say hello."), SamplingParams(max_tokens=8, temperature=0))
-    runs: dict[str, dict[str, list[dict]]] = {w: {s: [] for s in SETUPS} for w in WORKLOADS}
+    runs: dict[str, dict[tuple[str, str], list[dict]]] = {w: {s: [] for s in setups} for w in WORKLOADS}
     for repeat in range(args.repeats):
         for llm in llms.values():
             engine = llm.engine
             engine.planner.copies.recent = RecentOutputs(
                 engine.config.recent_outputs, engine.config.recent_age
             )
-        order = list(SETUPS)[repeat % len(SETUPS) :] + list(SETUPS)[: repeat % len(SETUPS)]
+        order = setups[repeat % len(setups) :] + setups[: repeat % len(setups)]
         for workload, ids in prompts.items():
-            for name in order:
-                predicted = PREDICTIONS.get(workload) if name != "plain" else None
-                runs[workload][name].append(
-                    run_workload(llms[name], ids, replace(params, prediction=predicted))
+            for setup in order:
+                predicted = PREDICTIONS.get(workload) if setup[1] != "plain" else None
+                runs[workload][setup].append(
+                    run_workload(llms[setup], ids, replace(params, prediction=predicted))
                 )
-                print(repeat, name, workload, round(runs[workload][name][-1]["seconds"], 2), flush=True)
+                print(repeat, *setup, workload, round(runs[workload][setup][-1]["seconds"], 2), flush=True)
     rows = []
     for workload, by_setup in runs.items():
-        plain = by_setup["plain"]
-        for name, results in by_setup.items():
+        for (q, name), results in by_setup.items():
+            plain = by_setup[q, "plain"]
             rates = [r["tokens"] / r["seconds"] for r in results]
             ratios = [p["seconds"] / r["seconds"] for p, r in zip(plain, results, strict=True)]
             rows.append(
                 {
                     "workload": workload,
+                    "weights": weights[q],
                     "setup": name,
                     "drafter": SETUPS[name],
                     "tokens_per_second": round(statistics.median(rates), 2),
@@ -174,7 +185,6 @@ def main() -> int:
             )
     report = {
         **provenance(),
-        "target_weights": weights_of(llms["plain"].engine.target.model),
         "repeats": args.repeats,
         "max_tokens": args.max_tokens,
         "batch": 1,

@@ -23,8 +23,17 @@ import time
 from grounded import PREDICTIONS, WORKLOADS
 from openai import AsyncOpenAI
 
-# Plain decoding drafts nothing, a request's prediction included (prompt lookup off).
-SETUPS = {"plain": ["--drafter", "none", "--prompt-lookup", "0"], "default": []}
+# Plain decoding drafts nothing, a request's prediction included (prompt lookup off). Each setup
+# runs on the target's weights as served by default (on CPUs its Q4_1 file) and in bf16; each is
+# compared with plain decoding of the same weights.
+PLAIN = ["--drafter", "none", "--prompt-lookup", "0"]
+BF16 = ["--quantization", "none"]
+SETUPS = {"plain": PLAIN, "default": [], "plain bf16": [*PLAIN, *BF16], "default bf16": BF16}
+
+
+def reference(name: str) -> str:
+    """The plain decoding a setup is compared with: the one on the same weights."""
+    return name.replace("default", "plain")
 
 
 async def one_request(
@@ -103,9 +112,9 @@ def summarise(by_level: dict[int, dict[str, list[dict]]]) -> dict:
     accepted length over every request, and identity of every reply to plain decoding's."""
     rows = []
     for c, by_setup in by_level.items():
-        plain = by_setup["plain"]
-        reference = {r["prompt"]: r["text"] for run in plain for r in run["replies"]}
         for name, runs in by_setup.items():
+            plain = by_setup[reference(name)]
+            texts = {r["prompt"]: r["text"] for run in plain for r in run["replies"]}
             replies = [r for run in runs for r in run["replies"]]
             steps = sum(r["verify_steps"] for r in replies)
             rows.append(
@@ -119,7 +128,7 @@ def summarise(by_level: dict[int, dict[str, list[dict]]]) -> dict:
                     "mean_accepted_length": round(1 + sum(r["accepted_tokens"] for r in replies) / steps, 2)
                     if steps
                     else None,
-                    "identical_to_plain": all(reference[r["prompt"]] == r["text"] for r in replies),
+                    "identical_to_plain": all(texts[r["prompt"]] == r["text"] for r in replies),
                     "requests": len(replies),
                 }
             )
@@ -146,9 +155,10 @@ def run(args: argparse.Namespace, start_servers: object) -> dict:
     return {"levels": levels, "setups": setups, "workloads": results, "target_weights": served_weights()}
 
 
-def served_weights() -> str:
-    """The format of the embedded target's linears as the servers load it on this machine."""
+def served_weights() -> dict[str, str]:
+    """Each setup's target weights as its server loads them on this machine."""
     from multiguess.benchmark import weights_of
     from multiguess.llm import load_target
 
-    return weights_of(load_target(None, "auto", "auto")[0].model)
+    default = weights_of(load_target(None, "auto", "auto")[0].model)
+    return {name: "bfloat16" if BF16[-1] in flags else default for name, flags in SETUPS.items()}

@@ -152,10 +152,11 @@ def test_grounded_section_shows_each_workload_and_setup_against_plain() -> None:
         "max_tokens": 96,
         "batch": 1,
         "rows": [
-            {**row, "workload": "extraction", "setup": "suffix", "vs_plain": 3.21},
+            {**row, "workload": "extraction", "weights": "Q4_1", "setup": "suffix", "vs_plain": 3.21},
             {
                 **row,
                 "workload": "open chat",
+                "weights": "bfloat16",
                 "setup": "suffix",
                 "vs_plain": 0.99,
                 "identical_to_plain": False,
@@ -163,8 +164,8 @@ def test_grounded_section_shows_each_workload_and_setup_against_plain() -> None:
         ],
     }
     lines = bench_docs.grounded_section(report)
-    assert "| extraction | suffix | suffix | 40.0 | 3.21 | 5.50 | yes |" in lines
-    assert "| open chat | suffix | suffix | 40.0 | 0.99 | 5.50 | no |" in lines
+    assert "| extraction | Q4_1 | suffix | suffix | 40.0 | 3.21 | 5.50 | yes |" in lines
+    assert "| open chat | bfloat16 | suffix | suffix | 40.0 | 0.99 | 5.50 | no |" in lines
     assert any("abc1234" in line for line in lines)
 
 
@@ -172,7 +173,12 @@ def test_grounded_load_section_shows_each_workload_and_client_count_against_plai
     rows = [
         {"clients": c, "setup": s, "tokens_per_second": 50.0, "vs_plain": v, "mean_accepted_length": m}
         | {"identical_to_plain": True, "requests": 8}
-        for c, s, v, m in ((4, "plain", 1.0, 1.0), (4, "default", 2.05, 4.2))
+        for c, s, v, m in (
+            (4, "plain", 1.0, 1.0),
+            (4, "default", 2.05, 4.2),
+            (4, "plain bf16", 1.0, 1.0),
+            (4, "default bf16", 2.5, 4.4),
+        )
     ]
     report = {
         "commit": "abc1234",
@@ -182,9 +188,16 @@ def test_grounded_load_section_shows_each_workload_and_client_count_against_plai
         "max_tokens": 160,
         "levels": [1, 4, 8],
         "workloads": {"code edit + prediction": {"rows": rows}},
+        "target_weights": {
+            "plain": "Q4_1",
+            "default": "Q4_1",
+            "plain bf16": "bfloat16",
+            "default bf16": "bfloat16",
+        },
     }
     lines = bench_docs.grounded_load_section(report)
-    assert "| code edit + prediction | 4 | default | 50.0 | 2.05 | 4.20 | yes |" in lines
+    assert "| code edit + prediction | 4 | Q4_1 | default | 50.0 | 2.05 | 4.20 | yes |" in lines
+    assert "| code edit + prediction | 4 | bfloat16 | default | 50.0 | 2.50 | 4.40 | yes |" in lines
     assert not any("| plain |" in line for line in lines)  # plain is the reference, not a row
     assert any("abc1234" in line for line in lines)
     assert any("No result recorded yet" in line for line in bench_docs.grounded_load_section(None))
