@@ -165,75 +165,37 @@ void multiguess_bf16_rope_cache(const uint16_t *qkv, const uint16_t *cos, const 
 }
 
 /* One query head's attention over `length` cached keys and values (dim % 16 == 0, dim <= 256),
- * keys the additive mask row hides (-inf) scoring -inf. A key's score is its dot product summed
- * by the same tree wherever the key is (vsums, VLANES keys at a time); the values are summed in
- * cache order, even and odd keys apart, hidden keys adding nothing, so the result depends only on
- * the visible keys' values and places: a tree node and the same token decoded alone get the same
- * bits. */
-static inline __attribute__((always_inline)) void attend_blocks(const float *q, const float *keys,
-                                                                const float *values, const float *mask,
-                                                                int64_t length, const int64_t blocks, float scale,
-                                                                float *scores, uint16_t *out) {
-  const int64_t dim = blocks * VLANES;
-  vec query[256 / VLANES];
-  for (int64_t c = 0; c < blocks; c++) query[c] = vload(q + VLANES * c);
+ * skipping keys its additive mask row hides (-inf). Keys are visited in cache order and hidden
+ * ones add nothing, so the result depends only on the visible keys' values and order: a tree
+ * node and the same token decoded alone get the same bits. */
+static void attend(const float *q, const float *keys, const float *values, const float *mask,
+                   int64_t length, int64_t dim, float scale, float *scores, uint16_t *out) {
+  const int64_t blocks = dim / VLANES;
   float top = -INFINITY;
-  for (int64_t first = 0; first < length; first += VLANES) {
-    const int64_t live = length - first < VLANES ? length - first : VLANES;
-    vec dots[VLANES];
-    for (int64_t i = 0; i < VLANES; i++) {
-      if (i >= live || mask[first + i] == -INFINITY) {
-        dots[i] = vzero();
-        continue;
-      }
-      const float *key = keys + (first + i) * dim;
-      vec dot = vmul(query[0], vload(key));
-      for (int64_t c = 1; c < blocks; c++) dot = vfma(query[c], vload(key + VLANES * c), dot);
-      dots[i] = dot;
+  for (int64_t j = 0; j < length; j++) {
+    if (mask[j] == -INFINITY) {
+      scores[j] = -INFINITY;
+      continue;
     }
-    vsums(dots, scores + first);
-    for (int64_t j = first; j < first + live; j++) {
-      scores[j] = mask[j] == -INFINITY ? -INFINITY : scores[j] * scale + mask[j];
-      top = scores[j] > top ? scores[j] : top;
-    }
+    const float *key = keys + j * dim;
+    vec dot = vmul(vload(q), vload(key));
+    for (int64_t c = 1; c < blocks; c++) dot = vfma(vload(q + VLANES * c), vload(key + VLANES * c), dot);
+    scores[j] = vsum(dot) * scale + mask[j];
+    top = scores[j] > top ? scores[j] : top;
   }
   for (int64_t j = 0; j < length; j += VLANES) exp_shifted(scores + j, length - j < VLANES ? length - j : VLANES, top);
-  /* Even and odd keys into sums of their own (two chains of fma instead of one), added last. */
-  vec even[256 / VLANES], odd[256 / VLANES];
-  for (int64_t c = 0; c < blocks; c++) even[c] = odd[c] = vzero();
-  float totals[2] = {0.0f, 0.0f};
-  for (int64_t j = 0; j < length; j += 2) {
-    if (scores[j] != 0.0f) {
-      totals[0] += scores[j];
-      const vec weight = vsplat(scores[j]);
-      const float *value = values + j * dim;
-      for (int64_t c = 0; c < blocks; c++) even[c] = vfma(weight, vload(value + VLANES * c), even[c]);
-    }
-    if (j + 1 < length && scores[j + 1] != 0.0f) {
-      totals[1] += scores[j + 1];
-      const vec weight = vsplat(scores[j + 1]);
-      const float *value = values + (j + 1) * dim;
-      for (int64_t c = 0; c < blocks; c++) odd[c] = vfma(weight, vload(value + VLANES * c), odd[c]);
-    }
+  vec acc[256 / VLANES];
+  for (int64_t c = 0; c < blocks; c++) acc[c] = vzero();
+  float total = 0.0f;
+  for (int64_t j = 0; j < length; j++) {
+    if (scores[j] == 0.0f) continue;
+    total += scores[j];
+    const vec weight = vsplat(scores[j]);
+    const float *value = values + j * dim;
+    for (int64_t c = 0; c < blocks; c++) acc[c] = vfma(weight, vload(value + VLANES * c), acc[c]);
   }
-  const vec inverse = vsplat(1.0f / (totals[0] + totals[1]));
-  for (int64_t c = 0; c < blocks; c++) vstore_bf16(out + VLANES * c, vmul(vadd(even[c], odd[c]), inverse));
-}
-
-/* attend_blocks with the head width a constant where it is 64 or 128, so that the sums stay in
- * registers. */
-static void attend(const float *q, const float *keys, const float *values, const float *mask, int64_t length,
-                   int64_t dim, float scale, float *scores, uint16_t *out) {
-  switch (dim) {
-    case 64:
-      attend_blocks(q, keys, values, mask, length, 64 / VLANES, scale, scores, out);
-      break;
-    case 128:
-      attend_blocks(q, keys, values, mask, length, 128 / VLANES, scale, scores, out);
-      break;
-    default:
-      attend_blocks(q, keys, values, mask, length, dim / VLANES, scale, scores, out);
-  }
+  const vec inverse = vsplat(1.0f / total);
+  for (int64_t c = 0; c < blocks; c++) vstore_bf16(out + VLANES * c, vmul(acc[c], inverse));
 }
 
 /* Attention of fp32 queries [b][t][heads][dim] over one layer's cache [slots][2 * kv_heads]

@@ -265,17 +265,14 @@ typedef __m256 vec;
 static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
 static inline vec vsplat(float f) { return _mm256_set1_ps(f); }
 static inline vec vzero(void) { return _mm256_setzero_ps(); }
-static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 static inline void vstore_bf16(uint16_t *out, vec v) { _mm_storeu_si128((__m128i *)out, narrow8(v)); }
 
-/* sums[i] = the sum of v[i]'s 8 lanes, for i < 8: every vector by the same tree of horizontal
- * adds (adjacent pairs, then pairs of pairs, then the two halves). */
-static inline void vsums(const vec *v, float *sums) {
-  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  _mm256_storeu_ps(sums, _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31)));
+static inline float vsum(vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 /* scores[j, j + live) (live <= 8) as e^(s - top), those at -inf (hidden keys) as 0. */

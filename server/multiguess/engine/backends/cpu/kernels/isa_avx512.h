@@ -176,32 +176,10 @@ typedef __m512 vec;
 static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
 static inline vec vsplat(float f) { return _mm512_set1_ps(f); }
 static inline vec vzero(void) { return _mm512_setzero_ps(); }
-static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 static inline void vstore_bf16(uint16_t *out, vec v) { _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(v)); }
-
-/* a and b with their lanes `half` apart added, a's sums then b's: `low` picks the first of each
- * pair (permutex2var: b's lanes from 16), the second is `half` lanes on. */
-static inline vec pair_sums(vec a, vec b, __m512i low, int half) {
-  const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(half));
-  return _mm512_add_ps(_mm512_permutex2var_ps(a, low, b), _mm512_permutex2var_ps(a, high, b));
-}
-
-/* sums[i] = the sum of v[i]'s 16 lanes, for i < 16: four rounds adding lanes 8, 4, 2, then 1
- * apart, two vectors into one, so every vector is summed by the same tree (16 sums in 45
- * instructions instead of 16 x 8). */
-static inline void vsums(const vec *v, float *sums) {
-  const __m512i by8 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-  const __m512i by4 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  const __m512i by2 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
-  const __m512i by1 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  vec eights[8], fours[4], twos[2];
-  for (int i = 0; i < 8; i++) eights[i] = pair_sums(v[2 * i], v[2 * i + 1], by8, 8);
-  for (int i = 0; i < 4; i++) fours[i] = pair_sums(eights[2 * i], eights[2 * i + 1], by4, 4);
-  for (int i = 0; i < 2; i++) twos[i] = pair_sums(fours[2 * i], fours[2 * i + 1], by2, 2);
-  _mm512_storeu_ps(sums, pair_sums(twos[0], twos[1], by1, 1));
-}
 
 /* scores[j, j + live) (live <= 16) as e^(s - top), those at -inf (hidden keys) as 0. */
 static inline void exp_shifted(float *scores, int64_t live, float top) {
