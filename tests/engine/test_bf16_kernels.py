@@ -165,6 +165,34 @@ def test_rotary_and_cache_write_are_bitwise_the_torch_ops() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 128), (4, 2, 32)])
+def test_attention_of_keys_scattered_among_hidden_ones_is_that_of_the_keys_side_by_side(
+    heads: int, kv_heads: int, dim: int
+) -> None:
+    """A tree node's ancestors sit in the cache with its siblings between them, which its mask
+    hides; decoded alone, the same keys sit side by side. Both must give the same bits: hidden
+    keys may shift the visible ones to other places, even by an odd number of slots, and change
+    nothing (a sum split by the keys' places would round differently now and then)."""
+    generator = torch.Generator().manual_seed(11)
+    visible, hidden = 300, 200
+    keys = torch.randn(2 * kv_heads, visible, dim, generator=generator)
+    queries = torch.randn(1, 1, heads, dim, generator=generator) * 3
+    side_by_side = torch.zeros(1, 2 * kv_heads, visible + hidden, dim)
+    side_by_side[0, :, :visible] = keys
+    alone = bf16_kernel.attention(
+        queries, side_by_side, torch.tensor([0]), torch.zeros(1, 1, visible), dim**-0.5, visible
+    )
+    for trial in range(400):
+        places = torch.randperm(visible + hidden, generator=generator)[:visible].sort().values
+        scattered = torch.randn(1, 2 * kv_heads, visible + hidden, dim, generator=generator)
+        scattered[0, :, places] = keys
+        mask = torch.full((1, 1, visible + hidden), float("-inf"))
+        mask[0, 0, places] = 0.0
+        out = bf16_kernel.attention(queries, scattered, torch.tensor([0]), mask, dim**-0.5, visible + hidden)
+        assert torch.equal(out, alone), f"trial {trial}"
+
+
+@needs_kernel
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 16), (4, 2, 32)])
 def test_attention_matches_scaled_dot_product_attention(heads: int, kv_heads: int, dim: int) -> None:
     torch.manual_seed(5)
@@ -186,26 +214,48 @@ def test_attention_matches_scaled_dot_product_attention(heads: int, kv_heads: in
     assert torch.allclose(out.float(), expected, rtol=2**-7, atol=1e-5)
 
 
+# Trees whose paths skip siblings, so a node's ancestors sit in the cache with gaps between them
+# where decoding the path alone puts them side by side: (tokens, parents, the path's nodes).
+GAPPED_TREES = [
+    ((30, 41, 42, 43, 50), (-1, 0, 0, 1, 3), (0, 1, 3, 4)),
+    (
+        (30, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58),
+        (-1, 0, 0, 0, 2, 2, 5, 5, 5, 7, 7, 9, 9, 9, 12, 12, 14, 14, 16),
+        (0, 2, 5, 7, 9, 12, 14, 16, 18),
+    ),
+]
+
+
 @needs_kernel
-def test_tree_rows_are_the_bits_of_tokens_decoded_alone(gqa_pair: tuple[Path, Path], product: bool) -> None:
+@pytest.mark.parametrize("prompt_length", [300, 45, 16])
+@pytest.mark.parametrize(("tokens", "parents", "path"), GAPPED_TREES)
+def test_tree_rows_are_the_bits_of_tokens_decoded_alone(
+    gqa_pair: tuple[Path, Path],
+    product: bool,
+    prompt_length: int,
+    tokens: tuple[int, ...],
+    parents: tuple[int, ...],
+    path: tuple[int, ...],
+) -> None:
     """A tree verified beside another sequence gives each node the logits, bit for bit, that
-    decoding its path one token at a time alone gives. With torch's attention instead, 3 of
-    these 4 nodes differ in their last bits (checked when the test was written)."""
+    decoding its path one token at a time alone gives, whatever the prefix's length and however
+    far apart the path's nodes sit among their siblings. With torch's attention instead, 3 of
+    the first tree's 4 nodes differ in their last bits (checked when the test was written)."""
     loaded = load_model(str(gqa_pair[0]), dtype="bfloat16")
     together, alone = NativeRunner(loaded, 3, 512), NativeRunner(loaded, 3, 512)
     assert together.backend.layer_kernels
-    prompt, other = random_prompts(6, (300, 11))
+    prompt, other = random_prompts(6, (prompt_length, 11))
     together.forward_trees([0], [0], [TokenTree.chain(other)])
     together.forward_trees([1], [0], [TokenTree.chain(prompt)])
-    tree = TokenTree((30, 41, 42, 43, 50), (-1, 0, 0, 1, 3))  # path 30 -> 41 -> 43 -> 50
+    tree = TokenTree(tokens, parents)
     verified = together.forward_trees([1, 0], [len(prompt), len(other)], [tree, TokenTree((7, 8), (-1, 0))])[
         0
     ]
 
     alone.forward_trees([2], [0], [TokenTree.chain(prompt)])
-    for depth, node in enumerate((0, 1, 3, 4)):
+    for depth, node in enumerate(path):
         step = alone.forward_trees([2], [len(prompt) + depth], [TokenTree.chain([tree.tokens[node]])])
-        assert torch.equal(step[0, 0], verified[node])
+        assert torch.equal(step[0, 0], verified[node]), f"node {node} at depth {depth}"
 
 
 @needs_kernel
