@@ -23,15 +23,24 @@ def provenance() -> dict[str, str]:
     }
 
 
+# What benchmarks write (results, the pages rendered from them): a run after another in the same
+# checkout measures the same code, so these do not make it dirty.
+RESULTS = ("docs/bench", "docs/img", "docs/BENCHMARKS.md", "README.md")
+
+
 def git_commit() -> str:
     """The short commit of the checkout this code runs from, with ``-dirty`` when tracked files
-    differ from it; ``unknown`` outside a git checkout (an installed wheel)."""
+    other than benchmark results (``RESULTS``) differ from it; ``unknown`` outside a git checkout
+    (an installed wheel)."""
     here = Path(__file__).parent
+    outside = [f":(top,exclude){path}" for path in RESULTS]
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, check=True
         ).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=here, capture_output=True).returncode
+        dirty = subprocess.run(
+            ["git", "diff", "--quiet", "HEAD", "--", ":/", *outside], cwd=here, capture_output=True
+        ).returncode
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return commit + ("-dirty" if dirty else "")
