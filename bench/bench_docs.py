@@ -722,6 +722,9 @@ def headline_rows(bench: Path) -> list[list[Any]]:
     report = load(bench, GROUNDED_FILE)
     if report is not None:
         rows.append(["grounded workloads, batch 1", grounded_headline(report), f"`{report.get('commit')}`"])
+    report = load(bench, LLAMA_CPP_FILE)
+    if report is not None:
+        rows.append(["against llama.cpp, batch 1", llama_cpp_headline(report), f"`{report.get('commit')}`"])
     report = load(bench, SAMPLING_FILE)
     if report is not None:
         exact = [c["p_value"] for c in report["cases"] if not c.get("must_reject")]
@@ -743,20 +746,38 @@ def headline_rows(bench: Path) -> list[list[Any]]:
 
 
 def grounded_headline(report: Report) -> str:
-    """The default drafter's range over the workloads that copy their input, open chat, and
-    the suffix drafter's best, against plain decoding, on the weights listed first (``LLM()``'s
-    default)."""
-    weights = report["rows"][0].get("weights")
-    rows = [r for r in report["rows"] if r["setup"] != "plain" and r.get("weights") == weights]
-    copying = [r["vs_plain"] for r in rows if r["setup"] == "default" and r["workload"] != "open chat"]
-    chat = next(r["vs_plain"] for r in rows if r["setup"] == "default" and r["workload"] == "open chat")
+    """Per weights (``LLM()``'s default first): the default drafter's range over the workloads
+    that copy their input, and open chat, against plain decoding of the same weights; then the
+    suffix drafter's best and how many runs were identical to plain."""
+    weights = list(dict.fromkeys(r.get("weights", "") for r in report["rows"]))
+    rows = [r for r in report["rows"] if r["setup"] != "plain"]
+    parts = []
+    for kind in weights:
+        mine = [r for r in rows if r.get("weights", "") == kind and r["setup"] == "default"]
+        copying = [r["vs_plain"] for r in mine if r["workload"] != "open chat"]
+        chat = next(r["vs_plain"] for r in mine if r["workload"] == "open chat")
+        parts.append(
+            f"{kind + ': ' if kind else ''}replies that copy their input {fmt(min(copying))}–"
+            f"{fmt(max(copying))}× plain decoding, open chat {fmt(chat)}×"
+        )
     best = max((r for r in rows if r["setup"] == "suffix"), key=lambda r: r["vs_plain"])
     same = sum(r["identical_to_plain"] for r in rows)
+    where = f", {best['weights']}" if best.get("weights") else ""
     return (
-        f"{weights + ': ' if weights else ''}replies that copy their input "
-        f"{fmt(min(copying))}–{fmt(max(copying))}× plain decoding, open chat "
-        f"{fmt(chat)}× (default drafter); `--drafter suffix` up to {fmt(best['vs_plain'])}× ({best['workload']}); "
-        f"output identical to plain in {same} of {len(rows)} runs"
+        f"{'; '.join(parts)} (default drafter); `--drafter suffix` up to {fmt(best['vs_plain'])}× "
+        f"({best['workload']}{where}); output identical to plain in {same} of {len(rows)} runs"
+    )
+
+
+def llama_cpp_headline(report: Report) -> str:
+    """multiguess's plain and default decoding and llama.cpp's speculation on the Q4_1 file,
+    against llama.cpp's plain decoding of it."""
+    methods = {r["method"]: r for r in report["methods"]}
+    ratio = "vs llama.cpp plain, Q4_1"
+    return (
+        f"on the same Q4_1 GGUF: multiguess plain {fmt(methods['multiguess plain, Q4_1'][ratio])}×, "
+        f"multiguess default {fmt(methods['multiguess tree, Q4_1'][ratio])}×, llama.cpp's speculation "
+        f"{fmt(methods['llama.cpp speculative, Q4_1'][ratio])}× llama.cpp plain"
     )
 
 

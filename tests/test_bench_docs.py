@@ -201,3 +201,16 @@ def test_grounded_load_section_shows_each_workload_and_client_count_against_plai
     assert not any("| plain |" in line for line in lines)  # plain is the reference, not a row
     assert any("abc1234" in line for line in lines)
     assert any("No result recorded yet" in line for line in bench_docs.grounded_load_section(None))
+
+
+def test_llama_cpp_headline_reads_the_ratios_to_llama_cpp_plain() -> None:
+    ratio = "vs llama.cpp plain, Q4_1"
+    methods = [
+        {"method": "multiguess plain, Q4_1", ratio: 1.954},
+        {"method": "multiguess tree, Q4_1", ratio: 1.835},
+        {"method": "llama.cpp speculative, Q4_1", ratio: 0.416},
+    ]
+    assert bench_docs.llama_cpp_headline({"methods": methods}) == (
+        "on the same Q4_1 GGUF: multiguess plain 1.95×, multiguess default 1.83×, "
+        "llama.cpp's speculation 0.42× llama.cpp plain"
+    )
