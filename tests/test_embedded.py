@@ -65,7 +65,11 @@ def test_the_default_target_is_the_gguf_as_shipped(monkeypatch: pytest.MonkeyPat
     models = embedded.prepare_embedded()
     assert models.target == embedded.locate_target_gguf()
     assert not (tmp_path / embedded.TARGET_DIRNAME).exists()
-    assert any((tmp_path / "gguf").glob("*/tokenizer.json"))
+    (folder,) = (tmp_path / "gguf").iterdir()
+    assert (folder / "tokenizer.json").is_file()
+    # An image caches it as root and serves it as uid 10001: everything reads for all.
+    assert folder.stat().st_mode & 0o555 == 0o555
+    assert all(f.stat().st_mode & 0o444 == 0o444 for f in folder.iterdir())
 
 
 @pytest.mark.slow

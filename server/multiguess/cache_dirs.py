@@ -18,3 +18,12 @@ def cache_roots() -> list[Path]:
     configured = [os.environ.get(name) for name in ("MULTIGUESS_CACHE_DIR", "MULTIGUESS_CACHE")]
     roots = [Path(c).expanduser() for c in configured if c]
     return list(dict.fromkeys(roots)) or [Path.home() / ".cache" / "multiguess"]
+
+
+def readable_by_all(folder: Path) -> None:
+    """Open a prepared folder (made owner-only by ``tempfile.mkdtemp``, and safetensors writes
+    weights owner-only) to every user: an image bakes its cache as root and serves it as uid
+    10001."""
+    for file in folder.iterdir():
+        file.chmod(0o644)
+    folder.chmod(0o755)

