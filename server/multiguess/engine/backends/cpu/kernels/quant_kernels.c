@@ -388,36 +388,28 @@ static inline __attribute__((always_inline)) void tile_pass(const uint8_t *tile,
 }
 #endif
 
+/* tile_pass with the row count a constant, so each count's loops unroll. */
+#define PASS(n)                             \
+  case n:                                   \
+    tile_pass(tile, L, P, r0, n, out);      \
+    break;
 static void tile_rows(const uint8_t *tile, const Layout *L, const Prepared *P, int64_t r0, int64_t rows,
                       float out[][TILE]) {
   switch (rows) {
 #if ROWS == 8
-    case 8:
-      tile_pass(tile, L, P, r0, 8, out);
-      break;
-    case 7:
-      tile_pass(tile, L, P, r0, 7, out);
-      break;
-    case 6:
-      tile_pass(tile, L, P, r0, 6, out);
-      break;
-    case 5:
-      tile_pass(tile, L, P, r0, 5, out);
-      break;
-    case 4:
-      tile_pass(tile, L, P, r0, 4, out);
-      break;
-    case 3:
-      tile_pass(tile, L, P, r0, 3, out);
-      break;
+    PASS(8)
+    PASS(7)
+    PASS(6)
+    PASS(5)
+    PASS(4)
+    PASS(3)
 #endif
-    case 2:
-      tile_pass(tile, L, P, r0, 2, out);
-      break;
+    PASS(2)
     default:
       tile_pass(tile, L, P, r0, 1, out);
   }
 }
+#undef PASS
 
 static inline float widen(const void *p, int64_t i, int bf16) {
   if (!bf16) return ((const float *)p)[i];
