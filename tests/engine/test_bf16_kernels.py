@@ -13,11 +13,12 @@ from multiguess import LLM, SamplingParams
 from multiguess.engine.backends.cpu import bf16_kernel, quant_kernel
 from multiguess.engine.backends.cpu.packed import PackedProjection, packing_supported
 from multiguess.engine.linear import Projection, rms_norm
-from multiguess.engine.placement import Placement, apply_rotary, rotary_tables
+from multiguess.engine.placement import apply_rotary, rotary_tables
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.tree import TokenTree
 from multiguess.models.loading import load_model
 
+from tests.engine.layer_kernels import assert_layer_kernel_is_per_op
 from tests.engine.test_fast_path import linear
 from tests.engine.test_lossless import random_prompts
 
@@ -287,24 +288,7 @@ def test_layer_kernel_equals_the_per_op_kernels(gqa_pair: tuple[Path, Path], pro
     fused, per_op = NativeRunner(loaded, 2, 256), NativeRunner(loaded, 2, 256)
     assert fused.backend.layer_kernels
 
-    def layers(_: NativeRunner, x: torch.Tensor, at: Placement, *kernel: object) -> torch.Tensor:
-        r, rope, mask = per_op, tuple(table[:, :, 0] for table in at.rope), at.mask[:, 0]
-        where = (torch.tensor(at.slots), at.write_from.to(torch.int64).contiguous())
-        for i, layer in enumerate(r.layers):
-            qkv = r.qkv[i](x, norm=layer.input_layernorm).view(*x.shape[:2], -1, r.head_dim)
-            q = bf16_kernel.rope_into_cache(qkv, *rope, r.cache.kv[i], *where, r.num_heads)
-            out = bf16_kernel.attention(q, r.cache.kv[i], where[0], mask, r.attention_scale(i), at.length)
-            h = r.o[i](out, residual=x)
-            x = r.down[i](r.gate_up[i](h, norm=layer.post_attention_layernorm), gated=True, residual=h)
-        return x
-
-    per_op.backend._layers_in_kernels = layers
-    prompts = random_prompts(13, (40, 9))
-    trees = [TokenTree((30, 41, 42, 43), (-1, 0, 0, 1)), TokenTree((7, 8), (-1, 0))]
-    for runner in (fused, per_op):
-        runner.forward_trees([0, 1], [0, 0], [TokenTree.chain(p) for p in prompts])
-    logits = [r.forward_trees([0, 1], [len(p) for p in prompts], trees) for r in (fused, per_op)]
-    assert torch.equal(logits[0], logits[1])
+    assert_layer_kernel_is_per_op(fused, per_op, random_prompts(13, (40, 9)))
 
 
 @needs_amx

@@ -11,15 +11,15 @@ import pytest
 import torch
 from multiguess import LLM, SamplingParams
 from multiguess.engine.backends import cpu_has_fast_bf16
-from multiguess.engine.backends.cpu import bf16_kernel, quant_kernel
+from multiguess.engine.backends.cpu import quant_kernel
 from multiguess.engine.backends.cpu.quant import QuantizedProjection
 from multiguess.engine.memory_probe import weight_bytes
-from multiguess.engine.placement import Placement
 from multiguess.engine.quantized import QuantizedLinear
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.tree import TokenTree
 from multiguess.models.loading import load_model
 
+from tests.engine.layer_kernels import assert_layer_kernel_is_per_op
 from tests.engine.test_lossless import random_prompts
 from tests.gguf_files import K_SIZES, tiny_gguf
 from tests.tiny_models import save_noisy_copy
@@ -97,28 +97,7 @@ def test_the_layer_kernel_equals_its_kernels_called_one_by_one(tmp_path: Path) -
     fused, per_op = NativeRunner(loaded, 2, 256), NativeRunner(loaded, 2, 256)
     assert fused.backend.quantized_layers
 
-    def layers(_: NativeRunner, x: torch.Tensor, at: Placement, *kernel: object) -> torch.Tensor:
-        r, rope, mask = (
-            per_op,
-            tuple(table[:, :, 0].contiguous() for table in at.rope),
-            at.mask[:, 0].contiguous(),
-        )
-        where = (torch.tensor(at.slots), at.write_from.to(torch.int64).contiguous())
-        for i, layer in enumerate(r.layers):
-            qkv = r.qkv[i](x, norm=layer.input_layernorm).view(*x.shape[:2], -1, r.head_dim).contiguous()
-            q = bf16_kernel.rope_into_cache(qkv, *rope, r.cache.kv[i], *where, r.num_heads)
-            out = bf16_kernel.attention(q, r.cache.kv[i], where[0], mask, r.attention_scale(i), at.length)
-            h = r.o[i](out, residual=x)
-            x = r.down[i](r.gate_up[i](h, norm=layer.post_attention_layernorm), gated=True, residual=h)
-        return x
-
-    per_op.backend._layers_in_kernels = layers
-    prompts = random_prompts(2, (40, 9), vocab=200)
-    trees = [TokenTree((30, 41, 42, 43), (-1, 0, 0, 1)), TokenTree((7, 8), (-1, 0))]
-    for runner in (fused, per_op):
-        runner.forward_trees([0, 1], [0, 0], [TokenTree.chain(p) for p in prompts])
-    logits = [r.forward_trees([0, 1], [len(p) for p in prompts], trees) for r in (fused, per_op)]
-    assert torch.equal(logits[0], logits[1])
+    assert_layer_kernel_is_per_op(fused, per_op, random_prompts(2, (40, 9), vocab=200))
 
 
 @needs_kernel

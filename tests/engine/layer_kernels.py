@@ -1,0 +1,38 @@
+"""A runner's whole-layer kernel call against the same kernels called one by one from Python:
+the check the bf16 and the quantized layer kernels share."""
+
+from __future__ import annotations
+
+import torch
+from multiguess.engine.backends.cpu import bf16_kernel
+from multiguess.engine.placement import Placement
+from multiguess.engine.runner import NativeRunner
+from multiguess.engine.tree import TokenTree
+
+
+def assert_layer_kernel_is_per_op(
+    fused: NativeRunner, per_op: NativeRunner, prompts: list[list[int]]
+) -> None:
+    """``per_op`` runs its layers one kernel at a time (products, rotary with the cache write,
+    attention); after the two ``prompts`` are cached in both, a batch of two trees must give
+    ``fused``'s logits bit for bit."""
+
+    def layers(_: NativeRunner, x: torch.Tensor, at: Placement, *kernel: object) -> torch.Tensor:
+        r = per_op
+        rope = tuple(table[:, :, 0].contiguous() for table in at.rope)
+        mask = at.mask[:, 0].contiguous()
+        where = (torch.tensor(at.slots), at.write_from.to(torch.int64).contiguous())
+        for i, layer in enumerate(r.layers):
+            qkv = r.qkv[i](x, norm=layer.input_layernorm).view(*x.shape[:2], -1, r.head_dim).contiguous()
+            q = bf16_kernel.rope_into_cache(qkv, *rope, r.cache.kv[i], *where, r.num_heads)
+            out = bf16_kernel.attention(q, r.cache.kv[i], where[0], mask, r.attention_scale(i), at.length)
+            h = r.o[i](out, residual=x)
+            x = r.down[i](r.gate_up[i](h, norm=layer.post_attention_layernorm), gated=True, residual=h)
+        return x
+
+    per_op.backend._layers_in_kernels = layers
+    trees = [TokenTree((30, 41, 42, 43), (-1, 0, 0, 1)), TokenTree((7, 8), (-1, 0))]
+    for runner in (fused, per_op):
+        runner.forward_trees([0, 1], [0, 0], [TokenTree.chain(p) for p in prompts])
+    logits = [r.forward_trees([0, 1], [len(p) for p in prompts], trees) for r in (fused, per_op)]
+    assert torch.equal(logits[0], logits[1])
