@@ -69,6 +69,19 @@ def missing(command: str, what: str) -> list[str]:
     return [f"No result recorded yet: {what}. Run `{command}`; it writes `docs/bench/` and this page.", ""]
 
 
+def opening(heading: str, report: Report | None, command: str, what: str) -> list[str]:
+    """A section's heading, then the commit, machine and command of its recorded result, or
+    how to make the result (``what``) where none is recorded."""
+    if report is None:
+        return [heading, "", *missing(command, what)]
+    return [heading, "", provenance_line(report, command), ""]
+
+
+def serve_args(report: Report | None) -> str:
+    """The ``--serve-args`` a load run was given, as they go on its command line."""
+    return f" --serve-args '{report['serve_args']}'" if report and "serve_args" in report else ""
+
+
 # ---------------------------------------------------------------- engine (multiguess bench)
 
 
@@ -188,12 +201,12 @@ def latency(level: Report) -> list[float]:
 
 def load_section(report: Report | None) -> list[str]:
     command = ".venv/bin/python bench/serving_load.py"
-    lines = ["## Serving under load (`bench/serving_load.py`)", ""]
+    lines = opening(
+        "## Serving under load (`bench/serving_load.py`)", report, command, "the HTTP load benchmark"
+    )
     if report is None:
-        return lines + missing(command, "the HTTP load benchmark")
+        return lines
     lines += [
-        provenance_line(report, command),
-        "",
         f"Real `multiguess serve` processes on 127.0.0.1, embedded pair, greedy chat prompts, "
         f"{report['max_tokens']} tokens per request, {report['rounds']} requests per client (at least "
         f"{report['min_requests']} per level), {report['repeats']} repeats per level with the setups "
@@ -248,17 +261,18 @@ def shared_ratio(levels: list[Report], others: list[Report], key: str) -> list[s
 
 
 def shared_prompt_section(report: Report | None) -> list[str]:
-    command = ".venv/bin/python bench/serving_load.py --workload shared-prompt"
-    lines = ["## Serving with a shared system prompt (`bench/serving_load.py --workload shared-prompt`)", ""]
+    command = ".venv/bin/python bench/serving_load.py --workload shared-prompt" + serve_args(report)
+    lines = opening(
+        "## Serving with a shared system prompt (`bench/serving_load.py --workload shared-prompt`)",
+        report,
+        command,
+        "prefix caching and chunked prefill under load",
+    )
     if report is None:
-        return lines + missing(command, "prefix caching and chunked prefill under load")
+        return lines
     setups = setups_by_letter(report)
     prompt_tokens = next(iter(setups.values()))[0].get("prompt_tokens_p50")
-    if "serve_args" in report:
-        command += f" --serve-args '{report['serve_args']}'"
     lines += [
-        provenance_line(report, command),
-        "",
         f"Real `multiguess serve` processes, batched with speculation; every greedy chat request "
         f"opens with the same system prompt and its own user message ({prompt_tokens} prompt tokens "
         f"at the median), {report['max_tokens']} tokens per request, {report['rounds']} requests per "
@@ -290,15 +304,16 @@ def shared_prompt_section(report: Report | None) -> list[str]:
 
 
 def long_prompt_section(report: Report | None) -> list[str]:
-    command = ".venv/bin/python bench/serving_load.py --workload long-prompt"
-    lines = ["## A long prompt arriving during a stream (`bench/serving_load.py --workload long-prompt`)", ""]
+    command = ".venv/bin/python bench/serving_load.py --workload long-prompt" + serve_args(report)
+    lines = opening(
+        "## A long prompt arriving during a stream (`bench/serving_load.py --workload long-prompt`)",
+        report,
+        command,
+        "a running stream's pause while a long prompt is prefilled",
+    )
     if report is None:
-        return lines + missing(command, "a running stream's pause while a long prompt is prefilled")
-    if "serve_args" in report:
-        command += f" --serve-args '{report['serve_args']}'"
+        return lines
     lines += [
-        provenance_line(report, command),
-        "",
         f"Real `multiguess serve` processes with their default settings but the prefill: one greedy "
         f"stream runs while a request with a {report['long_tokens']}-token prompt (new token ids each "
         f"trial: no prefix cache helps) and one output token arrives; {report['repeats']} trials per "
@@ -338,10 +353,14 @@ def long_prompt_section(report: Report | None) -> list[str]:
 
 def remote_section(report: Report | None) -> list[str]:
     command = ".venv/bin/python bench/remote_overhead.py"
-    lines = ["## Remote draft overhead (`bench/remote_overhead.py`)", ""]
+    lines = opening(
+        "## Remote draft overhead (`bench/remote_overhead.py`)",
+        report,
+        command,
+        "the remote-draft overhead on loopback",
+    )
     if report is None:
-        return lines + missing(command, "the remote-draft overhead on loopback")
-    lines += [provenance_line(report, command), ""]
+        return lines
     t = report["transport"]
     lines += [
         f"Round trip of one step message ({t['request_bytes']} B request, {t['reply_bytes']} B reply) on "
@@ -398,12 +417,15 @@ def remote_section(report: Report | None) -> list[str]:
 
 def sampling_section(report: Report | None) -> list[str]:
     command = ".venv/bin/python bench/sampling_exactness.py"
-    lines = ["## Sampling exactness (`bench/sampling_exactness.py`)", ""]
+    lines = opening(
+        "## Sampling exactness (`bench/sampling_exactness.py`)",
+        report,
+        command,
+        "the sampling-exactness statistics",
+    )
     if report is None:
-        return lines + missing(command, "the sampling-exactness statistics")
+        return lines
     lines += [
-        provenance_line(report, command),
-        "",
         "The cases of `tests/engine/test_sampling_exact.py`: tiny models with an 8-token vocabulary, "
         "every 3-token continuation enumerated, so the target's exact distribution is known. A "
         "speculative sampler is exact when its samples are consistent with it (the test fails below "
@@ -431,12 +453,12 @@ def sampling_section(report: Report | None) -> list[str]:
 
 def grounded_section(report: Report | None) -> list[str]:
     command = ".venv/bin/python bench/grounded.py"
-    lines = ["## Grounded workloads (`bench/grounded.py`)", ""]
+    lines = opening(
+        "## Grounded workloads (`bench/grounded.py`)", report, command, "the grounded-workload results"
+    )
     if report is None:
-        return lines + missing(command, "the grounded-workload results")
+        return lines
     lines += [
-        provenance_line(report, command),
-        "",
         "Replies that copy their input (code edits, extraction and quotation, reformatting, answers "
         "quoting passages, an agent loop repeating tool-call JSON) and open chat as the control, "
         f"greedy, batch {report['batch']}, at most {report['max_tokens']} tokens, through the engine "
@@ -477,12 +499,15 @@ def grounded_load_section(report: Report | None) -> list[str]:
     """``bench/serving_load.py --workload grounded``: each workload's ratio to plain decoding,
     mean accepted length and identity by client count."""
     command = ".venv/bin/python bench/serving_load.py --workload grounded"
-    lines = ["## Grounded workloads under load (`bench/serving_load.py --workload grounded`)", ""]
+    lines = opening(
+        "## Grounded workloads under load (`bench/serving_load.py --workload grounded`)",
+        report,
+        command,
+        "the grounded workloads under load",
+    )
     if report is None:
-        return lines + missing(command, "the grounded workloads under load")
+        return lines
     lines += [
-        provenance_line(report, command),
-        "",
         "The grounded workloads' prompts as greedy chat completions over HTTP from several "
         "clients at once (the code edit with the original file as its `prediction`), at most "
         f"{report['max_tokens']} tokens, the embedded pair, `--max-batch {max(report['levels'])}`; "
@@ -546,13 +571,16 @@ def llama_cpp_command(report: Report | None) -> str:
 def llama_cpp_section(report: Report | None) -> list[str]:
     """multiguess and llama.cpp on the same GGUF files, prompts and threads, in one run."""
     command = llama_cpp_command(report)
-    lines = ["## Against llama.cpp on the same GGUF files (`bench/llama_cpp.py`)", ""]
+    lines = opening(
+        "## Against llama.cpp on the same GGUF files (`bench/llama_cpp.py`)",
+        report,
+        command,
+        "the llama.cpp comparison",
+    )
     if report is None:
-        return lines + missing(command, "the llama.cpp comparison")
+        return lines
     prompts = report["prompts"]
     lines += [
-        provenance_line(report, command),
-        "",
         f"llama.cpp's `llama-server` (built from the llama-cpp-python {report['llama_cpp_python']} sdist, "
         "native flags) and multiguess take turns prompt by prompt on the embedded target: its Q4_1 "
         "file as shipped and its bf16 conversion; the speculative methods draft with the shipped draft "
@@ -798,12 +826,15 @@ def headline(bench: Path) -> str:
 def quant_accuracy_section(report: Report | None) -> list[str]:
     """Each format's top-1 agreement and perplexity against bf16 (``bench/quant_accuracy.py``)."""
     command = QUANT_ACCURACY_COMMAND
-    lines = ["## Quantized formats against bf16 (`bench/quant_accuracy.py`)", ""]
+    lines = opening(
+        "## Quantized formats against bf16 (`bench/quant_accuracy.py`)",
+        report,
+        command,
+        "the quantized formats' accuracy",
+    )
     if report is None:
-        return lines + missing(command, "the quantized formats' accuracy")
+        return lines
     lines += [
-        provenance_line(report, command),
-        "",
         "Each model run as served (bf16 activations; quantized linears on the integer kernels, "
         "their inputs in Q8 blocks) over one fixed English text, teacher-forced. Top-1 "
         "agreement: the share of positions whose most likely next token is the bf16 model's. "
