@@ -228,10 +228,12 @@ class AdaptivePolicy:
         Plans are remembered, and read their inputs to two decimals (finer differences change
         no plan): while drafting is off nothing they read changes from step to step, and while
         it is on, every step's verified tree moves the estimates by a little."""
-        kinds = tuple(collections.Counter(c.rounded(PLAN_DIGITS) for c in coverages).items())
+        kinds: collections.Counter[Coverage] = collections.Counter()
+        for coverage, count in collections.Counter(coverages).items():  # a batch holds one or two
+            kinds[coverage.rounded(PLAN_DIGITS)] += count
         cost = forward_cost or ForwardCost()
         ratios = round(cost_ratio, PLAN_DIGITS), round(step_ratio, PLAN_DIGITS)
-        return self._plan(base, kinds, len(coverages), ratios[0], cost, ratios[1])
+        return self._plan(base, tuple(kinds.items()), len(coverages), ratios[0], cost, ratios[1])
 
     @functools.lru_cache(maxsize=1024)  # noqa: B019 - policies are few and live as long as engines
     def _plan(
