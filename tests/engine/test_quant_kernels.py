@@ -92,6 +92,22 @@ def test_the_product_of_q8_rows_and_the_weight_blocks(kind: str, variant: str) -
 
 
 @needs_kernel
+def test_bf16_outputs_are_the_fp32_ones_rounded_as_torch_rounds(variant: str) -> None:
+    """bf16 rows in, bf16 out: the fp32 result of the same rows (and residual) rounded to nearest
+    even, in whole tiles and in the last, partial one; NaN stays NaN."""
+    _, packed, bias = weights("q4_1", 67, 256, seed=6)
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 256, generator=generator).bfloat16()
+    residual = (torch.randn(5, 67, generator=generator) * 3).bfloat16()
+    residual[2, 5] = float("nan")
+    for extra in (None, residual):
+        half = quant_kernel.matmul(packed, x, bias, residual=extra)
+        wide = quant_kernel.matmul(packed, x.float(), bias, residual=None if extra is None else extra.float())
+        torch.testing.assert_close(half, wide.bfloat16(), rtol=0, atol=0, equal_nan=True)
+    assert half[2, 5].isnan()
+
+
+@needs_kernel
 @pytest.mark.parametrize("fused", ["norm", "gated", "residual"])
 def test_fused_inputs_and_residual(fused: str, variant: str) -> None:
     """RMSNorm, SiLU gating and the residual in the call: bf16 rows stay independent of the row

@@ -16,7 +16,9 @@
  * and every output lane accumulates alone, so a row's result does not depend on how many rows
  * come with it: speculation over quantized weights equals plain decoding of them bit for bit.
  * Up to ROWS input rows share each pass over a tile (the tile stays in L1 for the next rows),
- * so extra rows cost arithmetic, not memory traffic; tiles are split between OpenMP threads.
+ * so extra rows cost arithmetic, not memory traffic; their quantized inputs sit side by side
+ * (Prepared), the weights ahead are prefetched while a tile is multiplied, and tiles are split
+ * between OpenMP threads.
  *
  * Built per variant (quant_kernel.py: QUANT): AVX512-VNNI, AVX-VNNI and AVX2 (vpmaddubsw,
  * vpmaddwd) give the same integers; a portable C loop elsewhere.
@@ -36,6 +38,8 @@
 
 #define QK 32
 #define TILE 16
+#define AHEAD 4096 /* bytes of weights requested ahead of the block at hand (they stream from memory; a
+                      * prefetch never faults) */
 #if defined(__AVX512VNNI__)
 #define ROWS 8
 #else
@@ -47,6 +51,7 @@
 #define VECTOR static inline __attribute__((always_inline))
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef int8_t v16b __attribute__((vector_size(16)));
 
@@ -57,12 +62,21 @@ typedef struct {
   int64_t k, blocks, header, bytes;
 } Layout;
 
-/* Input rows in Q8 blocks: q [m][k], dx [m][blocks], sums [m][blocks][3] (dx * sum(q) of the
+/* Input rows in Q8 blocks, laid out for the passes over a tile: the rows in groups of ROWS and,
+ * per group and block of 32 inputs (a slab), q [8][ROWS][4] (4 consecutive inputs of each row
+ * side by side, what a vpdpbusd broadcasts), dx [ROWS] and sums [3][ROWS] (dx * sum(q) of the
  * block, of its first 16 and of its last 16). */
 typedef struct {
   int8_t *q;
   float *dx, *sums;
+  int64_t blocks;
 } Prepared;
+
+/* The slab of the group of rows from r0 (a multiple of ROWS) and of block b. */
+static inline int64_t slab(const Prepared *P, int64_t r0, int64_t b) { return r0 / ROWS * P->blocks + b; }
+
+/* Quads j of the slab: row r's inputs 4j .. 4j + 3 of the block at + 4 * (ROWS * j + r). */
+static inline const int8_t *quads(const Prepared *P, int64_t r0, int64_t b) { return P->q + slab(P, r0, b) * QK * ROWS; }
 
 static inline float half_to_float(const uint8_t *p) {
   uint16_t h;
@@ -151,6 +165,35 @@ VECTOR v16f vexp(v16f x) {
   return p * two_n;
 }
 
+/* v with its two halves swapped, its quarters within each half, and so on down to lanes:
+ * `width` lanes move. */
+VECTOR v16i swap_lanes(v16i v, int width) {
+  switch (width) {
+    case 8:
+      return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    case 4:
+      return __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    case 2:
+      return __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    default:
+      return __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  }
+}
+
+/* The largest lane of v, which holds no negative numbers (compared as integers: the same order). */
+VECTOR int32_t lanes_max(v16i v) {
+  for (int width = 8; width >= 1; width /= 2) {
+    const v16i other = swap_lanes(v, width), larger = other > v;
+    v = (other & larger) | (v & ~larger);
+  }
+  return v[0];
+}
+
+VECTOR int32_t lanes_total(v16i v) {
+  for (int width = 8; width >= 1; width /= 2) v += swap_lanes(v, width);
+  return v[0];
+}
+
 VECTOR float lanes_sum(v16f v) {
   float s = 0.0f;
   for (int i = 0; i < 16; i++) s += v[i];
@@ -187,31 +230,35 @@ static void input_row(const void *x, int64_t r, int64_t k, int bf16, const void 
   }
 }
 
-/* A row [k] in Q8 blocks: q [k], dx [blocks], sums [blocks][3]. */
-static void quantize_row(const float *row, int64_t k, int8_t *q, float *dx, float *sums) {
+/* Row r [k] of the input in Q8 blocks, into its place in P. */
+static void quantize_row(const float *row, int64_t k, const Prepared *P, int64_t r) {
   const v16f magic = (v16f){} + 12582912.0f;
+  const int64_t r0 = r - r % ROWS, at = r % ROWS;
   for (int64_t b = 0; b < k / QK; b++) {
     v16f halves[2];
     memcpy(halves, row + b * QK, sizeof halves);
-    const v16f a = vabs(halves[0]), c = vabs(halves[1]);
-    float top = 0.0f;
-    for (int i = 0; i < 16; i++) {
-      top = a[i] > top ? a[i] : top;
-      top = c[i] > top ? c[i] : top;
-    }
+    v16i a, c;
+    const v16f absolute[2] = {vabs(halves[0]), vabs(halves[1])};
+    memcpy(&a, &absolute[0], sizeof a);
+    memcpy(&c, &absolute[1], sizeof c);
+    const v16i larger = c > a;
+    const int32_t top_bits = lanes_max((c & larger) | (a & ~larger));
+    float top;
+    memcpy(&top, &top_bits, sizeof top);
     const float scale = top / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+    int8_t *q = P->q + slab(P, r0, b) * QK * ROWS + 4 * at;
     int32_t part[2];
     for (int h = 0; h < 2; h++) {
       const v16i ints = __builtin_convertvector((halves[h] * inverse + magic) - magic, v16i);
       const v16b bytes = __builtin_convertvector(ints, v16b);
-      memcpy(q + b * QK + 16 * h, &bytes, sizeof bytes);
-      part[h] = 0;
-      for (int i = 0; i < 16; i++) part[h] += ints[i];
+      for (int j = 0; j < 4; j++) memcpy(q + 4 * ROWS * (4 * h + j), (const int8_t *)&bytes + 4 * j, 4);
+      part[h] = lanes_total(ints);
     }
-    dx[b] = scale;
-    sums[3 * b] = scale * (float)(part[0] + part[1]);
-    sums[3 * b + 1] = scale * (float)part[0];
-    sums[3 * b + 2] = scale * (float)part[1];
+    float *dx = P->dx + slab(P, r0, b) * ROWS + at, *sums = P->sums + slab(P, r0, b) * 3 * ROWS + at;
+    dx[0] = scale;
+    sums[0] = scale * (float)(part[0] + part[1]);
+    sums[ROWS] = scale * (float)part[0];
+    sums[2 * ROWS] = scale * (float)part[1];
   }
 }
 
@@ -234,6 +281,9 @@ static inline __attribute__((always_inline)) void tile_pass(const uint8_t *tile,
   const __m512i nibble = _mm512_set1_epi8(0x0f);
   for (int64_t b = 0; b < L->blocks; b++) {
     const uint8_t *block = tile + b * L->bytes, *w = block + L->header;
+    for (int64_t line = 0; line < L->bytes; line += 64) _mm_prefetch((const char *)block + line + AHEAD, _MM_HINT_T0);
+    const int8_t *x = quads(P, r0, b);
+    const float *dx = P->dx + slab(P, r0, b) * ROWS, *sums = P->sums + slab(P, r0, b) * 3 * ROWS;
     __m512i lo[ROWS], hi[ROWS];
     for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm512_setzero_si512();
     for (int p = 0; p < 4; p++) {
@@ -247,10 +297,9 @@ static inline __attribute__((always_inline)) void tile_pass(const uint8_t *tile,
         wh = _mm512_loadu_si512(w + 64 * (p + 4));
       }
       for (int r = 0; r < R; r++) {
-        const int8_t *x = P->q + (r0 + r) * L->k + b * QK + 4 * p;
         int32_t xl, xh;
-        memcpy(&xl, x, 4);
-        memcpy(&xh, x + 16, 4);
+        memcpy(&xl, x + 4 * (ROWS * p + r), 4);
+        memcpy(&xh, x + 4 * (ROWS * (p + 4) + r), 4);
         lo[r] = _mm512_dpbusd_epi32(lo[r], wl, _mm512_set1_epi32(xl));
         hi[r] = _mm512_dpbusd_epi32(hi[r], wh, _mm512_set1_epi32(xh));
       }
@@ -258,21 +307,19 @@ static inline __attribute__((always_inline)) void tile_pass(const uint8_t *tile,
     if (L->groups == 1) {
       const __m512 scale = header16(block, L, 0), offset = header16(block, L, 1);
       for (int r = 0; r < R; r++) {
-        const int64_t at = (r0 + r) * L->blocks + b;
         const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[r], hi[r]));
-        f[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(P->dx[at])), f[r]);
-        f[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(P->sums[3 * at]), f[r]);
+        f[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(dx[r])), f[r]);
+        f[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[r]), f[r]);
       }
     } else {
       const __m512 scale_lo = header16(block, L, 0), scale_hi = header16(block, L, 1);
       const __m512 offset_lo = header16(block, L, 2), offset_hi = header16(block, L, 3);
       for (int r = 0; r < R; r++) {
-        const int64_t at = (r0 + r) * L->blocks + b;
-        const __m512 dx = _mm512_set1_ps(P->dx[at]);
-        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(scale_lo, dx), f[r]);
-        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(scale_hi, dx), f[r]);
-        f[r] = _mm512_fmadd_ps(offset_lo, _mm512_set1_ps(P->sums[3 * at + 1]), f[r]);
-        f[r] = _mm512_fmadd_ps(offset_hi, _mm512_set1_ps(P->sums[3 * at + 2]), f[r]);
+        const __m512 d = _mm512_set1_ps(dx[r]);
+        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(scale_lo, d), f[r]);
+        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(scale_hi, d), f[r]);
+        f[r] = _mm512_fmadd_ps(offset_lo, _mm512_set1_ps(sums[ROWS + r]), f[r]);
+        f[r] = _mm512_fmadd_ps(offset_hi, _mm512_set1_ps(sums[2 * ROWS + r]), f[r]);
       }
     }
   }
@@ -311,6 +358,10 @@ static inline __attribute__((always_inline)) void tile_pass(const uint8_t *tile,
     for (int r = 0; r < R; r++) f[r] = o[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < L->blocks; b++) {
       const uint8_t *block = tile + b * L->bytes, *w = block + L->header + 32 * half;
+      if (half == 0)
+        for (int64_t line = 0; line < L->bytes; line += 64) _mm_prefetch((const char *)block + line + AHEAD, _MM_HINT_T0);
+      const int8_t *x = quads(P, r0, b);
+      const float *dx = P->dx + slab(P, r0, b) * ROWS, *sums = P->sums + slab(P, r0, b) * 3 * ROWS;
       __m256i lo[ROWS], hi[ROWS];
       for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_si256();
       for (int p = 0; p < 4; p++) {
@@ -324,27 +375,24 @@ static inline __attribute__((always_inline)) void tile_pass(const uint8_t *tile,
           wh = _mm256_loadu_si256((const __m256i *)(w + 64 * (p + 4)));
         }
         for (int r = 0; r < R; r++) {
-          const int8_t *x = P->q + (r0 + r) * L->k + b * QK + 4 * p;
           int32_t xl, xh;
-          memcpy(&xl, x, 4);
-          memcpy(&xh, x + 16, 4);
+          memcpy(&xl, x + 4 * (ROWS * p + r), 4);
+          memcpy(&xh, x + 4 * (ROWS * (p + 4) + r), 4);
           lo[r] = dot(lo[r], wl, _mm256_set1_epi32(xl), L->bits);
           hi[r] = dot(hi[r], wh, _mm256_set1_epi32(xh), L->bits);
         }
       }
       for (int r = 0; r < R; r++) {
-        const int64_t at = (r0 + r) * L->blocks + b;
-        const __m256 dx = _mm256_set1_ps(P->dx[at]);
-        const float *sums = P->sums + 3 * at;
+        const __m256 d = _mm256_set1_ps(dx[r]);
         if (L->groups == 1) {
-          const __m256 d = _mm256_cvtepi32_ps(_mm256_add_epi32(lo[r], hi[r]));
-          f[r] = _mm256_fmadd_ps(d, _mm256_mul_ps(header8(block, L, 0, half), dx), f[r]);
-          o[r] = _mm256_fmadd_ps(header8(block, L, 1, half), _mm256_set1_ps(sums[0]), o[r]);
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(lo[r], hi[r]));
+          f[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(header8(block, L, 0, half), d), f[r]);
+          o[r] = _mm256_fmadd_ps(header8(block, L, 1, half), _mm256_set1_ps(sums[r]), o[r]);
         } else {
-          f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[r]), _mm256_mul_ps(header8(block, L, 0, half), dx), f[r]);
-          f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r]), _mm256_mul_ps(header8(block, L, 1, half), dx), f[r]);
-          o[r] = _mm256_fmadd_ps(header8(block, L, 2, half), _mm256_set1_ps(sums[1]), o[r]);
-          o[r] = _mm256_fmadd_ps(header8(block, L, 3, half), _mm256_set1_ps(sums[2]), o[r]);
+          f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[r]), _mm256_mul_ps(header8(block, L, 0, half), d), f[r]);
+          f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r]), _mm256_mul_ps(header8(block, L, 1, half), d), f[r]);
+          o[r] = _mm256_fmadd_ps(header8(block, L, 2, half), _mm256_set1_ps(sums[ROWS + r]), o[r]);
+          o[r] = _mm256_fmadd_ps(header8(block, L, 3, half), _mm256_set1_ps(sums[2 * ROWS + r]), o[r]);
         }
       }
     }
@@ -368,17 +416,17 @@ static inline __attribute__((always_inline)) void tile_pass(const uint8_t *tile,
       float f = 0.0f, o = 0.0f;
       for (int64_t b = 0; b < L->blocks; b++) {
         const uint8_t *block = tile + b * L->bytes, *w = block + L->header;
-        const int64_t at = (r0 + r) * L->blocks + b;
-        const int8_t *x = P->q + (r0 + r) * L->k + b * QK;
+        const int8_t *x = quads(P, r0, b);
+        const float dx = P->dx[slab(P, r0, b) * ROWS + r], *sums = P->sums + slab(P, r0, b) * 3 * ROWS + r;
         int32_t dots[2] = {0, 0};
-        for (int i = 0; i < QK; i++) dots[i / 16] += weight(w, L->bits, c, i) * x[i];
+        for (int i = 0; i < QK; i++) dots[i / 16] += weight(w, L->bits, c, i) * x[4 * (ROWS * (i / 4) + r) + i % 4];
         if (L->groups == 1) {
-          f += (float)(dots[0] + dots[1]) * (header_value(block, L, 0, c) * P->dx[at]);
-          o += header_value(block, L, 1, c) * P->sums[3 * at];
+          f += (float)(dots[0] + dots[1]) * (header_value(block, L, 0, c) * dx);
+          o += header_value(block, L, 1, c) * sums[0];
         } else {
           for (int g = 0; g < 2; g++) {
-            f += (float)dots[g] * (header_value(block, L, g, c) * P->dx[at]);
-            o += header_value(block, L, 2 + g, c) * P->sums[3 * at + 1 + g];
+            f += (float)dots[g] * (header_value(block, L, g, c) * dx);
+            o += header_value(block, L, 2 + g, c) * sums[ROWS * (1 + g)];
           }
         }
       }
@@ -431,6 +479,28 @@ static inline void store(void *p, int64_t i, float f, int bf16) {
                                                           : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+/* y[i .. i + 16) = v + bias (+ residual), each as `store` writes it. */
+static inline void store_tile(void *y, int64_t i, const float *v, const float *bias, const void *residual, int bf16) {
+  v16f f;
+  memcpy(&f, v, sizeof f);
+  if (bias) {
+    v16f b;
+    memcpy(&b, bias, sizeof b);
+    f += b;
+  }
+  if (residual) f = load16(residual, i, bf16) + f;
+  if (!bf16) {
+    memcpy((float *)y + i, &f, sizeof f);
+    return;
+  }
+  v16u bits;
+  memcpy(&bits, &f, sizeof bits);
+  const v16u nan = (v16u)((bits & 0x7fffffffu) > 0x7f800000u);
+  const v16u even = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16, quiet = (bits >> 16) | 0x40u;
+  const v16h halves = __builtin_convertvector((quiet & nan) | (even & ~nan), v16h);
+  memcpy((uint16_t *)y + i, &halves, sizeof halves);
+}
+
 /* One repacked weight [n][k] as the kernels read it (quant_kernel.py: QuantWeight): ceil(n / 16)
  * tiles of the layout (bits, groups, wide), its bias [n] fp32 or NULL. */
 typedef struct {
@@ -449,8 +519,9 @@ int multiguess_quant_matmul(const multiguess_quant_weight *W, const void *x, voi
   const int64_t k = W->k, n = W->n, blocks = k / QK;
   const int64_t header = 2 * W->groups * TILE * (W->wide ? 4 : 2);
   const Layout L = {W->bits, W->groups, W->wide, k, blocks, header, header + TILE * QK * W->bits / 8};
-  Prepared P = {malloc((size_t)(m * k)), malloc((size_t)(m * blocks) * sizeof(float)),
-                malloc((size_t)(m * blocks * 3) * sizeof(float))};
+  const int64_t padded = (m + ROWS - 1) / ROWS * ROWS;
+  Prepared P = {malloc((size_t)(padded * k)), malloc((size_t)(padded * blocks) * sizeof(float)),
+                malloc((size_t)(padded * blocks * 3) * sizeof(float)), blocks};
   float *rows = malloc((size_t)(threads * k) * sizeof(float));
   if (!P.q || !P.dx || !P.sums || !rows) {
     free(P.q), free(P.dx), free(P.sums), free(rows);
@@ -467,7 +538,7 @@ int multiguess_quant_matmul(const multiguess_quant_weight *W, const void *x, voi
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; r++) {
       input_row(x, r, k, bf16, norm_weight, eps, gated, row);
-      quantize_row(row, k, P.q + r * k, P.dx + r * blocks, P.sums + r * blocks * 3);
+      quantize_row(row, k, &P, r);
     }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
@@ -478,6 +549,10 @@ int multiguess_quant_matmul(const multiguess_quant_weight *W, const void *x, voi
         const int64_t count = m - r0 < ROWS ? m - r0 : ROWS;
         tile_rows(tile, &L, &P, r0, count, out);
         for (int64_t r = 0; r < count; r++) {
+          if (columns == TILE) {
+            store_tile(y, (r0 + r) * n + j0, out[r], W->bias ? W->bias + j0 : NULL, residual, bf16);
+            continue;
+          }
           for (int64_t c = 0; c < columns; c++) {
             const int64_t i = (r0 + r) * n + j0 + c;
             const float v = out[r][c] + (W->bias ? W->bias[j0 + c] : 0.0f);
