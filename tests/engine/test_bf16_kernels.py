@@ -200,7 +200,7 @@ def test_attention_of_keys_scattered_among_hidden_ones_is_that_of_the_keys_side_
 
 
 @needs_kernel
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 16), (4, 2, 32)])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 16), (4, 2, 32), (14, 2, 64)])
 def test_attention_matches_scaled_dot_product_attention(heads: int, kv_heads: int, dim: int) -> None:
     torch.manual_seed(5)
     batch, width, capacity, length = 2, 5, 40, 33
@@ -219,6 +219,28 @@ def test_attention_matches_scaled_dot_product_attention(heads: int, kv_heads: in
     expected = expected.transpose(1, 2).reshape(batch, width, heads * dim)
     assert out.dtype == torch.bfloat16
     assert torch.allclose(out.float(), expected, rtol=2**-7, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dim", [64, 128, 32])
+def test_a_heads_attention_is_the_same_bits_whichever_heads_share_its_pass(dim: int) -> None:
+    """Query heads of one key/value head are attended together, a few at a time (7 heads: 4 and
+    3 on AVX-512); each head's output is the bits of that head attended alone."""
+    generator = torch.Generator().manual_seed(12)
+    heads, length = 7, 70
+    queries = torch.randn(2, 3, heads, dim, generator=generator)
+    cache = torch.randn(1, 2, length, dim, generator=generator)
+    mask = torch.zeros(2, 3, length).masked_fill_(
+        torch.rand(2, 3, length, generator=generator) < 0.3, float("-inf")
+    )
+    mask[..., 0] = 0.0
+    slots = torch.tensor([0, 0])
+    together = bf16_kernel.attention(queries, cache, slots, mask, dim**-0.5, length).view(2, 3, heads, dim)
+    for h in range(heads):
+        alone = bf16_kernel.attention(
+            queries[:, :, h : h + 1].contiguous(), cache, slots, mask, dim**-0.5, length
+        )
+        assert torch.equal(alone.view(2, 3, dim), together[:, :, h]), f"head {h}"
 
 
 # Trees whose paths skip siblings, so a node's ancestors sit in the cache with gaps between them

@@ -164,54 +164,115 @@ void multiguess_bf16_rope_cache(const uint16_t *qkv, const uint16_t *cos, const 
   }
 }
 
-/* One query head's attention over `length` cached keys and values (dim % 16 == 0, dim <= 256),
- * skipping keys its additive mask row hides (-inf). Keys are visited in cache order and hidden
- * ones add nothing, so the result depends only on the visible keys' values and order: a tree
- * node and the same token decoded alone get the same bits. */
-static void attend(const float *q, const float *keys, const float *values, const float *mask,
-                   int64_t length, int64_t dim, float scale, float *scores, uint16_t *out) {
-  const int64_t blocks = dim / VLANES;
-  float top = -INFINITY;
+/* Query heads that share a key/value head, attended together at most this many at a time: each
+ * key and value is read once for all of them, and their sums make independent chains. */
+#define MAX_SHARED 4
+
+/* The attention of n query heads q [n][dim] that read the same cached keys and values, over
+ * `length` of them (dim % 16 == 0, dim <= 256), skipping keys their additive mask row hides
+ * (-inf); scores [n][length + 16], out [n][dim]. Each head's arithmetic is that of the head
+ * alone: keys are visited in cache order and hidden ones add nothing, so the result depends only
+ * on the visible keys' values and order (a tree node and the same token decoded alone get the
+ * same bits), never on which heads come along. */
+static inline __attribute__((always_inline)) void attend(const float *q, const float *keys, const float *values,
+                                                         const float *mask, int64_t length, int64_t dim,
+                                                         float scale, float *scores, uint16_t *out, const int n,
+                                                         const int64_t blocks) {
+  const int64_t stride = length + 16;
+  vec query[MAX_SHARED][256 / VLANES];
+  float top[MAX_SHARED];
+  for (int h = 0; h < n; h++) {
+    top[h] = -INFINITY;
+    for (int64_t c = 0; c < blocks; c++) query[h][c] = vload(q + h * dim + VLANES * c);
+  }
   for (int64_t j = 0; j < length; j++) {
     if (mask[j] == -INFINITY) {
-      scores[j] = -INFINITY;
+      for (int h = 0; h < n; h++) scores[h * stride + j] = -INFINITY;
       continue;
     }
     const float *key = keys + j * dim;
-    vec dot = vmul(vload(q), vload(key));
-    for (int64_t c = 1; c < blocks; c++) dot = vfma(vload(q + VLANES * c), vload(key + VLANES * c), dot);
-    scores[j] = vsum(dot) * scale + mask[j];
-    top = scores[j] > top ? scores[j] : top;
+    for (int h = 0; h < n; h++) {
+      vec dot = vmul(query[h][0], vload(key));
+      for (int64_t c = 1; c < blocks; c++) dot = vfma(query[h][c], vload(key + VLANES * c), dot);
+      const float score = vsum(dot) * scale + mask[j];
+      scores[h * stride + j] = score;
+      top[h] = score > top[h] ? score : top[h];
+    }
   }
-  for (int64_t j = 0; j < length; j += VLANES) exp_shifted(scores + j, length - j < VLANES ? length - j : VLANES, top);
-  vec acc[256 / VLANES];
-  for (int64_t c = 0; c < blocks; c++) acc[c] = vzero();
-  float total = 0.0f;
+  for (int h = 0; h < n; h++)
+    for (int64_t j = 0; j < length; j += VLANES)
+      exp_shifted(scores + h * stride + j, length - j < VLANES ? length - j : VLANES, top[h]);
+  vec acc[MAX_SHARED][256 / VLANES];
+  float total[MAX_SHARED];
+  for (int h = 0; h < n; h++) {
+    total[h] = 0.0f;
+    for (int64_t c = 0; c < blocks; c++) acc[h][c] = vzero();
+  }
   for (int64_t j = 0; j < length; j++) {
-    if (scores[j] == 0.0f) continue;
-    total += scores[j];
-    const vec weight = vsplat(scores[j]);
     const float *value = values + j * dim;
-    for (int64_t c = 0; c < blocks; c++) acc[c] = vfma(weight, vload(value + VLANES * c), acc[c]);
+    for (int h = 0; h < n; h++) {
+      const float weight = scores[h * stride + j];
+      if (weight == 0.0f) continue;
+      total[h] += weight;
+      for (int64_t c = 0; c < blocks; c++) acc[h][c] = vfma(vsplat(weight), vload(value + VLANES * c), acc[h][c]);
+    }
   }
-  const vec inverse = vsplat(1.0f / total);
-  for (int64_t c = 0; c < blocks; c++) vstore_bf16(out + VLANES * c, vmul(acc[c], inverse));
+  for (int h = 0; h < n; h++) {
+    const vec inverse = vsplat(1.0f / total[h]);
+    for (int64_t c = 0; c < blocks; c++) vstore_bf16(out + h * dim + VLANES * c, vmul(acc[h][c], inverse));
+  }
 }
+
+/* attend with the head count and the common head sizes' vector counts as constants, so the
+ * sums stay in registers. */
+#define ATTEND(n, blocks) attend(q, keys, values, mask, length, dim, scale, scores, out, n, blocks)
+#define HEADS(blocks)    \
+  switch (n) {           \
+    case 4:              \
+      ATTEND(4, blocks); \
+      break;             \
+    case 3:              \
+      ATTEND(3, blocks); \
+      break;             \
+    case 2:              \
+      ATTEND(2, blocks); \
+      break;             \
+    default:             \
+      ATTEND(1, blocks); \
+  }
+static void attend_heads(const float *q, const float *keys, const float *values, const float *mask, int64_t length,
+                         int64_t dim, float scale, float *scores, uint16_t *out, int n) {
+  switch (dim / VLANES) {
+    case 4:
+      HEADS(4);
+      break;
+    case 8:
+      HEADS(8);
+      break;
+    default:
+      HEADS(dim / VLANES);
+  }
+}
+#undef HEADS
+#undef ATTEND
 
 /* Attention of fp32 queries [b][t][heads][dim] over one layer's cache [slots][2 * kv_heads]
  * [capacity][dim] (keys, then values) for sequence b's slot slots[b], rows [0, length), under
  * an additive mask [b][t][length] (0 or -inf); query head h reads key/value head h / (heads /
- * kv_heads). Output bf16 [b][t][heads * dim], the dtype the o projection takes. Returns -1 when
- * out of memory. */
+ * kv_heads). The heads of a key/value head go together, `shared` at a time (as many as keep
+ * their sums in half the vector registers, at most MAX_SHARED). Output bf16 [b][t][heads * dim],
+ * the dtype the o projection takes. Returns -1 when out of memory. */
 int multiguess_attention(const float *queries, const float *cache, const int64_t *slots,
                          const float *mask, uint16_t *out, int64_t batch, int64_t width,
                          int64_t heads, int64_t kv_heads, int64_t dim, int64_t capacity,
                          int64_t length, float scale, int threads) {
-  const int64_t group = heads / kv_heads, items = batch * width * heads;
+  const int64_t group = heads / kv_heads, fit = VREGISTERS / 2 / (dim / VLANES);
+  const int64_t shared = fit < 1 ? 1 : fit > MAX_SHARED ? MAX_SHARED : fit;
+  const int64_t chunks = (group + shared - 1) / shared, items = batch * width * kv_heads * chunks;
   bool failed = false;
 #pragma omp parallel num_threads(threads)
   {
-    float *scores = malloc((size_t)(length + 16) * sizeof *scores);
+    float *scores = malloc((size_t)(MAX_SHARED * (length + 16)) * sizeof *scores);
     if (!scores) {
 #pragma omp atomic write
       failed = true;
@@ -219,12 +280,13 @@ int multiguess_attention(const float *queries, const float *cache, const int64_t
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < items; item++) {
       if (!scores) continue;
-      const int64_t row = item / heads, h = item % heads, b = row / width;
+      const int64_t row = item / (kv_heads * chunks), kv = item / chunks % kv_heads, b = row / width;
+      const int64_t first = kv * group + item % chunks * shared;
+      const int64_t n = kv * group + group - first < shared ? kv * group + group - first : shared;
       const float *slot = cache + slots[b] * 2 * kv_heads * capacity * dim;
-      const float *keys = slot + (h / group) * capacity * dim;
-      const float *values = slot + (kv_heads + h / group) * capacity * dim;
-      attend(queries + item * dim, keys, values, mask + row * length, length, dim, scale, scores,
-             out + item * dim);
+      const float *keys = slot + kv * capacity * dim, *values = slot + (kv_heads + kv) * capacity * dim;
+      const int64_t at = (row * heads + first) * dim;
+      attend_heads(queries + at, keys, values, mask + row * length, length, dim, scale, scores, out + at, (int)n);
     }
     free(scores);
   }

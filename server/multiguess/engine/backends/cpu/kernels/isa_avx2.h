@@ -262,6 +262,7 @@ static void panel_product(const uint16_t *panel, const uint16_t *x, const float 
 /* What attention (bf16_kernels.c: attend) computes with: VLANES fp32 lanes. */
 #define VLANES 8
 typedef __m256 vec;
+#define VREGISTERS 16 /* vector registers */
 static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
 static inline vec vsplat(float f) { return _mm256_set1_ps(f); }
 static inline vec vzero(void) { return _mm256_setzero_ps(); }

@@ -173,6 +173,7 @@ static void configure_tiles(void) {
 /* What attention (bf16_kernels.c: attend) computes with: VLANES fp32 lanes. */
 #define VLANES 16
 typedef __m512 vec;
+#define VREGISTERS 32 /* vector registers */
 static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
 static inline vec vsplat(float f) { return _mm512_set1_ps(f); }
 static inline vec vzero(void) { return _mm512_setzero_ps(); }
