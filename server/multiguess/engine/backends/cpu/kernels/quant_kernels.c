@@ -535,7 +535,7 @@ int multiguess_quant_matmul(const multiguess_quant_weight *W, const void *x, voi
 #else
     float *row = rows;
 #endif
-#pragma omp for schedule(static)
+#pragma omp for schedule(static, ROWS) /* a group's rows share cache lines: one thread writes them */
     for (int64_t r = 0; r < m; r++) {
       input_row(x, r, k, bf16, norm_weight, eps, gated, row);
       quantize_row(row, k, &P, r);
