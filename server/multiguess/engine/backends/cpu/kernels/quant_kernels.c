@@ -38,8 +38,8 @@
 
 #define QK 32
 #define TILE 16
-#define AHEAD 4096 /* bytes of weights requested ahead of the block at hand (they stream from memory; a
-                      * prefetch never faults) */
+#define AHEAD 4096 /* bytes of weights requested ahead of the block at hand, on a tile's first pass (they
+                      * stream from memory; a prefetch never faults) */
 #if defined(__AVX512VNNI__)
 #define ROWS 8
 #else
@@ -281,7 +281,8 @@ static inline __attribute__((always_inline)) void tile_pass(const uint8_t *tile,
   const __m512i nibble = _mm512_set1_epi8(0x0f);
   for (int64_t b = 0; b < L->blocks; b++) {
     const uint8_t *block = tile + b * L->bytes, *w = block + L->header;
-    for (int64_t line = 0; line < L->bytes; line += 64) _mm_prefetch((const char *)block + line + AHEAD, _MM_HINT_T0);
+    if (r0 == 0)
+      for (int64_t line = 0; line < L->bytes; line += 64) _mm_prefetch((const char *)block + line + AHEAD, _MM_HINT_T0);
     const int8_t *x = quads(P, r0, b);
     const float *dx = P->dx + slab(P, r0, b) * ROWS, *sums = P->sums + slab(P, r0, b) * 3 * ROWS;
     __m512i lo[ROWS], hi[ROWS];
@@ -358,7 +359,7 @@ static inline __attribute__((always_inline)) void tile_pass(const uint8_t *tile,
     for (int r = 0; r < R; r++) f[r] = o[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < L->blocks; b++) {
       const uint8_t *block = tile + b * L->bytes, *w = block + L->header + 32 * half;
-      if (half == 0)
+      if (half == 0 && r0 == 0)
         for (int64_t line = 0; line < L->bytes; line += 64) _mm_prefetch((const char *)block + line + AHEAD, _MM_HINT_T0);
       const int8_t *x = quads(P, r0, b);
       const float *dx = P->dx + slab(P, r0, b) * ROWS, *sums = P->sums + slab(P, r0, b) * 3 * ROWS;
