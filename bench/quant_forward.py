@@ -2,7 +2,7 @@
 
 Loads the embedded SmolLM2-135M as its Q4_1 GGUF (linears on the integer kernels) and as its
 bf16 conversion (the bf16 kernels), caches a 256-token prefix in each, then times forwards of
-1, 4 and 8 tokens (a chain after the prefix), the two models interleaved, medians over the
+1, 4, 8, 16 and 32 tokens (a chain after the prefix), the two models interleaved, medians over the
 repeats; then plain greedy decoding of a few chat prompts, alternating, in tokens/s. Prints
 one JSON object (``--out`` also writes it).
 
@@ -24,7 +24,7 @@ from multiguess.engine.tree import TokenTree
 from multiguess.models.embedded import locate_target_gguf, prepare_target
 from multiguess.models.loading import load_model
 
-WIDTHS = (1, 4, 8)
+WIDTHS = (1, 4, 8, 16, 32)
 PROMPTS = [
     "Explain how a hash map handles collisions.",
     "Write a short poem about the sea at night.",
@@ -82,7 +82,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "repeats": args.repeats,
         "forward_ms": forward,
-        "ratio_8_to_1": {name: by[8] / by[1] for name, by in forward.items()},
+        "ratio_to_1": {name: {w: by[w] / by[1] for w in WIDTHS[1:]} for name, by in forward.items()},
         "plain_tokens_per_s": plain_tokens_per_s(models, args.rounds, args.tokens),
     }
     result["plain_q4_1_over_bf16"] = (
