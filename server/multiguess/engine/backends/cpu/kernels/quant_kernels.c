@@ -56,10 +56,10 @@ typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef int8_t v16b __attribute__((vector_size(16)));
 
 /* One repacked weight: 4 or 8 bits a weight, 1 or 2 scale groups a block, fp32 (wide) or fp16
- * header; bytes of a tile's block and of its header. */
+ * header; blocks of 32 inputs a tile holds, bytes of its header and of a whole block. */
 typedef struct {
   int bits, groups, wide;
-  int64_t k, blocks, header, bytes;
+  int64_t blocks, header, bytes;
 } Layout;
 
 /* Input rows in Q8 blocks, laid out for the passes over a tile: the rows in groups of ROWS and,
@@ -519,7 +519,7 @@ int multiguess_quant_matmul(const multiguess_quant_weight *W, const void *x, voi
   if (m == 0) return 0;
   const int64_t k = W->k, n = W->n, blocks = k / QK;
   const int64_t header = 2 * W->groups * TILE * (W->wide ? 4 : 2);
-  const Layout L = {W->bits, W->groups, W->wide, k, blocks, header, header + TILE * QK * W->bits / 8};
+  const Layout L = {W->bits, W->groups, W->wide, blocks, header, header + TILE * QK * W->bits / 8};
   const int64_t padded = (m + ROWS - 1) / ROWS * ROWS;
   Prepared P = {malloc((size_t)(padded * k)), malloc((size_t)(padded * blocks) * sizeof(float)),
                 malloc((size_t)(padded * blocks * 3) * sizeof(float)), blocks};
