@@ -5,7 +5,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from multiguess.benchmark import MethodResult, engine_generator
 from multiguess.cli import main
+from multiguess.engine.config import EngineConfig
+from multiguess.engine.engine import Engine
+from multiguess.models.loading import load_model
+from multiguess.params import SamplingParams
 
 from tests.engine.test_eagle3 import saved_head
 
@@ -70,3 +75,26 @@ def test_bench_writes_results_table_and_plot(
     assert "Hand-written" not in doc and "| multiguess tree |" in doc
     assert f"Commit `{report['commit']}`" in doc and "## Engine, float32" in doc
     assert (out / "img" / "bench-float32.png").stat().st_size > 1000
+
+
+def test_the_engine_methods_decode_every_request_fresh(tiny_llama: Path) -> None:
+    """Repeats run the same prompts: each request is its own cache scope, so none reuses an
+    earlier one's prompt KV (or copies its reply) and every repeat measures a fresh prompt."""
+    engine = Engine(load_model(str(tiny_llama), dtype="float32"), None, EngineConfig(max_model_len=128))
+    requests = []
+    add = engine.add_request
+
+    def recorded(*args: object, **kwargs: object) -> object:
+        requests.append(add(*args, **kwargs))
+        return requests[-1]
+
+    engine.add_request = recorded
+    run = engine_generator(engine, 6, MethodResult("multiguess plain"))
+    prompt = list(range(3, 60))
+    assert run(prompt) == run(prompt)
+    assert [seq.cached_tokens for seq in requests] == [0, 0]
+    for name in ("first", "second"):  # the same prompt without scopes of its own: cached
+        engine.add_request(name, prompt, SamplingParams(max_tokens=6))
+        while engine.has_unfinished():
+            engine.step()
+    assert requests[-1].cached_tokens > 0

@@ -13,6 +13,7 @@ which bound what speculation can gain on the machine.
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import statistics
 import time
@@ -122,8 +123,15 @@ def hf_generator(target: LoadedModel, max_tokens: int, assistant: LoadedModel | 
 def engine_generator(
     engine: Engine, max_tokens: int, result: MethodResult, temperature: float = 0.0
 ) -> Generator:
+    """Each call one request decoded fresh, in a cache scope of its own (``cache_salt``), as
+    transformers' ``generate`` keeps nothing between calls: no request reuses an earlier one's
+    prompt KV or copies its reply (the recent-output index), which repeats of the same prompts
+    would otherwise turn into speed that no new prompt gets."""
+    requests = itertools.count()
+
     def run(prompt: list[int]) -> list[int]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0)
+        salt = f"bench-{next(requests)}"
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0, cache_salt=salt)
         seq = engine.add_request("bench", prompt, params)
         while engine.has_unfinished():
             engine.step()
