@@ -87,6 +87,8 @@ def serve_args(report: Report | None) -> str:
 
 def engine_command(report: Report) -> str:
     parts = ["multiguess bench", f"--dtype {report['dtype']}"]
+    if report.get("quantization") not in (None, "auto"):
+        parts.append(f"--quantization {report['quantization']}")
     defaults = {"max_tokens": 96, "repeats": 3}
     parts += [f"--{k.replace('_', '-')} {report[k]}" for k, v in defaults.items() if report.get(k, v) != v]
     return " ".join(parts)

@@ -34,6 +34,13 @@ def test_every_recorded_result_names_its_commit_machine_and_command() -> None:
         assert "Reproduce: `" in section or "No result recorded yet" in section or "Not yet run" in section
 
 
+def test_an_engine_run_is_reproduced_with_the_weights_it_had() -> None:
+    """On CPUs the embedded target defaults to its Q4_1 file: a bf16 run says so."""
+    run = {"dtype": "bfloat16", "quantization": "none", "max_tokens": 96, "repeats": 3}
+    assert bench_docs.engine_command(run) == "multiguess bench --dtype bfloat16 --quantization none"
+    assert bench_docs.engine_command({**run, "quantization": "auto"}) == "multiguess bench --dtype bfloat16"
+
+
 def test_empty_results_render_as_not_yet_measured(tmp_path: Path) -> None:
     (tmp_path / "bench").mkdir()
     page = bench_docs.render(tmp_path)

@@ -132,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         "target": target.name,
         "draft": draft.name,
         "eagle3_head": str(head) if head is not None else None,
+        "quantization": args.quantization,
         "draft_quantization": args.draft_quantization,
         "tree": {"num_candidates": args.num_candidates, "depth": args.depth, "max_nodes": args.max_nodes},
         "chain_depth": chain_cfg.depth,
