@@ -175,10 +175,10 @@ void multiguess_bf16_rope_cache(const uint16_t *qkv, const uint16_t *cos, const 
  * on the visible keys' values and order (a tree node and the same token decoded alone get the
  * same bits), never on which heads come along. */
 static inline __attribute__((always_inline)) void attend(const float *q, const float *keys, const float *values,
-                                                         const float *mask, int64_t length, int64_t dim,
-                                                         float scale, float *scores, uint16_t *out, const int n,
+                                                         const float *mask, int64_t length, float scale,
+                                                         float *scores, uint16_t *out, const int n,
                                                          const int64_t blocks) {
-  const int64_t stride = length + 16;
+  const int64_t dim = blocks * VLANES, stride = length + 16;
   vec query[MAX_SHARED][256 / VLANES];
   float top[MAX_SHARED];
   for (int h = 0; h < n; h++) {
@@ -225,7 +225,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
 
 /* attend with the head count and the common head sizes' vector counts as constants, so the
  * sums stay in registers. */
-#define ATTEND(n, blocks) attend(q, keys, values, mask, length, dim, scale, scores, out, n, blocks)
+#define ATTEND(n, blocks) attend(q, keys, values, mask, length, scale, scores, out, n, blocks)
 #define HEADS(blocks)    \
   switch (n) {           \
     case 4:              \
@@ -281,8 +281,8 @@ int multiguess_attention(const float *queries, const float *cache, const int64_t
     for (int64_t item = 0; item < items; item++) {
       if (!scores) continue;
       const int64_t row = item / (kv_heads * chunks), kv = item / chunks % kv_heads, b = row / width;
-      const int64_t first = kv * group + item % chunks * shared;
-      const int64_t n = kv * group + group - first < shared ? kv * group + group - first : shared;
+      const int64_t skipped = item % chunks * shared, n = group - skipped < shared ? group - skipped : shared;
+      const int64_t first = kv * group + skipped;
       const float *slot = cache + slots[b] * 2 * kv_heads * capacity * dim;
       const float *keys = slot + kv * capacity * dim, *values = slot + (kv_heads + kv) * capacity * dim;
       const int64_t at = (row * heads + first) * dim;

@@ -72,11 +72,18 @@ typedef struct {
   int64_t blocks;
 } Prepared;
 
-/* The slab of the group of rows from r0 (a multiple of ROWS) and of block b. */
-static inline int64_t slab(const Prepared *P, int64_t r0, int64_t b) { return r0 / ROWS * P->blocks + b; }
+/* One slab: row r's inputs 4j .. 4j + 3 of the block at q + 4 * (ROWS * j + r), its scale at
+ * dx[r], its sums at sums[r], sums[ROWS + r] and sums[2 * ROWS + r]. */
+typedef struct {
+  int8_t *q;
+  float *dx, *sums;
+} Slab;
 
-/* Quads j of the slab: row r's inputs 4j .. 4j + 3 of the block at + 4 * (ROWS * j + r). */
-static inline const int8_t *quads(const Prepared *P, int64_t r0, int64_t b) { return P->q + slab(P, r0, b) * QK * ROWS; }
+/* The slab of the group of rows from r0 (a multiple of ROWS) and of block b. */
+static inline Slab slab(const Prepared *P, int64_t r0, int64_t b) {
+  const int64_t at = r0 / ROWS * P->blocks + b;
+  return (Slab){P->q + at * QK * ROWS, P->dx + at * ROWS, P->sums + at * 3 * ROWS};
+}
 
 static inline float half_to_float(const uint8_t *p) {
   uint16_t h;
@@ -246,7 +253,8 @@ static void quantize_row(const float *row, int64_t k, const Prepared *P, int64_t
     float top;
     memcpy(&top, &top_bits, sizeof top);
     const float scale = top / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
-    int8_t *q = P->q + slab(P, r0, b) * QK * ROWS + 4 * at;
+    const Slab s = slab(P, r0, b);
+    int8_t *q = s.q + 4 * at;
     int32_t part[2];
     for (int h = 0; h < 2; h++) {
       const v16i ints = __builtin_convertvector((halves[h] * inverse + magic) - magic, v16i);
@@ -254,15 +262,23 @@ static void quantize_row(const float *row, int64_t k, const Prepared *P, int64_t
       for (int j = 0; j < 4; j++) memcpy(q + 4 * ROWS * (4 * h + j), (const int8_t *)&bytes + 4 * j, 4);
       part[h] = lanes_total(ints);
     }
-    float *dx = P->dx + slab(P, r0, b) * ROWS + at, *sums = P->sums + slab(P, r0, b) * 3 * ROWS + at;
-    dx[0] = scale;
-    sums[0] = scale * (float)(part[0] + part[1]);
-    sums[ROWS] = scale * (float)part[0];
-    sums[2 * ROWS] = scale * (float)part[1];
+    s.dx[at] = scale;
+    s.sums[at] = scale * (float)(part[0] + part[1]);
+    s.sums[ROWS + at] = scale * (float)part[0];
+    s.sums[2 * ROWS + at] = scale * (float)part[1];
   }
 }
 
 /* ---- one pass over a tile for R rows of the input from row r0: out[r][c] = W[c] . x[r0 + r] ---- */
+
+#if defined(__AVX2__)
+/* The weights AHEAD bytes past a tile's block, requested into L1 on the tile's first pass (the
+ * later passes find the tile there). */
+static inline __attribute__((always_inline)) void fetch_ahead(const uint8_t *block, const Layout *L, int64_t r0) {
+  if (r0 != 0) return;
+  for (int64_t line = 0; line < L->bytes; line += 64) _mm_prefetch((const char *)block + line + AHEAD, _MM_HINT_T0);
+}
+#endif
 
 #if defined(__AVX512VNNI__)
 static inline __m512 header16(const uint8_t *block, const Layout *L, int t) {
@@ -281,10 +297,8 @@ static inline __attribute__((always_inline)) void tile_pass(const uint8_t *tile,
   const __m512i nibble = _mm512_set1_epi8(0x0f);
   for (int64_t b = 0; b < L->blocks; b++) {
     const uint8_t *block = tile + b * L->bytes, *w = block + L->header;
-    if (r0 == 0)
-      for (int64_t line = 0; line < L->bytes; line += 64) _mm_prefetch((const char *)block + line + AHEAD, _MM_HINT_T0);
-    const int8_t *x = quads(P, r0, b);
-    const float *dx = P->dx + slab(P, r0, b) * ROWS, *sums = P->sums + slab(P, r0, b) * 3 * ROWS;
+    fetch_ahead(block, L, r0);
+    const Slab s = slab(P, r0, b);
     __m512i lo[ROWS], hi[ROWS];
     for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm512_setzero_si512();
     for (int p = 0; p < 4; p++) {
@@ -299,8 +313,8 @@ static inline __attribute__((always_inline)) void tile_pass(const uint8_t *tile,
       }
       for (int r = 0; r < R; r++) {
         int32_t xl, xh;
-        memcpy(&xl, x + 4 * (ROWS * p + r), 4);
-        memcpy(&xh, x + 4 * (ROWS * (p + 4) + r), 4);
+        memcpy(&xl, s.q + 4 * (ROWS * p + r), 4);
+        memcpy(&xh, s.q + 4 * (ROWS * (p + 4) + r), 4);
         lo[r] = _mm512_dpbusd_epi32(lo[r], wl, _mm512_set1_epi32(xl));
         hi[r] = _mm512_dpbusd_epi32(hi[r], wh, _mm512_set1_epi32(xh));
       }
@@ -309,18 +323,18 @@ static inline __attribute__((always_inline)) void tile_pass(const uint8_t *tile,
       const __m512 scale = header16(block, L, 0), offset = header16(block, L, 1);
       for (int r = 0; r < R; r++) {
         const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[r], hi[r]));
-        f[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(dx[r])), f[r]);
-        f[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[r]), f[r]);
+        f[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(s.dx[r])), f[r]);
+        f[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(s.sums[r]), f[r]);
       }
     } else {
       const __m512 scale_lo = header16(block, L, 0), scale_hi = header16(block, L, 1);
       const __m512 offset_lo = header16(block, L, 2), offset_hi = header16(block, L, 3);
       for (int r = 0; r < R; r++) {
-        const __m512 d = _mm512_set1_ps(dx[r]);
+        const __m512 d = _mm512_set1_ps(s.dx[r]);
         f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(scale_lo, d), f[r]);
         f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(scale_hi, d), f[r]);
-        f[r] = _mm512_fmadd_ps(offset_lo, _mm512_set1_ps(sums[ROWS + r]), f[r]);
-        f[r] = _mm512_fmadd_ps(offset_hi, _mm512_set1_ps(sums[2 * ROWS + r]), f[r]);
+        f[r] = _mm512_fmadd_ps(offset_lo, _mm512_set1_ps(s.sums[ROWS + r]), f[r]);
+        f[r] = _mm512_fmadd_ps(offset_hi, _mm512_set1_ps(s.sums[2 * ROWS + r]), f[r]);
       }
     }
   }
@@ -359,10 +373,8 @@ static inline __attribute__((always_inline)) void tile_pass(const uint8_t *tile,
     for (int r = 0; r < R; r++) f[r] = o[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < L->blocks; b++) {
       const uint8_t *block = tile + b * L->bytes, *w = block + L->header + 32 * half;
-      if (half == 0 && r0 == 0)
-        for (int64_t line = 0; line < L->bytes; line += 64) _mm_prefetch((const char *)block + line + AHEAD, _MM_HINT_T0);
-      const int8_t *x = quads(P, r0, b);
-      const float *dx = P->dx + slab(P, r0, b) * ROWS, *sums = P->sums + slab(P, r0, b) * 3 * ROWS;
+      if (half == 0) fetch_ahead(block, L, r0);
+      const Slab s = slab(P, r0, b);
       __m256i lo[ROWS], hi[ROWS];
       for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_si256();
       for (int p = 0; p < 4; p++) {
@@ -377,23 +389,23 @@ static inline __attribute__((always_inline)) void tile_pass(const uint8_t *tile,
         }
         for (int r = 0; r < R; r++) {
           int32_t xl, xh;
-          memcpy(&xl, x + 4 * (ROWS * p + r), 4);
-          memcpy(&xh, x + 4 * (ROWS * (p + 4) + r), 4);
+          memcpy(&xl, s.q + 4 * (ROWS * p + r), 4);
+          memcpy(&xh, s.q + 4 * (ROWS * (p + 4) + r), 4);
           lo[r] = dot(lo[r], wl, _mm256_set1_epi32(xl), L->bits);
           hi[r] = dot(hi[r], wh, _mm256_set1_epi32(xh), L->bits);
         }
       }
       for (int r = 0; r < R; r++) {
-        const __m256 d = _mm256_set1_ps(dx[r]);
+        const __m256 d = _mm256_set1_ps(s.dx[r]);
         if (L->groups == 1) {
           const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(lo[r], hi[r]));
           f[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(header8(block, L, 0, half), d), f[r]);
-          o[r] = _mm256_fmadd_ps(header8(block, L, 1, half), _mm256_set1_ps(sums[r]), o[r]);
+          o[r] = _mm256_fmadd_ps(header8(block, L, 1, half), _mm256_set1_ps(s.sums[r]), o[r]);
         } else {
           f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[r]), _mm256_mul_ps(header8(block, L, 0, half), d), f[r]);
           f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r]), _mm256_mul_ps(header8(block, L, 1, half), d), f[r]);
-          o[r] = _mm256_fmadd_ps(header8(block, L, 2, half), _mm256_set1_ps(sums[ROWS + r]), o[r]);
-          o[r] = _mm256_fmadd_ps(header8(block, L, 3, half), _mm256_set1_ps(sums[2 * ROWS + r]), o[r]);
+          o[r] = _mm256_fmadd_ps(header8(block, L, 2, half), _mm256_set1_ps(s.sums[ROWS + r]), o[r]);
+          o[r] = _mm256_fmadd_ps(header8(block, L, 3, half), _mm256_set1_ps(s.sums[2 * ROWS + r]), o[r]);
         }
       }
     }
@@ -417,17 +429,16 @@ static inline __attribute__((always_inline)) void tile_pass(const uint8_t *tile,
       float f = 0.0f, o = 0.0f;
       for (int64_t b = 0; b < L->blocks; b++) {
         const uint8_t *block = tile + b * L->bytes, *w = block + L->header;
-        const int8_t *x = quads(P, r0, b);
-        const float dx = P->dx[slab(P, r0, b) * ROWS + r], *sums = P->sums + slab(P, r0, b) * 3 * ROWS + r;
+        const Slab s = slab(P, r0, b);
         int32_t dots[2] = {0, 0};
-        for (int i = 0; i < QK; i++) dots[i / 16] += weight(w, L->bits, c, i) * x[4 * (ROWS * (i / 4) + r) + i % 4];
+        for (int i = 0; i < QK; i++) dots[i / 16] += weight(w, L->bits, c, i) * s.q[4 * (ROWS * (i / 4) + r) + i % 4];
         if (L->groups == 1) {
-          f += (float)(dots[0] + dots[1]) * (header_value(block, L, 0, c) * dx);
-          o += header_value(block, L, 1, c) * sums[0];
+          f += (float)(dots[0] + dots[1]) * (header_value(block, L, 0, c) * s.dx[r]);
+          o += header_value(block, L, 1, c) * s.sums[r];
         } else {
           for (int g = 0; g < 2; g++) {
-            f += (float)dots[g] * (header_value(block, L, g, c) * dx);
-            o += header_value(block, L, 2 + g, c) * sums[ROWS * (1 + g)];
+            f += (float)dots[g] * (header_value(block, L, g, c) * s.dx[r]);
+            o += header_value(block, L, 2 + g, c) * s.sums[ROWS * (1 + g) + r];
           }
         }
       }
