@@ -7,8 +7,10 @@ drafter, on the embedded pair, with the target's weights as ``LLM()`` loads them
 (on CPUs its Q4_1 file) and in bf16 (``quantization="none"``), each against plain decoding of
 the same weights. The setups take turns workload by workload within each repeat
 (the order rotating every repeat), so a slow stretch of a shared machine falls on all of them
-alike, and each starts every repeat with an empty recent-output index, so no repeat copies an
-earlier one's replies. Reported per workload and setup: the median over repeats of tokens per second
+alike. Each request decodes in a cache scope of its own (``cache_salt``), so none copies an
+earlier request's reply from the recent-output index or reuses its prompt's KV; the agent
+loop's requests share one scope per run, since repeating replies across requests is that
+workload's point. Reported per workload and setup: the median over repeats of tokens per second
 of the workload's prompts, the ratio to plain decoding of the same repeat, the mean accepted
 length, and whether every output is plain decoding's token for token. Run from the repo root
 on an otherwise idle machine: ``.venv/bin/python bench/grounded.py``; the JSON goes to
@@ -30,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
 import bench_docs
 from multiguess import LLM, SamplingParams
 from multiguess.benchmark import weights_of
-from multiguess.engine.suffix import RecentOutputs
 from multiguess.provenance import provenance
 
 CODE = """def mean(values):
@@ -88,10 +89,14 @@ WORKLOADS: dict[str, list[str]] = {
         f"Passage: {PASSAGE}\n\nQuestion: What do barges carry on the Rhine today? Quote the passage.",
     ],
     "agent loop": [
-        f"{TOOL}\n\nRequest: two people from Paris to Lisbon on 12 May.",
-        f"{TOOL}\n\nRequest: one person from Berlin to Lisbon on 14 May.",
-        f"{TOOL}\n\nRequest: three people from Paris to Rome on 12 May.",
-        f"{TOOL}\n\nRequest: two people from Madrid to Lisbon on 20 May.",
+        f"{TOOL}\n\nRequest: {who} from {origin} to {destination} on {day} May."
+        for who, origin, destination, day in zip(
+            ["two people", "one person", "three people", "two people"] * 4,
+            ["Paris", "Berlin", "Paris", "Madrid", "Vienna", "Rome", "Lisbon", "Oslo"] * 2,
+            ["Lisbon", "Lisbon", "Rome", "Lisbon", "Berlin", "Madrid", "Paris", "Rome"] * 2,
+            [12, 14, 12, 20, 3, 8, 17, 25, 5, 9, 21, 28, 2, 11, 16, 30],
+            strict=True,
+        )
     ],
     "open chat": [
         "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -100,6 +105,19 @@ WORKLOADS: dict[str, list[str]] = {
 }
 SETUPS = {"plain": "none", "default": "model", "suffix": "suffix"}
 PREDICTIONS = {"code edit + prediction": CODE}  # the text each workload's requests predict
+# Workloads whose requests share one cache scope, as one client's do: the agent loop's replies
+# repeat across its requests through the recent-output index. Every other request decodes in a
+# scope of its own, so none copies another's reply (two prompts of a workload may have the same
+# reply, and a load run sends each prompt many times).
+SHARED = {"agent loop"}
+
+
+def cache_salts(workload: str, run: str, requests: int) -> list[str]:
+    """The ``cache_salt`` of each of a run's requests of ``workload``: one for the whole run
+    where its requests share a scope (``SHARED``), else one per request; ``run`` names the run."""
+    if workload in SHARED:
+        return [f"{run}-{workload}"] * requests
+    return [f"{run}-{workload}-{i}" for i in range(requests)]
 
 
 def chat(llm: LLM, prompt: str) -> list[int]:
@@ -110,13 +128,14 @@ def chat(llm: LLM, prompt: str) -> list[int]:
     return llm.tokenizer.encode(text, add_special_tokens=False)
 
 
-def run_workload(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
-    """Every prompt of a workload, one at a time: total tokens, seconds, outputs, accepted length."""
+def run_workload(llm: LLM, prompts: list[list[int]], params: SamplingParams, salts: list[str]) -> dict:
+    """Every prompt of a workload, one at a time, each in the cache scope of its salt: total
+    tokens, seconds, outputs, accepted length."""
     tokens = seconds = steps = accepted = 0
     outputs = []
-    for prompt in prompts:
+    for prompt, salt in zip(prompts, salts, strict=True):
         start = time.perf_counter()
-        out = llm.generate(prompt, params)[0].outputs[0]
+        out = llm.generate(prompt, replace(params, cache_salt=salt))[0].outputs[0]
         seconds += time.perf_counter() - start
         tokens += len(out.token_ids)
         steps += out.stats["verify_steps"]
@@ -148,17 +167,13 @@ def main() -> int:
         llm.generate(chat(llm, "Say hello."), SamplingParams(max_tokens=8, temperature=0))
     runs: dict[str, dict[tuple[str, str], list[dict]]] = {w: {s: [] for s in setups} for w in WORKLOADS}
     for repeat in range(args.repeats):
-        for llm in llms.values():
-            engine = llm.engine
-            engine.planner.copies.recent = RecentOutputs(
-                engine.config.recent_outputs, engine.config.recent_age
-            )
         order = setups[repeat % len(setups) :] + setups[: repeat % len(setups)]
         for workload, ids in prompts.items():
             for setup in order:
                 predicted = PREDICTIONS.get(workload) if setup[1] != "plain" else None
+                salts = cache_salts(workload, f"{repeat}", len(ids))
                 runs[workload][setup].append(
-                    run_workload(llms[setup], ids, replace(params, prediction=predicted))
+                    run_workload(llms[setup], ids, replace(params, prediction=predicted), salts)
                 )
                 print(repeat, *setup, workload, round(runs[workload][setup][-1]["seconds"], 2), flush=True)
     rows = []

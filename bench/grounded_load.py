@@ -4,8 +4,9 @@
 decoding (``--drafter none``, no prompt lookup, so a prediction drafts nothing) and the
 default configuration, take turns workload by workload (the order rotating every repeat), each client sending the workload's prompts (the code
 edit with the original file as its ``prediction``) as greedy chat completions. Every (repeat,
-level) pair sends its own ``cache_salt``, so no run copies an earlier run's replies from the
-recent-output index or reuses its prompts' KV. Reported per workload, level and setup: the
+request decodes in a cache scope of its own (``cache_salt``; the agent loop's requests share
+one per run, as ``grounded.cache_salts`` says), so no request copies another's reply from the
+recent-output index or reuses its prompt's KV. Reported per workload, level and setup: the
 median tokens/s over repeats, the median ratio to plain decoding within each repeat, the mean
 accepted length (1 + accepted drafts per verification, over every request), and whether each
 reply is plain decoding's text.
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from grounded import PREDICTIONS, WORKLOADS
+from grounded import PREDICTIONS, WORKLOADS, cache_salts
 from openai import AsyncOpenAI
 
 # Plain decoding drafts nothing, a request's prediction included (prompt lookup off). Each setup
@@ -63,19 +64,21 @@ async def one_request(
 
 
 async def run_workload(
-    url: str, workload: str, clients: int, requests: int, salt: str, max_tokens: int
+    url: str, workload: str, clients: int, requests: int, run: str, max_tokens: int
 ) -> dict:
-    """``requests`` requests (the workload's prompts in turn) from ``clients`` clients: every
-    reply and the wall time."""
+    """``requests`` requests (the workload's prompts in turn, each with its ``cache_salts``
+    of ``run``) from ``clients`` clients: every reply and the wall time."""
     prompts, predicted = WORKLOADS[workload], PREDICTIONS.get(workload)
     client = AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
     model = (await client.models.list()).data[0].id
-    queue = [prompts[i % len(prompts)] for i in range(requests)]
+    salts = cache_salts(workload, run, requests)
+    queue = [(prompts[i % len(prompts)], salts[i]) for i in range(requests)]
     replies: list[dict] = []
 
     async def worker() -> None:
         while queue:
-            replies.append(await one_request(client, model, queue.pop(), predicted, salt, max_tokens))
+            prompt, salt = queue.pop()
+            replies.append(await one_request(client, model, prompt, predicted, salt, max_tokens))
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(clients)))
@@ -92,13 +95,13 @@ def measure(servers: dict[str, int], levels: list[int], args: argparse.Namespace
     }
     for c in levels:
         for repeat in range(args.repeats):
-            salt = f"grounded-{c}-{repeat}-{time.time_ns()}"
+            run_name = f"grounded-{c}-{repeat}-{time.time_ns()}"
             order = names[repeat % len(names) :] + names[: repeat % len(names)]
             for workload, texts in WORKLOADS.items():
                 for name in order:
                     url = f"http://127.0.0.1:{servers[name]}/v1"
                     requests = max(c * args.rounds, len(texts))
-                    run = asyncio.run(run_workload(url, workload, c, requests, salt, args.max_tokens))
+                    run = asyncio.run(run_workload(url, workload, c, requests, run_name, args.max_tokens))
                     runs[workload][c][name].append(run)
                     rate = run["tokens"] / run["seconds"]
                     print(

@@ -1,0 +1,31 @@
+"""The grounded benchmark measures copying from a request's own input, not from other requests."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "server"))
+
+import grounded  # noqa: E402
+
+
+def test_every_request_but_the_agent_loops_decodes_in_a_scope_of_its_own() -> None:
+    """Two prompts of a workload may have the same reply and a load run repeats each prompt:
+    sharing a scope would let speculation copy those replies verbatim from the recent index."""
+    for workload in grounded.WORKLOADS:
+        salts = grounded.cache_salts(workload, "run", 16)
+        if workload in grounded.SHARED:
+            assert len(set(salts)) == 1
+        else:
+            assert len(set(salts)) == 16
+    assert grounded.cache_salts("code edit", "a", 1) != grounded.cache_salts("code edit", "b", 1)
+    assert grounded.cache_salts("code edit", "a", 1) != grounded.cache_salts("extraction", "a", 1)
+
+
+def test_agent_loop_requests_differ_so_a_load_run_never_repeats_one() -> None:
+    """Its replies share tool-call JSON across requests; an identical request would be copied whole."""
+    requests = grounded.WORKLOADS["agent loop"]
+    assert len(set(requests)) == len(requests) >= 16  # 8 clients x 2 rounds in serving_load.py
