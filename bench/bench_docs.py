@@ -453,6 +453,16 @@ def sampling_section(report: Report | None) -> list[str]:
 # ---------------------------------------------------------------- grounded workloads (bench/grounded.py)
 
 
+# How the grounded benchmarks keep requests apart, and what the code edits' replies are.
+SCOPES = (
+    "Each request decodes in a cache scope of its own (`cache_salt`), so none copies another's "
+    "reply from the recent-output index or reuses its prompt's KV; the agent loop's distinct "
+    "requests share one scope per run, as one agent's would. The code edits' replies are what "
+    "the target writes: the embedded target rewrites the functions rather than editing them, so "
+    "little of a reply copies the file and its prediction (mean accepted length)."
+)
+
+
 def grounded_section(report: Report | None) -> list[str]:
     command = ".venv/bin/python bench/grounded.py"
     lines = opening(
@@ -467,7 +477,7 @@ def grounded_section(report: Report | None) -> list[str]:
         "with the embedded pair; `weights` are the target's (`LLM()`'s default on CPUs: its Q4_1 "
         'file; bf16: `quantization="none"`). `× plain` is the median over '
         f"{report['repeats']} repeats of the ratio to plain decoding (`--drafter none`) of the same "
-        "weights in the same repeat; every setup starts each repeat with an empty recent-output index.",
+        "weights in the same repeat. " + SCOPES,
         "",
     ]
     rows = [
@@ -517,8 +527,7 @@ def grounded_load_section(report: Report | None) -> list[str]:
         "`--quantization none`). Plain decoding (`--drafter none --prompt-lookup 0`) and the "
         "default configuration take turns on each; `× plain` is the median over "
         f"{report['repeats']} repeats of the ratio of their tokens/s to plain decoding's of the "
-        "same weights in the same repeat; every repeat and level uses its own `cache_salt` (no "
-        "run copies another's replies).",
+        "same weights in the same repeat. " + SCOPES,
         "",
     ]
     rows = [
