@@ -96,6 +96,8 @@ class Coverage:
         the accepted child was among the first c. Each outcome weighs ``per_outcome`` and a
         depth's outcomes of one step at most ``most``, so a big batch's step does not erase
         the history and a lone sequence's one level does not swing it."""
+        if not any(trees):  # a step that verified no drafted level: nothing to fold in
+            return self
         levels = [list(self.rates), *(list(rates) for rates in self.deeper)]
         for depth, rates in enumerate(levels):
             last = depth == len(levels) - 1
@@ -168,8 +170,16 @@ class ForwardCost:
 
     tokens: tuple[int, ...] = (1,)
     seconds: tuple[float, ...] = (1.0,)
+    # Each count's time, as first asked: a step asks for the same few counts many times over.
+    known: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __call__(self, count: int) -> float:
+        seconds = self.known.get(count)
+        if seconds is None:
+            seconds = self.known[count] = self._interpolate(count)
+        return seconds
+
+    def _interpolate(self, count: int) -> float:
         i = bisect.bisect_left(self.tokens, count)
         if i < len(self.tokens) and self.tokens[i] == count:
             return self.seconds[i]
