@@ -13,9 +13,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 from multiguess import LLM, SamplingParams
-from multiguess.engine.adaptive import CopyYield, ForwardCost, copy_width, graft_outcome, match_bucket
+from multiguess.engine.adaptive import (
+    CopyYield,
+    ForwardCost,
+    copy_may_widen,
+    copy_width,
+    graft_outcome,
+    match_bucket,
+)
 from multiguess.engine.ngram import graft
-from multiguess.engine.suffix import CopySource, Match, OwnText, RecentOutputs, copy_tree, own_matches
+from multiguess.engine.suffix import (
+    DEPTH_PER_MATCH,
+    CopySource,
+    Match,
+    OwnText,
+    RecentOutputs,
+    copy_tree,
+    drafts_nodes,
+    own_matches,
+)
 from multiguess.engine.tree import TokenTree
 
 from tests.engine.test_lossless import random_prompts
@@ -129,6 +145,44 @@ def test_copy_width_widens_only_where_the_yield_pays_for_the_forward() -> None:
     assert copy_width([1], [1.0], [sure], flat, 3) == 3  # within the limit
     # A drafted tree that loses to plain decoding is not widened to lose a little less.
     assert copy_width([7], [1.9], [sure], steep, 33) == 7
+
+
+def test_a_copy_that_cannot_widen_never_widens_a_batch_of_root_only_trees() -> None:
+    """``copy_may_widen`` lets the planner skip building drafts: it must be false only where
+    ``copy_width`` would not widen a batch of root-only trees with the real drafts (random texts
+    of few distinct tokens, so matches branch; rates, batch sizes and cost curves vary, a noisy
+    curve that dips included), and the cases must include both answers."""
+    rng = np.random.default_rng(0)
+    curves = [
+        ForwardCost((1, 2, 4, 8, 16, 32), (3.3, 3.3, 3.6, 4.9, 8.0, 14.6)),
+        ForwardCost((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.01, 1.02, 1.05, 1.1)),
+        ForwardCost((1, 2, 4, 8, 16, 32), (3.0, 3.4, 3.2, 5.0, 4.8, 9.0)),
+    ]
+    seen = {True: 0, False: 0}
+    for case in range(300):
+        cost, batch, limit = curves[case % 3], int(rng.integers(1, 9)), int(rng.integers(2, 34))
+        source = CopySource(yields=CopyYield(rates=list(rng.uniform(0.0, 1.0, size=8))))
+        reach, may = [], []
+        for _ in range(batch):
+            text = own(
+                [int(t) for t in rng.integers(0, int(rng.integers(2, 12)), size=int(rng.integers(2, 80)))]
+            )
+            best, room = source.longest(text), int(rng.integers(0, 33))
+            draft = source.draft_from(int(text.tokens[-1]), best, room, limit - 1)
+            assert (draft is not None and len(draft.tree) > 1) == (
+                bool(best) and room > 0 and drafts_nodes(best)
+            )
+            if draft is not None and len(draft.tree) > 1:
+                length = best[0].length
+                depth = min(room, DEPTH_PER_MATCH * length)
+                may.append(copy_may_widen(source.yields.rate(length), depth, cost, batch, limit))
+                reach.append(draft.reach)
+            else:
+                reach.append(())
+        if not any(may):
+            assert copy_width([1] * batch, [1.0] * batch, reach, cost, limit) == 1
+        seen[any(may)] += 1
+    assert seen[True] > 20 and seen[False] > 20
 
 
 def test_copy_yield_learns_by_match_length_and_relaxes_back() -> None:

@@ -454,13 +454,17 @@ def graft_outcome(tree: TokenTree, own: int, path: list[int]) -> tuple[int, int]
     return tried, accepted
 
 
+COPY_MIN_GAIN = 1.1  # how much a widened forward must beat the unwidened one (copy_width)
+RATE_CAP = 0.99  # the most a copy draft counts on its next token (suffix.copy_tree)
+
+
 def copy_width(
     own: list[int],
     base: list[float],
     reach: list[tuple[float, ...]],
     cost: ForwardCost,
     limit: int,
-    min_gain: float = 1.1,
+    min_gain: float = COPY_MIN_GAIN,
 ) -> int:
     """The nodes per sequence (roots included) the batch's forward verifies: at least the widest
     of the trees of ``own`` sizes (expected to yield ``base`` tokens each), whose padding
@@ -480,3 +484,28 @@ def copy_width(
     widest = min(limit, max(o + len(r) for o, r in zip(own, reach, strict=True)))
     best = max(range(start, max(start, widest) + 1), key=per_cost)
     return best if per_cost(best) >= min_gain * max(1.0, per_cost(start)) else start
+
+
+def copy_may_widen(rate: float, depth: int, cost: ForwardCost, batch: int, limit: int) -> bool:
+    """Whether a copy draft at most ``depth`` deep, whose next token is right with chance
+    ``rate``, could make ``copy_width`` widen a batch of root-only trees. Its nodes at depth d
+    reach ``rate ** d`` together at most, so at width w it yields at most ``1 + sum(rate ** d
+    for d < w)`` tokens; where that never beats ``COPY_MIN_GAIN`` times the forward's growth, no
+    width pays for any sequence of the batch, and the draft need not be built."""
+    q, tokens = min(rate, RATE_CAP), 1.0
+    cheapest = _cheapest_growth(cost, batch, limit)
+    for width in range(2, limit + 1):
+        if width <= depth + 1:
+            tokens += q ** (width - 1)
+        if tokens >= COPY_MIN_GAIN * cheapest[width]:
+            return True
+        if width > depth:  # the yield stopped growing: only the cheapest wider forward is left
+            return False
+    return False
+
+
+@functools.lru_cache(maxsize=256)
+def _cheapest_growth(cost: ForwardCost, batch: int, limit: int) -> tuple[float, ...]:
+    """For each width w up to ``limit``: the lowest growth of any forward at least w wide."""
+    growths = [cost.growth(batch, width) for width in range(limit + 1)]
+    return tuple(itertools.accumulate(reversed(growths), min))[::-1]

@@ -20,6 +20,7 @@ from multiguess.engine.adaptive import (
     ForwardCost,
     Outcome,
     ProbeSchedule,
+    copy_may_widen,
     copy_width,
     expected_tokens,
     graft_outcome,
@@ -33,7 +34,14 @@ from multiguess.engine.prediction import prediction_draft
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.sequence import Sequence
 from multiguess.engine.sources import better_copy, copy_worth, model_drafts, model_worth
-from multiguess.engine.suffix import CopyDraft, CopySource, RecentOutputs
+from multiguess.engine.suffix import (
+    DEPTH_PER_MATCH,
+    CopyDraft,
+    CopySource,
+    Match,
+    RecentOutputs,
+    drafts_nodes,
+)
 from multiguess.engine.timing import measure_forward_cost
 from multiguess.engine.tree import TokenTree
 from multiguess.params import SamplingParams
@@ -88,10 +96,12 @@ class Planner:
         self.steps += 1
         proposals = [Proposal(TokenTree.chain([s.last_token])) for s in batch]
         base = [1.0] * len(batch)  # tokens each sequence's tree is expected to yield
-        copies = self._copy_drafts(batch, drafter is not None and drafter.takes_grafts)
+        budgets = [] if drafter is None or drafter.copy_only else self._budgets(batch, drafter)
+        own_trees = any(budget.depth > 0 for budget in budgets)
+        copies = self._copy_drafts(batch, drafter is not None and drafter.takes_grafts, own_trees)
         seconds = 0.0
-        if drafter is not None and not drafter.copy_only:
-            seconds = self._draft(batch, proposals, base, copies, drafter)
+        if drafter is not None and own_trees:
+            seconds = self._draft(batch, budgets, proposals, base, copies, drafter)
         self._graft_copies(batch, proposals, base, copies)
         # Draft time per level only from steps that drafted on caught-up caches (see CostMeter).
         drafting = [s for s, p in zip(batch, proposals, strict=True) if p.own_nodes > 1]
@@ -120,24 +130,28 @@ class Planner:
             self.coverage[greedy] = self.config.policy.update(self.coverage[greedy], levels)
         return outcomes
 
+    def _budgets(self, batch: list[Sequence], drafter: Drafter) -> list[TreeBudget]:
+        """The tree each sequence of ``batch`` drafts this step (depth 0: none)."""
+        planned = self._planned(batch, drafter)
+        return [self._budget(seq, tree) for seq, tree in zip(batch, planned, strict=True)]
+
     def _draft(
         self,
         batch: list[Sequence],
+        budgets: list[TreeBudget],
         proposals: list[Proposal],
         base: list[float],
         copies: dict[int, Copy],
         drafter: Drafter,
     ) -> float:
-        """The drafter's trees for the sequences the policy gives one, into ``proposals``, and
-        the tokens each is expected to yield into ``base``; returns the seconds the drafter
-        took. A sequence whose copy draft is worth at least its tree drafts none
+        """The drafter's trees of ``budgets`` (``_budgets``), into ``proposals``, and the tokens
+        each is expected to yield into ``base``; returns the seconds the drafter took. A
+        sequence whose copy draft is worth at least its tree drafts none
         (``sources.model_drafts``)."""
         cfg, cost = self.config, self.forward_cost
         requests = []
-        planned = self._planned(batch, drafter)
         fixed, per_level = self.costs.ratios(cost(len(batch)))
-        for i, seq in enumerate(batch):
-            budget = self._budget(seq, planned[i])
+        for i, (seq, budget) in enumerate(zip(batch, budgets, strict=True)):
             if budget.depth == 0:
                 continue
             tokens = expected_tokens(self.coverage[seq.params.greedy], budget)
@@ -227,31 +241,61 @@ class Planner:
         and the context has room for, less the bonus token."""
         return min(seq.remaining, self.config.max_model_len - len(seq.prompt_ids) - len(seq.output_ids)) - 1
 
-    def _copy_drafts(self, batch: list[Sequence], takes_grafts: bool) -> dict[int, Copy]:
+    def _copy_drafts(self, batch: list[Sequence], takes_grafts: bool, own_trees: bool) -> dict[int, Copy]:
         """Each sequence's copy draft, by index in ``batch``: of its prediction's continuation
         where it aligns with the output (``engine/prediction.py``) and the continuation of its
         suffix where it occurred before, in its text or in recent outputs (``CopySource``; with a
         drafter that takes grafts, and not under a grammar), the one worth more
-        (``sources.copy_worth``). None for a request that chose its own tree."""
+        (``sources.copy_worth``). None for a request that chose its own tree, and none at all
+        where nothing drafts a tree this step (``own_trees``) and no copy could pay to widen the
+        forward (``_copies_idle``)."""
         cfg = self.config
         if not cfg.prompt_lookup:
             return {}
         limit, found = 1 + cfg.prompt_lookup, {}
+        candidates = []  # each sequence's room and its longest matches
         for i, seq in enumerate(batch):
             if fixed_tree(seq.params):
                 continue
-            room = min(cfg.prompt_lookup, self._room(seq))
-            drafts = [(self._predicted(seq, room), True)]
+            room, best = min(cfg.prompt_lookup, self._room(seq)), None
             if takes_grafts and seq.grammar is None:
-                scope = seq.params.cache_scope
                 seq.own_text.sync(seq.prompt_ids, seq.output_ids)
-                drafts.append((self.copies.draft(seq.own_text, room, cfg.prompt_lookup, scope), False))
+                best = self.copies.longest(seq.own_text, seq.params.cache_scope)
+            candidates.append((i, seq, room, best))
+        if not own_trees and self._copies_idle(candidates, len(batch)):
+            return {}
+        for i, seq, room, best in candidates:
+            drafts = [(self._predicted(seq, room), True)]
+            if best is not None:
+                drafts.append((self.copies.draft_from(seq.last_token, best, room, cfg.prompt_lookup), False))
             kept = [(d, predicted) for d, predicted in drafts if d is not None and len(d.tree) > 1]
             worths = [copy_worth(d.reach, self.forward_cost, len(batch), limit) for d, _ in kept]
             best = better_copy(worths)
             if best is not None:
                 found[i] = Copy(kept[best][0], kept[best][1], worths[best])
         return found
+
+    def _copies_idle(
+        self, candidates: list[tuple[int, Sequence, int, list[Match] | None]], batch: int
+    ) -> bool:
+        """Whether no copy draft of ``candidates`` (index, sequence, room, longest matches) could
+        be grafted onto a batch of root-only trees: none has a prediction and no match's yield
+        could pay for a wider forward (``adaptive.copy_may_widen``). Then each draft's match
+        relaxes as ``_graft_copies`` relaxes an unused one, and no draft is built."""
+        limit = 1 + self.config.prompt_lookup
+        drafted = []  # the match length of each copy draft that would have been made
+        for _, seq, room, best in candidates:
+            if seq.prediction is not None:
+                return False
+            if best and room > 0 and drafts_nodes(best):
+                length = best[0].length
+                depth = min(room, DEPTH_PER_MATCH * length)
+                if copy_may_widen(self.copies.yields.rate(length), depth, self.forward_cost, batch, limit):
+                    return False
+                drafted.append(length)
+        for length in drafted:
+            self.copies.yields.relax(length)
+        return True
 
     def _graft_copies(
         self, batch: list[Sequence], proposals: list[Proposal], base: list[float], copies: dict[int, Copy]

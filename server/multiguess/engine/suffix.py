@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from multiguess.engine.adaptive import CopyYield
+from multiguess.engine.adaptive import RATE_CAP, CopyYield
 from multiguess.engine.matching import SuffixMatches, match_lengths
 from multiguess.engine.tree import TokenTree
 from multiguess.params import SHARED_SCOPE
@@ -224,7 +224,7 @@ def copy_tree(
             node = child[node, token]
             counts[node] += 1
     total = max(1, len(matches))
-    rate = min(rate, 0.99)
+    rate = min(rate, RATE_CAP)
     reach = [rate ** depths[i] * counts[i] / total for i in range(len(tokens))]
     order = sorted(
         (i for i in range(1, len(tokens)) if counts[i] >= min_share * total), key=lambda i: (-reach[i], i)
@@ -242,19 +242,35 @@ class CopySource:
         self.recent = recent if recent is not None else RecentOutputs()
         self.yields = yields if yields is not None else CopyYield()
 
+    def longest(self, text: OwnText, scope: Hashable = SHARED) -> list[Match]:
+        """The earlier occurrences of ``text``'s suffix, own and recent, with the longest match
+        (none when it occurred nowhere): the ones a copy draft follows."""
+        found = text.matches() + self.recent.matches(text.tokens, scope)
+        longest = max((m.length for m in found), default=0)
+        return [m for m in found if m.length == longest]
+
     def draft(self, text: OwnText, depth: int, max_nodes: int, scope: Hashable = SHARED) -> CopyDraft | None:
         """The copy tree after ``text`` (at most ``depth`` deep and ``max_nodes`` nodes) from
-        its longest matches, own and recent, as deep as ``DEPTH_PER_MATCH`` times their
-        length; None when the suffix occurred nowhere."""
-        tokens = text.tokens
-        found = text.matches() + self.recent.matches(tokens, scope)
-        if not found or depth < 1 or max_nodes < 1:
+        its longest matches; None when the suffix occurred nowhere."""
+        return self.draft_from(int(text.tokens[-1]), self.longest(text, scope), depth, max_nodes)
+
+    def draft_from(self, root: int, best: list[Match], depth: int, max_nodes: int) -> CopyDraft | None:
+        """The copy tree under ``root`` from ``best`` (``longest``), as deep as
+        ``DEPTH_PER_MATCH`` times their length; None without any."""
+        if not best or depth < 1 or max_nodes < 1:
             return None
-        longest = max(m.length for m in found)
-        best = [m for m in found if m.length == longest]
-        reach = min(depth, DEPTH_PER_MATCH * longest)
-        return copy_tree(int(tokens[-1]), best, reach, self.yields.rate(longest), max_nodes)
+        reach = min(depth, DEPTH_PER_MATCH * best[0].length)
+        return copy_tree(root, best, reach, self.yields.rate(best[0].length), max_nodes)
 
     def record(self, output: Sequence[int], scope: Hashable = SHARED) -> None:
         """A finished sequence's output, for later requests of ``scope`` to copy from."""
         self.recent.add(output, scope)
+
+
+def drafts_nodes(best: list[Match], min_share: float = MIN_SHARE) -> bool:
+    """Whether ``copy_tree`` over ``best`` keeps any node below its root: some next token is
+    seen in at least ``min_share`` of them (a deeper node is never seen more often than its
+    parent)."""
+    firsts = collections.Counter(m.continuation(1) for m in best)
+    firsts.pop((), None)
+    return bool(firsts) and max(firsts.values()) >= min_share * max(1, len(best))
