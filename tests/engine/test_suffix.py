@@ -16,7 +16,7 @@ from multiguess import LLM, SamplingParams
 from multiguess.engine.adaptive import (
     CopyYield,
     ForwardCost,
-    copy_may_widen,
+    copies_may_widen,
     copy_width,
     graft_outcome,
     match_bucket,
@@ -147,8 +147,8 @@ def test_copy_width_widens_only_where_the_yield_pays_for_the_forward() -> None:
     assert copy_width([7], [1.9], [sure], steep, 33) == 7
 
 
-def test_a_copy_that_cannot_widen_never_widens_a_batch_of_root_only_trees() -> None:
-    """``copy_may_widen`` lets the planner skip building drafts: it must be false only where
+def test_copies_that_cannot_widen_never_widen_a_batch_of_root_only_trees() -> None:
+    """``copies_may_widen`` lets the planner skip building drafts: it must be false only where
     ``copy_width`` would not widen a batch of root-only trees with the real drafts (random texts
     of few distinct tokens, so matches branch; rates, batch sizes and cost curves vary, a noisy
     curve that dips included), and the cases must include both answers."""
@@ -162,7 +162,7 @@ def test_a_copy_that_cannot_widen_never_widens_a_batch_of_root_only_trees() -> N
     for case in range(300):
         cost, batch, limit = curves[case % 3], int(rng.integers(1, 9)), int(rng.integers(2, 34))
         source = CopySource(yields=CopyYield(rates=list(rng.uniform(0.0, 1.0, size=8))))
-        reach, may = [], []
+        reach, drafts = [], []
         for _ in range(batch):
             text = own(
                 [int(t) for t in rng.integers(0, int(rng.integers(2, 12)), size=int(rng.integers(2, 80)))]
@@ -175,13 +175,14 @@ def test_a_copy_that_cannot_widen_never_widens_a_batch_of_root_only_trees() -> N
             if draft is not None and len(draft.tree) > 1:
                 length = best[0].length
                 depth = min(room, DEPTH_PER_MATCH * length)
-                may.append(copy_may_widen(source.yields.rate(length), depth, cost, batch, limit))
+                drafts.append((source.yields.rate(length), depth))
                 reach.append(draft.reach)
             else:
                 reach.append(())
-        if not any(may):
+        may = copies_may_widen(drafts, cost, batch, limit)
+        if not may:
             assert copy_width([1] * batch, [1.0] * batch, reach, cost, limit) == 1
-        seen[any(may)] += 1
+        seen[may] += 1
     assert seen[True] > 20 and seen[False] > 20
 
 

@@ -486,26 +486,21 @@ def copy_width(
     return best if per_cost(best) >= min_gain * max(1.0, per_cost(start)) else start
 
 
-def copy_may_widen(rate: float, depth: int, cost: ForwardCost, batch: int, limit: int) -> bool:
-    """Whether a copy draft at most ``depth`` deep, whose next token is right with chance
-    ``rate``, could make ``copy_width`` widen a batch of root-only trees. Its nodes at depth d
-    reach ``rate ** d`` together at most, so at width w it yields at most ``1 + sum(rate ** d
-    for d < w)`` tokens; where that never beats ``COPY_MIN_GAIN`` times the forward's growth, no
-    width pays for any sequence of the batch, and the draft need not be built."""
-    q, tokens = min(rate, RATE_CAP), 1.0
-    cheapest = _cheapest_growth(cost, batch, limit)
+def copies_may_widen(drafts: list[tuple[float, int]], cost: ForwardCost, batch: int, limit: int) -> bool:
+    """Whether copy drafts, each at most ``depth`` deep with its next token right with chance
+    ``rate`` (``drafts``: (rate, depth) per draft), could make ``copy_width`` widen a batch of
+    ``batch`` root-only trees. A draft's nodes at depth d reach ``rate ** d`` together at most,
+    so at width w the batch yields at most ``batch + sum(rate ** d for d < w)`` over its drafts;
+    where that never beats ``COPY_MIN_GAIN`` times the forward's growth at any width up to
+    ``limit``, no width pays, and the drafts need not be built."""
+    gains = [0.0] * limit  # gains[d]: what depth d adds at most, over every draft
+    for rate, depth in drafts:
+        q = min(rate, RATE_CAP)
+        for d in range(1, min(depth, limit - 1) + 1):
+            gains[d] += q**d
+    tokens = float(batch)
     for width in range(2, limit + 1):
-        if width <= depth + 1:
-            tokens += q ** (width - 1)
-        if tokens >= COPY_MIN_GAIN * cheapest[width]:
+        tokens += gains[width - 1]
+        if tokens >= COPY_MIN_GAIN * batch * cost.growth(batch, width):
             return True
-        if width > depth:  # the yield stopped growing: only the cheapest wider forward is left
-            return False
     return False
-
-
-@functools.lru_cache(maxsize=256)
-def _cheapest_growth(cost: ForwardCost, batch: int, limit: int) -> tuple[float, ...]:
-    """For each width w up to ``limit``: the lowest growth of any forward at least w wide."""
-    growths = [cost.growth(batch, width) for width in range(limit + 1)]
-    return tuple(itertools.accumulate(reversed(growths), min))[::-1]

@@ -20,7 +20,7 @@ from multiguess.engine.adaptive import (
     ForwardCost,
     Outcome,
     ProbeSchedule,
-    copy_may_widen,
+    copies_may_widen,
     copy_width,
     expected_tokens,
     graft_outcome,
@@ -279,21 +279,19 @@ class Planner:
         self, candidates: list[tuple[int, Sequence, int, list[Match] | None]], batch: int
     ) -> bool:
         """Whether no copy draft of ``candidates`` (index, sequence, room, longest matches) could
-        be grafted onto a batch of root-only trees: none has a prediction and no match's yield
-        could pay for a wider forward (``adaptive.copy_may_widen``). Then each draft's match
-        relaxes as ``_graft_copies`` relaxes an unused one, and no draft is built."""
-        limit = 1 + self.config.prompt_lookup
-        drafted = []  # the match length of each copy draft that would have been made
+        be grafted onto a batch of root-only trees: none has a prediction and the drafts' yield
+        could not pay for a wider forward (``adaptive.copies_may_widen``). Then each draft's
+        match relaxes as ``_graft_copies`` relaxes an unused one, and no draft is built."""
+        drafted = []  # the match length of each copy draft that would be made, and its depth
         for _, seq, room, best in candidates:
             if seq.prediction is not None:
                 return False
             if best and room > 0 and drafts_nodes(best):
-                length = best[0].length
-                depth = min(room, DEPTH_PER_MATCH * length)
-                if copy_may_widen(self.copies.yields.rate(length), depth, self.forward_cost, batch, limit):
-                    return False
-                drafted.append(length)
-        for length in drafted:
+                drafted.append((best[0].length, min(room, DEPTH_PER_MATCH * best[0].length)))
+        rates = [(self.copies.yields.rate(length), depth) for length, depth in drafted]
+        if copies_may_widen(rates, self.forward_cost, batch, 1 + self.config.prompt_lookup):
+            return False
+        for length, _ in drafted:
             self.copies.yields.relax(length)
         return True
 
