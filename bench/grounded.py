@@ -104,6 +104,7 @@ WORKLOADS: dict[str, list[str]] = {
     ],
 }
 SETUPS = {"plain": "none", "default": "model", "suffix": "suffix"}
+MAX_TOKENS = 160  # per reply, at batch 1 and under load (grounded_load.py): long enough to copy a passage
 PREDICTIONS = {"code edit + prediction": CODE}  # the text each workload's requests predict
 # Workloads whose requests share one cache scope, as one client's do: the agent loop's replies
 # repeat across its requests through the recent-output index. Every other request decodes in a
@@ -147,7 +148,7 @@ def run_workload(llm: LLM, prompts: list[list[int]], params: SamplingParams, sal
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     parser.add_argument(
         "--quantization",
         default="auto,none",

@@ -431,7 +431,9 @@ def main() -> int:
         "--min-requests", type=int, default=8, help="requests per level at least (low concurrency is noisy)"
     )
     parser.add_argument("--repeats", type=int, default=3, help="runs per level and setup (median)")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="per reply (default: 64; grounded: as bench/grounded.py)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--setups", default=None, help="which setups to run, by letter: ab or a,b (default: all)"
@@ -449,6 +451,10 @@ def main() -> int:
     from multiguess.benchmark import load_prompts
     from multiguess.provenance import provenance
 
+    if args.max_tokens is None:  # grounded replies copy passages and files: as long as at batch 1
+        from grounded import MAX_TOKENS
+
+        args.max_tokens = MAX_TOKENS if args.workload == "grounded" else 64
     if args.workload == "long-prompt":
         return long_prompt(args)
     if args.workload == "grounded":
