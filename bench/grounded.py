@@ -172,7 +172,7 @@ def main() -> int:
         for workload, ids in prompts.items():
             for setup in order:
                 predicted = PREDICTIONS.get(workload) if setup[1] != "plain" else None
-                salts = cache_salts(workload, f"{repeat}", len(ids))
+                salts = cache_salts(workload, str(repeat), len(ids))
                 runs[workload][setup].append(
                     run_workload(llms[setup], ids, replace(params, prediction=predicted), salts)
                 )

@@ -23,7 +23,6 @@ from multiguess.engine.adaptive import (
 )
 from multiguess.engine.ngram import graft
 from multiguess.engine.suffix import (
-    DEPTH_PER_MATCH,
     CopySource,
     Match,
     OwnText,
@@ -173,9 +172,7 @@ def test_copies_that_cannot_widen_never_widen_a_batch_of_root_only_trees() -> No
                 bool(best) and room > 0 and drafts_nodes(best)
             )
             if draft is not None and len(draft.tree) > 1:
-                length = best[0].length
-                depth = min(room, DEPTH_PER_MATCH * length)
-                drafts.append((source.yields.rate(length), depth))
+                drafts.append(source.prospect(best, room))
                 reach.append(draft.reach)
             else:
                 reach.append(())

@@ -34,14 +34,7 @@ from multiguess.engine.prediction import prediction_draft
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.sequence import Sequence
 from multiguess.engine.sources import better_copy, copy_worth, model_drafts, model_worth
-from multiguess.engine.suffix import (
-    DEPTH_PER_MATCH,
-    CopyDraft,
-    CopySource,
-    Match,
-    RecentOutputs,
-    drafts_nodes,
-)
+from multiguess.engine.suffix import CopyDraft, CopySource, Match, RecentOutputs
 from multiguess.engine.timing import measure_forward_cost
 from multiguess.engine.tree import TokenTree
 from multiguess.params import SamplingParams
@@ -282,16 +275,17 @@ class Planner:
         be grafted onto a batch of root-only trees: none has a prediction and the drafts' yield
         could not pay for a wider forward (``adaptive.copies_may_widen``). Then each draft's
         match relaxes as ``_graft_copies`` relaxes an unused one, and no draft is built."""
-        drafted = []  # the match length of each copy draft that would be made, and its depth
+        drafts, lengths = [], []  # each copy draft's (rate, depth) as it would be made, and its match
         for _, seq, room, best in candidates:
             if seq.prediction is not None:
                 return False
-            if best and room > 0 and drafts_nodes(best):
-                drafted.append((best[0].length, min(room, DEPTH_PER_MATCH * best[0].length)))
-        rates = [(self.copies.yields.rate(length), depth) for length, depth in drafted]
-        if copies_may_widen(rates, self.forward_cost, batch, 1 + self.config.prompt_lookup):
+            prospect = self.copies.prospect(best, room)
+            if prospect is not None:
+                drafts.append(prospect)
+                lengths.append(best[0].length)
+        if copies_may_widen(drafts, self.forward_cost, batch, 1 + self.config.prompt_lookup):
             return False
-        for length, _ in drafted:
+        for length in lengths:
             self.copies.yields.relax(length)
         return True
 

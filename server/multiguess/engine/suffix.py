@@ -255,12 +255,25 @@ class CopySource:
         return self.draft_from(int(text.tokens[-1]), self.longest(text, scope), depth, max_nodes)
 
     def draft_from(self, root: int, best: list[Match], depth: int, max_nodes: int) -> CopyDraft | None:
-        """The copy tree under ``root`` from ``best`` (``longest``), as deep as
-        ``DEPTH_PER_MATCH`` times their length; None without any."""
+        """The copy tree under ``root`` from ``best`` (``longest``), shaped by ``shape``; None
+        without any."""
         if not best or depth < 1 or max_nodes < 1:
             return None
-        reach = min(depth, DEPTH_PER_MATCH * best[0].length)
-        return copy_tree(root, best, reach, self.yields.rate(best[0].length), max_nodes)
+        rate, reach = self.shape(best, depth)
+        return copy_tree(root, best, reach, rate, max_nodes)
+
+    def prospect(self, best: list[Match] | None, depth: int) -> tuple[float, int] | None:
+        """The ``shape`` of the tree ``draft_from`` would make from ``best``, or None where it
+        would keep no node below its root: what the planner weighs before building any."""
+        if not best or depth < 1 or not drafts_nodes(best):
+            return None
+        return self.shape(best, depth)
+
+    def shape(self, best: list[Match], depth: int) -> tuple[float, int]:
+        """The measured chance that ``best``'s next token is right, and the depth of their
+        tree: ``DEPTH_PER_MATCH`` tokens per matched token, at most ``depth``."""
+        length = best[0].length
+        return self.yields.rate(length), min(depth, DEPTH_PER_MATCH * length)
 
     def record(self, output: Sequence[int], scope: Hashable = SHARED) -> None:
         """A finished sequence's output, for later requests of ``scope`` to copy from."""
