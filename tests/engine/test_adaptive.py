@@ -324,6 +324,44 @@ def test_one_sequence_probes_at_a_time_the_one_observed_longest_ago(
     ]
 
 
+def test_while_no_tree_pays_the_draft_skips_prompts_until_a_probe_catches_it_up(
+    tiny_llama: Path, tiny_llama_draft: Path
+) -> None:
+    """A drafter whose prefill is optional does not prefill a prompt while the policy drafts no
+    tree: its cache of the prompt goes from nothing to whole when a probe feeds it, where a
+    request with its own tree prefills chunk by chunk; outputs stay exact. The first request
+    is admitted before any plan, so it prefills too."""
+    policy = AdaptivePolicy(min_speedup=100.0, probe_every=2, probe_every_max=4)
+    config = EngineConfig(
+        3, 4, 16, max_batch=4, max_model_len=128, policy=policy, prompt_lookup=0, max_prefill_tokens=8
+    )
+    target, draft = (load_model(str(path), dtype="float32") for path in (tiny_llama, tiny_llama_draft))
+    drafter = ModelDrafter(draft)
+    engine = Engine(target, drafter, config)
+    prompts = random_prompts(29, (6, 40, 20))
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    first = engine.add_request("first", prompts[0], params)
+    while not first.output_ids:
+        engine.step()
+    assert not engine.planner.drafting
+    later = engine.add_request("later", prompts[1], params)
+    fixed = engine.add_request("fixed", prompts[2], replace(params, depth=1))
+    seen: dict[str, set[int]] = {"later": set(), "fixed": set()}  # the draft's cache after each step
+    while engine.has_unfinished():
+        engine.step()
+        for seq in (later, fixed):
+            if not seq.finished:
+                seen[seq.request_id].add(drafter.cached.get(seq.slot, 0))
+    partly = {
+        name: {n for n in cached if 0 < n < len(prompts[i]) - 1}
+        for i, (name, cached) in enumerate(seen.items(), 1)
+    }
+    assert not partly["later"] and len(partly["fixed"]) >= 2  # never a chunk of "later"'s prompt
+    assert max(seen["later"]) > len(prompts[1])  # a probe fed it
+    expected = reference(tiny_llama, prompts, 30, ignore_eos=True)
+    assert [s.output_ids for s in (first, later, fixed)] == expected
+
+
 def test_observing_ranks_the_tokens_the_target_chose_and_catches_the_draft_up(tiny_llama: Path) -> None:
     """The target as its own draft ranks its greedy tokens first and any other token below
     them. Afterwards the draft's cache holds the sequence: a tree drafted from there equals one

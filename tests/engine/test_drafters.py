@@ -18,7 +18,16 @@ from multiguess.models.loading import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "server" / "multiguess"
-ABILITIES = ("feature_layers", "takes_grafts", "copy_only", "prefills", "prefill", "add_features", "degraded")
+ABILITIES = (
+    "feature_layers",
+    "takes_grafts",
+    "copy_only",
+    "prefills",
+    "prefill_optional",
+    "prefill",
+    "add_features",
+    "degraded",
+)
 
 
 def choices(register: object, flag: str) -> list[str]:
@@ -67,11 +76,8 @@ def test_model_free_drafters_build_by_name(tiny_llama: Path, kind: str) -> None:
     assert isinstance(drafter, StatelessDrafter) and drafter.memory() is None
     guarded = build_drafter(kind, target, drafting.DraftOptions(serving=drafting.Serving()))
     assert isinstance(guarded, GuardedDrafter) and isinstance(guarded.inner, type(drafter))
-    assert (guarded.takes_grafts, guarded.copy_only, guarded.prefills) == (
-        drafter.takes_grafts,
-        drafter.copy_only,
-        drafter.prefills,
-    )
+    abilities = ("takes_grafts", "copy_only", "prefills", "prefill_optional")
+    assert [getattr(guarded, a) for a in abilities] == [getattr(drafter, a) for a in abilities]
 
 
 def test_an_unknown_drafter_is_refused(tiny_llama: Path) -> None:

@@ -61,6 +61,7 @@ class Planner:
         self.config = config
         self.fallback = fallback
         self.steps = 0  # steps proposed for; a sequence's ``drafted_at`` counts in them
+        self.drafting = True  # whether the latest plan drafted trees (``prefills_draft``)
         self.costs = CostMeter()
         # The draft's coverage by width on this traffic, for greedy (True) and sampled requests
         # apart: the policy's prior until anything was drafted, then running rates over every
@@ -182,6 +183,7 @@ class Planner:
         fixed, per_level = self.costs.ratios(cost(len(batch)))
         coverages = [self.coverage[s.params.greedy] for s in batch]
         planned = cfg.policy.plan(cfg.budget, coverages, per_level, cost, fixed)
+        self.drafting = planned.depth > 0
         trees = [planned] * len(batch)
         if planned.depth > 0:
             self.probes.reset()
@@ -215,6 +217,13 @@ class Planner:
         self.coverage[greedy] = self.config.policy.update(self.coverage[greedy], observed)
         seq.drafted_at = self.steps
         return True
+
+    def prefills_draft(self, seq: Sequence, drafter: Drafter) -> bool:
+        """Whether ``drafter`` catches up on ``seq``'s prompt while the target prefills it: it
+        must unless its prefill is optional (``Drafter.prefill_optional``); then only while the
+        policy drafts trees or ``seq`` drafts its own. Otherwise its next proposal or probe
+        feeds what it missed, and a sequence that ends first costs the draft nothing."""
+        return not drafter.prefill_optional or self.drafting or fixed_tree(seq.params)
 
     def _budget(self, seq: Sequence, planned: TreeBudget) -> TreeBudget:
         """This step's tree for ``seq``: the ``planned`` one, or the request's own override,

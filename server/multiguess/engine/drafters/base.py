@@ -19,6 +19,9 @@ What a drafter can do beyond that is declared, not probed for:
   for trees at all, its trees are those grafts (the suffix drafter).
 - ``prefills``: it catches up on a prompt while the target prefills it (``prefill``), chunk by
   chunk under ``EngineConfig.max_prefill_tokens``; others catch up at their first proposal.
+  ``prefill_optional``: it can also catch up alone, at its next proposal or probe, so the
+  engine skips its ``prefill`` while the policy drafts no tree (``Planner.prefills_draft``):
+  traffic where drafting does not pay does not pay for the draft's prefill either.
 - ``degraded`` and ``reason``: readiness (``GuardedDrafter`` pauses a failing drafter).
 - ``memory``: what it holds on a device, which the engine's memory plan counts before ``start``
   sizes its caches to the planned sequences.
@@ -46,6 +49,7 @@ class Drafter(ABC):
     takes_grafts: bool = False
     copy_only: bool = False
     prefills: bool = False
+    prefill_optional: bool = False
     degraded: bool = False
     reason: str | None = None
 
@@ -143,6 +147,7 @@ class WrappedDrafter(Drafter):
     def __init__(self, inner: Drafter) -> None:
         self.inner = inner
         self.takes_grafts, self.copy_only, self.prefills = inner.takes_grafts, inner.copy_only, inner.prefills
+        self.prefill_optional = inner.prefill_optional
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

@@ -31,7 +31,8 @@ class ModelDrafter(Drafter):
     # Its commit keeps the draft KV of the accepted nodes it fed and its next proposal catches
     # up on the rest, so the engine may graft copy drafts onto its trees.
     takes_grafts = True
-    prefills = True
+    # It reads no target features: whatever it has not seen, its next proposal or probe feeds.
+    prefills = prefill_optional = True
 
     def __init__(self, draft: LoadedModel, wire_exact: bool = False) -> None:
         self.draft = draft
@@ -151,12 +152,12 @@ class ModelDrafter(Drafter):
         start = self.cached.get(slot, 0)
         if start >= len(token_ids):
             return []
+        first = max(start + 1, since)  # the first token ranked
+        self.prefill(slot, token_ids[:first])  # what comes before its guess, without logits
+        start = first - 1  # row i of the rest guesses token first + i
         logits = self.runner.forward_trees([slot], [start], [TokenTree.chain(token_ids[start:])])[0]
         self.cached[slot] = len(token_ids)
-        first = max(start + 1, since)  # the first token ranked; row i guesses token start + 1 + i
-        return self.grower.ranks(
-            logits[first - start - 1 : len(token_ids) - start - 1], token_ids, first, width, sample
-        )
+        return self.grower.ranks(logits[: len(token_ids) - first], token_ids, first, width, sample)
 
     def commit(self, slot: int, proposal: Proposal, acceptance: Acceptance) -> None:
         """Keep the draft KV of accepted nodes that were fed to the draft (a prefix of the path)."""
