@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from multiguess import LLM, SamplingParams
-from multiguess.engine.adaptive import CopyYield, ForwardCost
-from multiguess.engine.prediction import START, Alignment, align, prediction_draft
+from multiguess.engine.adaptive import RATE_CAP, CopyYield, ForwardCost
+from multiguess.engine.prediction import START, Alignment, align, prediction_draft, prediction_prospect
 from multiguess.engine.sequence import SOURCES
 from multiguess.errors import InvalidRequestError
 
@@ -32,11 +32,35 @@ def test_align_follows_the_output_and_re_anchors_after_an_edit() -> None:
 def test_prediction_draft_is_the_chain_after_the_alignment() -> None:
     alignment = Alignment(np.array([10, 11, 12, 13, 14]))
     alignment.sync([10, 11])
-    draft = prediction_draft(11, alignment, 2, CopyYield())
+    draft = prediction_draft(11, alignment.locate(), 2, CopyYield())
     assert draft is not None
     assert draft.tree.tokens == (11, 12, 13) and alignment.anchor == 2 and draft.match == 2
     alignment.sync([10, 11, 12, 13, 14])
-    assert prediction_draft(14, alignment, 8, CopyYield()) is None  # used up
+    assert alignment.locate() is None and alignment.anchor == 2  # used up: the anchor stays
+    assert prediction_draft(14, None, 8, CopyYield()) is None
+
+
+def test_a_predictions_prospect_is_the_rate_and_depth_of_the_chain_it_would_draft() -> None:
+    """What the planner weighs before building (``prediction_prospect``) is the built chain's
+    depth and first rate, and each level reaches that rate to its depth, which is what
+    ``adaptive.copies_may_widen`` bounds."""
+    rng = np.random.default_rng(11)
+    yields = CopyYield(rates=list(rng.uniform(0.0, 1.0, size=8)))
+    for _ in range(200):
+        prediction = np.array(rng.integers(0, 6, size=int(rng.integers(2, 60))))
+        alignment = Alignment(prediction)
+        alignment.sync([int(t) for t in rng.integers(0, 6, size=int(rng.integers(0, 20)))])
+        match, depth = alignment.locate(), int(rng.integers(0, 12))
+        if match is None:
+            continue
+        draft, shape = prediction_draft(7, match, depth, yields), prediction_prospect(match, depth, yields)
+        if draft is None:
+            assert shape is None and depth == 0
+            continue
+        assert shape is not None
+        rate, levels = shape
+        assert levels == len(draft.tree) - 1 >= 1
+        assert draft.reach == pytest.approx([min(rate, RATE_CAP) ** d for d in range(1, levels + 1)])
 
 
 def brute_force_match(prediction: list[int], output: list[int], anchor: int, most: int) -> tuple[int, int]:

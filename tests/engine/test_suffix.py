@@ -22,6 +22,8 @@ from multiguess.engine.adaptive import (
     match_bucket,
 )
 from multiguess.engine.ngram import graft
+from multiguess.engine.prediction import Alignment, prediction_draft, prediction_prospect
+from multiguess.engine.sources import better_copy, copy_worth
 from multiguess.engine.suffix import (
     CopySource,
     Match,
@@ -149,8 +151,9 @@ def test_copy_width_widens_only_where_the_yield_pays_for_the_forward() -> None:
 def test_copies_that_cannot_widen_never_widen_a_batch_of_root_only_trees() -> None:
     """``copies_may_widen`` lets the planner skip building drafts: it must be false only where
     ``copy_width`` would not widen a batch of root-only trees with the real drafts (random texts
-    of few distinct tokens, so matches branch; rates, batch sizes and cost curves vary, a noisy
-    curve that dips included), and the cases must include both answers."""
+    of few distinct tokens, so matches branch; some sequences with a prediction besides, of
+    which the draft worth more is grafted, as the planner does; rates, batch sizes and cost
+    curves vary, a noisy curve that dips included), and the cases must include both answers."""
     rng = np.random.default_rng(0)
     curves = [
         ForwardCost((1, 2, 4, 8, 16, 32), (3.3, 3.3, 3.6, 4.9, 8.0, 14.6)),
@@ -161,21 +164,34 @@ def test_copies_that_cannot_widen_never_widen_a_batch_of_root_only_trees() -> No
     for case in range(300):
         cost, batch, limit = curves[case % 3], int(rng.integers(1, 9)), int(rng.integers(2, 34))
         source = CopySource(yields=CopyYield(rates=list(rng.uniform(0.0, 1.0, size=8))))
+        predicted = CopyYield(rates=list(rng.uniform(0.0, 1.0, size=8)))
         reach, drafts = [], []
         for _ in range(batch):
-            text = own(
-                [int(t) for t in rng.integers(0, int(rng.integers(2, 12)), size=int(rng.integers(2, 80)))]
-            )
-            best, room = source.longest(text), int(rng.integers(0, 33))
+            tokens = [
+                int(t) for t in rng.integers(0, int(rng.integers(2, 12)), size=int(rng.integers(2, 80)))
+            ]
+            text, room = own(tokens), int(rng.integers(0, 33))
+            best = source.longest(text)
             draft = source.draft_from(int(text.tokens[-1]), best, room, limit - 1)
             assert (draft is not None and len(draft.tree) > 1) == (
                 bool(best) and room > 0 and drafts_nodes(best)
             )
+            made, shapes = [], []
             if draft is not None and len(draft.tree) > 1:
-                drafts.append(source.prospect(best, room))
-                reach.append(draft.reach)
-            else:
-                reach.append(())
+                made.append(draft)
+                shapes.append(source.prospect(best, room))
+            if rng.random() < 0.5:  # a prediction: the text again, its latest tokens edited
+                alignment = Alignment(np.array(tokens[: int(rng.integers(2, len(tokens) + 1))]))
+                alignment.sync(tokens[len(tokens) // 2 :])
+                match = alignment.locate()
+                chain = prediction_draft(int(text.tokens[-1]), match, min(room, limit - 1), predicted)
+                if match is not None and chain is not None:
+                    made.append(chain)
+                    shapes.append(prediction_prospect(match, min(room, limit - 1), predicted))
+            drafts.append(shapes)
+            worths = [copy_worth(d.reach, cost, batch, limit) for d in made]
+            chosen = better_copy(worths)
+            reach.append(() if chosen is None else made[chosen].reach)
         may = copies_may_widen(drafts, cost, batch, limit)
         if not may:
             assert copy_width([1] * batch, [1.0] * batch, reach, cost, limit) == 1

@@ -486,18 +486,24 @@ def copy_width(
     return best if per_cost(best) >= min_gain * max(1.0, per_cost(start)) else start
 
 
-def copies_may_widen(drafts: list[tuple[float, int]], cost: ForwardCost, batch: int, limit: int) -> bool:
-    """Whether copy drafts, each at most ``depth`` deep with its next token right with chance
-    ``rate`` (``drafts``: (rate, depth) per draft), could make ``copy_width`` widen a batch of
-    ``batch`` root-only trees. A draft's nodes at depth d reach ``rate ** d`` together at most,
-    so at width w the batch yields at most ``batch + sum(rate ** d for d < w)`` over its drafts;
-    where that never beats ``COPY_MIN_GAIN`` times the forward's growth at any width up to
-    ``limit``, no width pays, and the drafts need not be built."""
-    gains = [0.0] * limit  # gains[d]: what depth d adds at most, over every draft
-    for rate, depth in drafts:
-        q = min(rate, RATE_CAP)
-        for d in range(1, min(depth, limit - 1) + 1):
-            gains[d] += q**d
+def copies_may_widen(
+    drafts: list[list[tuple[float, int]]], cost: ForwardCost, batch: int, limit: int
+) -> bool:
+    """Whether copy drafts could make ``copy_width`` widen a batch of ``batch`` root-only
+    trees. ``drafts`` holds each sequence's candidates, (rate, depth) each: at most ``depth``
+    deep, the next token right with chance ``rate``; one of them at most is grafted. A draft's
+    nodes at depth d reach ``rate ** d`` together at most, so at width w a sequence adds at
+    most the sum over d < w of its likeliest candidate's ``rate ** d`` among those as deep as
+    d; where the batch's total never beats ``COPY_MIN_GAIN`` times the forward's growth at any
+    width up to ``limit``, no width pays, and the drafts need not be built."""
+    gains = [0.0] * limit  # gains[d]: what depth d adds at most, over every sequence
+    for candidates in drafts:
+        covered = 0  # the depths a likelier candidate already counted
+        for rate, depth in sorted(candidates, reverse=True):
+            q = min(rate, RATE_CAP)
+            for d in range(covered + 1, min(depth, limit - 1) + 1):
+                gains[d] += q**d
+            covered = max(covered, depth)
     tokens = float(batch)
     for width in range(2, limit + 1):
         tokens += gains[width - 1]

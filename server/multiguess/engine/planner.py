@@ -9,6 +9,7 @@ fails a request: the engine's ``fallback`` decodes the sequences it failed for p
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -30,7 +31,7 @@ from multiguess.engine.config import EngineConfig
 from multiguess.engine.drafter import DraftRequest, Proposal, SampleSpec, TreeBudget
 from multiguess.engine.drafters.base import Drafter
 from multiguess.engine.ngram import graft
-from multiguess.engine.prediction import prediction_draft
+from multiguess.engine.prediction import prediction_draft, prediction_prospect
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.sequence import Sequence
 from multiguess.engine.sources import better_copy, copy_worth, model_drafts, model_worth
@@ -41,6 +42,19 @@ from multiguess.params import SamplingParams
 
 # What the engine does with sequences whose drafter call failed: decode them plainly this step.
 Fallback = Callable[[Exception, list[Sequence]], None]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A sequence that may get a copy draft this step (``Planner._copy_drafts``): its index in
+    the batch, the levels it may draft, where its prediction aligns with its output and its
+    longest earlier matches (each None where it has none)."""
+
+    index: int
+    seq: Sequence
+    room: int
+    aligned: Match | None
+    best: list[Match] | None
 
 
 @dataclass(frozen=True)
@@ -255,47 +269,53 @@ class Planner:
         if not cfg.prompt_lookup:
             return {}
         limit, found = 1 + cfg.prompt_lookup, {}
-        candidates = []  # each sequence's room and its longest matches
+        candidates = []  # each sequence's room, where its prediction aligns and its longest matches
         for i, seq in enumerate(batch):
             if fixed_tree(seq.params):
                 continue
-            room, best = min(cfg.prompt_lookup, self._room(seq)), None
+            room, aligned, best = min(cfg.prompt_lookup, self._room(seq)), None, None
+            if seq.prediction is not None:
+                seq.prediction.sync(seq.output_ids)
+                aligned = seq.prediction.locate()
             if takes_grafts and seq.grammar is None:
                 seq.own_text.sync(seq.prompt_ids, seq.output_ids)
                 best = self.copies.longest(seq.own_text, seq.params.cache_scope)
-            candidates.append((i, seq, room, best))
+            candidates.append(Candidate(i, seq, room, aligned, best))
         if not own_trees and self._copies_idle(candidates, len(batch)):
             return {}
-        for i, seq, room, best in candidates:
-            drafts = [(self._predicted(seq, room), True)]
-            if best is not None:
-                drafts.append((self.copies.draft_from(seq.last_token, best, room, cfg.prompt_lookup), False))
+        for c in candidates:
+            drafts = [(self._predicted(c.seq, c.aligned, c.room), True)]
+            if c.best is not None:
+                drafts.append(
+                    (self.copies.draft_from(c.seq.last_token, c.best, c.room, cfg.prompt_lookup), False)
+                )
             kept = [(d, predicted) for d, predicted in drafts if d is not None and len(d.tree) > 1]
             worths = [copy_worth(d.reach, self.forward_cost, len(batch), limit) for d, _ in kept]
             best = better_copy(worths)
             if best is not None:
-                found[i] = Copy(kept[best][0], kept[best][1], worths[best])
+                found[c.index] = Copy(kept[best][0], kept[best][1], worths[best])
         return found
 
-    def _copies_idle(
-        self, candidates: list[tuple[int, Sequence, int, list[Match] | None]], batch: int
-    ) -> bool:
-        """Whether no copy draft of ``candidates`` (index, sequence, room, longest matches) could
-        be grafted onto a batch of root-only trees: none has a prediction and the drafts' yield
-        could not pay for a wider forward (``adaptive.copies_may_widen``). Then each draft's
-        match relaxes as ``_graft_copies`` relaxes an unused one, and no draft is built."""
-        drafts, lengths = [], []  # each copy draft's (rate, depth) as it would be made, and its match
-        for _, seq, room, best in candidates:
-            if seq.prediction is not None:
-                return False
-            prospect = self.copies.prospect(best, room)
-            if prospect is not None:
-                drafts.append(prospect)
-                lengths.append(best[0].length)
-        if copies_may_widen(drafts, self.forward_cost, batch, 1 + self.config.prompt_lookup):
+    def _copies_idle(self, candidates: list[Candidate], batch: int) -> bool:
+        """Whether no copy or prediction draft of ``candidates`` could be grafted onto a batch
+        of root-only trees: the drafts' yield could not pay for a wider forward
+        (``adaptive.copies_may_widen``). Then each draft's match relaxes as ``_graft_copies``
+        relaxes an unused one, and no draft is built."""
+        prospects: list[list[tuple[CopyYield, int, tuple[float, int]]]] = []  # yields, match, shape
+        for c in candidates:
+            drafts = []  # each of the sequence's drafts as it would be made: (rate, depth)
+            if c.aligned is not None and (
+                shape := prediction_prospect(c.aligned, c.room, self.prediction_yields)
+            ):
+                drafts.append((self.prediction_yields, c.aligned.length, shape))
+            if c.best and (shape := self.copies.prospect(c.best, c.room)):
+                drafts.append((self.copies.yields, c.best[0].length, shape))
+            prospects.append(drafts)
+        shapes = [[shape for _, _, shape in drafts] for drafts in prospects]
+        if copies_may_widen(shapes, self.forward_cost, batch, 1 + self.config.prompt_lookup):
             return False
-        for length in lengths:
-            self.copies.yields.relax(length)
+        for yields, length, _ in itertools.chain.from_iterable(prospects):
+            yields.relax(length)
         return True
 
     def _graft_copies(
@@ -334,13 +354,10 @@ class Planner:
             else:
                 (self.prediction_yields if predicted else self.copies.yields).relax(match)
 
-    def _predicted(self, seq: Sequence, room: int) -> CopyDraft | None:
-        """``seq``'s prediction's chain after its output (``prediction.prediction_draft``), cut
-        to what its grammar allows; None without a prediction or where none aligns."""
-        if seq.prediction is None:
-            return None
-        seq.prediction.sync(seq.output_ids)
-        draft = prediction_draft(seq.last_token, seq.prediction, room, self.prediction_yields)
+    def _predicted(self, seq: Sequence, aligned: Match | None, room: int) -> CopyDraft | None:
+        """``seq``'s prediction's chain after where its output ``aligned``
+        (``prediction.prediction_draft``), cut to what its grammar allows; None without."""
+        draft = prediction_draft(seq.last_token, aligned, room, self.prediction_yields)
         if draft is None:
             return None
         if seq.grammar is not None:

@@ -60,6 +60,14 @@ class Alignment:
         best = np.flatnonzero(longest)[np.argmin(distance[longest])]
         return Match(int(lengths[best]), prediction, int(ends[best]))
 
+    def locate(self) -> Match | None:
+        """``match``, and the anchor moves to where its continuation starts: the draft from
+        there is this step's, and the next alignment looks at or after it first."""
+        found = self.match()
+        if found is not None:
+            self.anchor = found.end + 1
+        return found
+
 
 def align(
     prediction: np.ndarray, output: Sequence[int], anchor: int, max_match: int = MAX_MATCH
@@ -72,13 +80,20 @@ def align(
     return alignment.match()
 
 
-def prediction_draft(root: int, alignment: Alignment, depth: int, yields: CopyYield) -> CopyDraft | None:
-    """The chain of the prediction's next tokens after the output ``alignment`` took in (at
-    most ``depth``), each level accepted with the chance ``yields`` measured for its match
-    length; it moves the alignment's anchor to the chain's start. None when the output's last
-    token is nowhere in the prediction or the prediction is used up there."""
-    match = alignment.match()
+def prediction_draft(root: int, match: Match | None, depth: int, yields: CopyYield) -> CopyDraft | None:
+    """The chain of the prediction's next tokens after ``match`` (``Alignment.locate``), at most
+    ``depth``, each level accepted with the chance ``yields`` measured for its match length.
+    None without a match: the output's last token is nowhere in the prediction, or the
+    prediction is used up there."""
     if match is None or depth < 1:
         return None
-    alignment.anchor = match.end + 1
     return copy_tree(root, [match], depth, yields.rate(match.length), depth)
+
+
+def prediction_prospect(match: Match, depth: int, yields: CopyYield) -> tuple[float, int] | None:
+    """The chance the next token of ``prediction_draft``'s chain is right, and its depth,
+    without building it (None: no chain): what the planner weighs first (as
+    ``CopySource.prospect``)."""
+    if depth < 1:
+        return None
+    return yields.rate(match.length), min(depth, len(match.text) - match.end - 1)
