@@ -7,6 +7,7 @@ for copy drafts grafted onto a draft model's trees.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from pathlib import Path
 
@@ -316,3 +317,27 @@ def test_copy_drafts_off_draft_nothing(tiny_llama: Path, plain: dict) -> None:
     llm = LLM(str(tiny_llama), None, drafter="suffix", dtype="float32", max_batch=4, prompt_lookup=0)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS["greedy"])] == expected
     assert llm.engine.totals.draft_tokens == 0 and len(llm.engine.planner.copies.recent) == 0
+
+
+def test_while_no_copy_can_pay_copies_are_checked_ever_more_rarely(tiny_llama: Path, plain: dict) -> None:
+    """Where every width costs alike copies pay and are checked every step; where the forward's
+    cost grows with every row none can, and the check backs off (2, then 4 steps apart), until
+    one finds a copy that may pay again; output stays plain decoding's."""
+    prompts, expected = plain["greedy"]
+    llm = LLM(str(tiny_llama), None, drafter="suffix", dtype="float32", max_batch=1)
+    planner = llm.engine.planner
+    checks: list[tuple[int, bool]] = []  # the steps whose copies were checked, and if idle
+    idle = planner._copies_idle
+
+    def recording(candidates: list, batch: int) -> bool:
+        checks.append((planner.steps, idle(candidates, batch)))
+        return checks[-1][1]
+
+    planner._copies_idle = recording  # type: ignore[method-assign]
+    for cost in (ForwardCost(), ForwardCost((1, 64), (1.0, 64.0)), ForwardCost()):
+        planner.forward_cost = cost
+        assert llm.generate(prompts[0], PARAMS["greedy"])[0].outputs[0].token_ids == expected[0]
+    gaps = [(b - a, was_idle) for (a, was_idle), (b, _) in itertools.pairwise(checks)]
+    assert {gap for gap, was_idle in gaps if not was_idle} == {1}
+    assert {gap for gap, was_idle in gaps if was_idle} == {2, 4}
+    assert sum(was_idle for _, was_idle in gaps) >= 4  # ...and the steep stretch backed off

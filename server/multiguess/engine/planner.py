@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.adaptive import (
+    COPY_CHECKS_LONGEST,
     CopyYield,
     CostMeter,
     ForwardCost,
@@ -94,6 +95,7 @@ class Planner:
             if budget > policy.token_budget:  # measured on this device: more nodes ride for free
                 self.config = replace(self.config, policy=replace(policy, token_budget=budget))
         self.copies = CopySource(RecentOutputs(self.config.recent_outputs, self.config.recent_age))
+        self.copy_checks = ProbeSchedule(1)  # while copies cannot pay: every step, then sparser
         self.prediction_yields = CopyYield()  # how predictions pay, apart from copies
 
     def propose(self, batch: list[Sequence], drafter: Drafter | None) -> list[Proposal]:
@@ -264,9 +266,11 @@ class Planner:
         drafter that takes grafts, and not under a grammar), the one worth more
         (``sources.copy_worth``). None for a request that chose its own tree, and none at all
         where nothing drafts a tree this step (``own_trees``) and no copy could pay to widen the
-        forward (``_copies_idle``)."""
+        forward (``_copies_idle``). While none could, that check (whose lookups per sequence are
+        most of what planning costs where nothing pays) runs at doubling intervals, at most
+        ``COPY_CHECKS_LONGEST`` steps apart, until a copy may pay or a tree is drafted again."""
         cfg = self.config
-        if not cfg.prompt_lookup:
+        if not cfg.prompt_lookup or (not own_trees and not self.copy_checks.due(COPY_CHECKS_LONGEST)):
             return {}
         limit, found = 1 + cfg.prompt_lookup, {}
         candidates = []  # each sequence's room, where its prediction aligns and its longest matches
@@ -283,6 +287,7 @@ class Planner:
             candidates.append(Candidate(i, seq, room, aligned, best))
         if not own_trees and self._copies_idle(candidates, len(batch)):
             return {}
+        self.copy_checks.reset()
         for c in candidates:
             drafts = [(self._predicted(c.seq, c.aligned, c.room), True)]
             if c.best is not None:
