@@ -313,8 +313,10 @@ class AdaptivePolicy:
 
 @dataclass
 class ProbeSchedule:
-    """When the next probe runs while drafting is off: ``first`` steps after it stopped, then
-    at doubling intervals up to the caller's ``longest``; ``reset`` when drafting pays again."""
+    """When the next check runs while checks keep finding nothing to do: ``first`` steps after
+    the last that found some, then at doubling intervals up to the caller's ``longest``;
+    ``reset`` when one finds some again. The planner's probes (while drafting is off) and copy
+    checks (while no copy can pay) follow one each."""
 
     first: int
     interval: int = 0
