@@ -321,10 +321,11 @@ def test_copy_drafts_off_draft_nothing(tiny_llama: Path, plain: dict) -> None:
 
 def test_while_no_copy_can_pay_copies_are_checked_ever_more_rarely(tiny_llama: Path, plain: dict) -> None:
     """Where every width costs alike copies pay and are checked every step; where the forward's
-    cost grows with every row none can, and the check backs off (2, then 4 steps apart), until
-    one finds a copy that may pay again; output stays plain decoding's."""
+    cost grows with every row none can, and a batch's check backs off (2, then 4 steps apart)
+    until one finds a copy that may pay again, while a lone sequence checks every step; output
+    stays plain decoding's."""
     prompts, expected = plain["greedy"]
-    llm = LLM(str(tiny_llama), None, drafter="suffix", dtype="float32", max_batch=1)
+    llm = LLM(str(tiny_llama), None, drafter="suffix", dtype="float32", max_batch=4)
     planner = llm.engine.planner
     checks: list[tuple[int, bool]] = []  # the steps whose copies were checked, and if idle
     idle = planner._copies_idle
@@ -333,11 +334,19 @@ def test_while_no_copy_can_pay_copies_are_checked_ever_more_rarely(tiny_llama: P
         checks.append((planner.steps, idle(candidates, batch)))
         return checks[-1][1]
 
+    def gaps() -> list[tuple[int, bool]]:
+        return [(b - a, was_idle) for (a, was_idle), (b, _) in itertools.pairwise(checks)]
+
     planner._copies_idle = recording  # type: ignore[method-assign]
-    for cost in (ForwardCost(), ForwardCost((1, 64), (1.0, 64.0)), ForwardCost()):
+    steep = ForwardCost((1, 64), (1.0, 64.0))
+    for cost in (ForwardCost(), steep, ForwardCost()):
         planner.forward_cost = cost
-        assert llm.generate(prompts[0], PARAMS["greedy"])[0].outputs[0].token_ids == expected[0]
-    gaps = [(b - a, was_idle) for (a, was_idle), (b, _) in itertools.pairwise(checks)]
-    assert {gap for gap, was_idle in gaps if not was_idle} == {1}
-    assert {gap for gap, was_idle in gaps if was_idle} == {2, 4}
-    assert sum(was_idle for _, was_idle in gaps) >= 4  # ...and the steep stretch backed off
+        outs = llm.generate(prompts[:4], PARAMS["greedy"])
+        assert [o.outputs[0].token_ids for o in outs] == expected[:4]
+    assert {gap for gap, was_idle in gaps() if not was_idle} == {1}
+    assert {gap for gap, was_idle in gaps() if was_idle} == {2, 4}
+    assert sum(was_idle for _, was_idle in gaps()) >= 4  # ...and the steep stretch backed off
+    checks.clear()
+    planner.forward_cost = steep
+    assert llm.generate(prompts[0], PARAMS["greedy"])[0].outputs[0].token_ids == expected[0]
+    assert {gap for gap, _ in gaps()} == {1} and all(was_idle for _, was_idle in checks)

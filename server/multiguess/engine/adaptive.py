@@ -458,7 +458,7 @@ def graft_outcome(tree: TokenTree, own: int, path: list[int]) -> tuple[int, int]
 
 COPY_MIN_GAIN = 1.1  # how much a widened forward must beat the unwidened one (copy_width)
 RATE_CAP = 0.99  # the most a copy draft counts on its next token (suffix.copy_tree)
-COPY_CHECKS_LONGEST = 4  # the most steps between copy checks while none could pay (Planner)
+COPY_CHECKS_LONGEST = 4  # the most steps between copy checks while none could pay, in a batch (Planner)
 
 
 def copy_width(

@@ -266,11 +266,14 @@ class Planner:
         drafter that takes grafts, and not under a grammar), the one worth more
         (``sources.copy_worth``). None for a request that chose its own tree, and none at all
         where nothing drafts a tree this step (``own_trees``) and no copy could pay to widen the
-        forward (``_copies_idle``). While none could, that check (whose lookups per sequence are
-        most of what planning costs where nothing pays) runs at doubling intervals, at most
-        ``COPY_CHECKS_LONGEST`` steps apart, until a copy may pay or a tree is drafted again."""
+        forward (``_copies_idle``). While none could, that check runs at doubling intervals, at
+        most ``COPY_CHECKS_LONGEST`` steps and the batch's size apart, until a copy may pay or a
+        tree is drafted again: in a batch its lookups per sequence are most of what planning
+        costs where nothing pays, while a lone sequence checks every step, since a copy run
+        found late costs it every token the run would have brought."""
         cfg = self.config
-        if not cfg.prompt_lookup or (not own_trees and not self.copy_checks.due(COPY_CHECKS_LONGEST)):
+        longest = min(COPY_CHECKS_LONGEST, len(batch))
+        if not cfg.prompt_lookup or (not own_trees and not self.copy_checks.due(longest)):
             return {}
         limit, found = 1 + cfg.prompt_lookup, {}
         candidates = []  # each sequence's room, where its prediction aligns and its longest matches
