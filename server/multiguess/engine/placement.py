@@ -18,6 +18,30 @@ def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, t
     return cos[:, :, None], signed[:, :, None]
 
 
+class Rope:
+    """A forward's rotary tables (``rotary_tables``) from the model's ``rotary`` module: where
+    the rope is fixed in advance, gathered from tables of every position below ``length``
+    computed once (evaluating cos and sin anew costs a CPU decode step about a twentieth); where
+    it rescales with the sequence (dynamic, longrope), evaluated for each forward."""
+
+    def __init__(
+        self, rotary: torch.nn.Module, length: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.rotary = rotary
+        self.table: tuple[torch.Tensor, torch.Tensor] | None = None
+        kind = getattr(rotary, "rope_type", "default")
+        if "dynamic" not in kind and kind != "longrope":
+            like = torch.empty(0, dtype=dtype, device=device)
+            cos, sin = rotary_tables(*rotary(like, torch.arange(length, device=device)[None]))
+            self.table = cos[0], sin[0]
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables at ``positions`` ``[B, T]`` for ``x``'s dtype and device: ``[B, T, 1, D]``."""
+        if self.table is None:
+            return rotary_tables(*self.rotary(x, positions))
+        return self.table[0][positions], self.table[1][positions]
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """transformers' ``x * cos + rotate_half(x) * sin``, bitwise (``(-a) * s == a * (-s)``), with
     the negation folded into the table once per forward instead of once per layer."""

@@ -20,7 +20,7 @@ from multiguess.engine.kv_cache import KVCache, StaticKVCache
 from multiguess.engine.linear import rms_norm
 from multiguess.engine.loaded_model import LoadedModel
 from multiguess.engine.paged_kv import PagedKVCache
-from multiguess.engine.placement import Placement, region_attention_mask, rotary_tables, sees_only_its_own
+from multiguess.engine.placement import Placement, Rope, region_attention_mask, sees_only_its_own
 from multiguess.engine.tree import TokenTree, pack_trees
 
 
@@ -73,6 +73,7 @@ class NativeRunner:
         self.backend = backend_for(self.device, self.dtype, eager, backend)
         self.attn_dtype = self.backend.attn_dtype
         self.cache = self._cache(num_slots, capacity, cuda_graphs, kv_blocks)
+        self.rope = Rope(self.rotary, capacity, self.dtype, self.device)
         projection = self.backend.projection
         self.qkv = [
             projection.of([la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj])
@@ -141,10 +142,9 @@ class NativeRunner:
             torch.tensor(prefix_lens, device=device), visible.to(device), length
         )
         x = self.embed(tokens.to(device)).to(self.dtype)
-        cos, sin = self.rotary(x, positions.to(device))
         captured = dict.fromkeys(capture) if capture else None
         at = Placement(
-            rotary_tables(cos, sin),
+            self.rope(x, positions.to(device)),
             slots,
             write_from,
             self.backend.mask(visible_mask, plain),
