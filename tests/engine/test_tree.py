@@ -79,12 +79,14 @@ def test_packed_masks_and_depths_agree_with_paths_for_random_trees() -> None:
     generator = torch.Generator().manual_seed(0)
     trees = [random_tree(generator, int(n)) for n in torch.randint(1, 33, (12,), generator=generator)]
     trees[3:3] = [TokenTree.chain(range(7, 27)), TokenTree.chain([9])]  # chains take a faster path
-    tokens, depths, mask = pack_trees(trees)
-    for b, tree in enumerate(trees):
-        n = len(tree)
-        assert tokens[b, :n].tolist() == list(tree.tokens)
-        assert depths[b, :n].tolist() == list(tree.depths)
-        for node in range(n):
-            assert mask[b, node].nonzero().flatten().tolist() == sorted(path_to(tree, node))
-        assert torch.equal(mask[b, n:, n:], torch.eye(mask.shape[1] - n, dtype=torch.bool))
-        assert not mask[b, n:, :n].any()
+    chains = [TokenTree.chain(range(i, i + 9)) for i in range(3)]  # ...and a batch of them another
+    for batch in (trees, chains, [TokenTree.chain([5])] * 4):
+        tokens, depths, mask = pack_trees(batch)
+        for b, tree in enumerate(batch):
+            n = len(tree)
+            assert tokens[b, :n].tolist() == list(tree.tokens)
+            assert depths[b, :n].tolist() == list(tree.depths)
+            for node in range(n):
+                assert mask[b, node].nonzero().flatten().tolist() == sorted(path_to(tree, node))
+            assert torch.equal(mask[b, n:, n:], torch.eye(mask.shape[1] - n, dtype=torch.bool))
+            assert not mask[b, n:, :n].any()

@@ -65,9 +65,15 @@ def pack_trees(trees: list[TokenTree], device: torch.device | str = "cpu") -> tu
     their own only ancestor (so attention rows never go empty) and are ignored by callers.
     Built from the trees' own lists with a handful of tensor calls: this runs for every
     forward, where a few dozen small tensor ops would cost as much as a draft model's layers.
-    A chain (a prefill chunk, a catch-up) is a triangle; other trees list each node's ancestors.
+    A chain (a prefill chunk, a catch-up) is a triangle, and a batch of chains of one length
+    (decode steps, a prompt's chunk) is built whole; other trees list each node's ancestors.
     """
     width = max(len(t) for t in trees)
+    if all(len(t) == width and t.depths[-1] == width - 1 for t in trees):  # chains of one length
+        triangle = torch.ones(width, width, dtype=torch.bool).tril_()
+        tokens = torch.tensor([t.tokens for t in trees])
+        depths = torch.arange(width).repeat(len(trees), 1)
+        return tokens.to(device), depths.to(device), triangle.repeat(len(trees), 1, 1).to(device)
     tokens = torch.tensor([(*t.tokens, *(0,) * (width - len(t))) for t in trees])
     depths = torch.tensor([(*t.depths, *(0,) * (width - len(t))) for t in trees])
     mask = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)
