@@ -270,9 +270,10 @@ class Planner:
         most ``COPY_CHECKS_LONGEST`` steps and the batch's size apart, until a copy may pay or a
         tree is drafted again: in a batch its lookups per sequence are most of what planning
         costs where nothing pays, while a lone sequence checks every step, since a copy run
-        found late costs it every token the run would have brought."""
+        found late costs it every token the run would have brought, and so does an engine
+        whose speculation is fixed (not ``adaptive``)."""
         cfg = self.config
-        longest = min(COPY_CHECKS_LONGEST, len(batch))
+        longest = min(COPY_CHECKS_LONGEST, len(batch)) if cfg.adaptive else 1
         if not cfg.prompt_lookup or (not own_trees and not self.copy_checks.due(longest)):
             return {}
         limit, found = 1 + cfg.prompt_lookup, {}
