@@ -21,7 +21,7 @@ def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, t
 class Rope:
     """A forward's rotary tables (``rotary_tables``) from the model's ``rotary`` module: where
     the rope is fixed in advance, gathered from tables of every position below ``length``
-    computed once (evaluating cos and sin anew costs a CPU decode step about a twentieth); where
+    computed once, instead of cos and sin evaluated and signs folded for every forward; where
     it rescales with the sequence (dynamic, longrope), evaluated for each forward."""
 
     def __init__(
