@@ -300,11 +300,7 @@ class Engine:
         """The draft catches up on what the target has cached of ``seq``'s prompt (drafters
         that do not ``prefills`` catch up at their first proposal, and those whose prefill is
         optional while the policy drafts no tree: ``Planner.prefills_draft``)."""
-        if (
-            self.drafter is None
-            or not self.drafter.prefills
-            or not self.planner.prefills_draft(seq, self.drafter)
-        ):
+        if self.drafter is None or not self.planner.prefills_draft(seq, self.drafter):
             return
         try:
             self.drafter.prefill(seq.slot, seq.token_ids[: seq.cache_len + 1])

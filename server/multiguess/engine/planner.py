@@ -9,7 +9,6 @@ fails a request: the engine's ``fallback`` decodes the sequences it failed for p
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -49,13 +48,13 @@ Fallback = Callable[[Exception, list[Sequence]], None]
 class Candidate:
     """A sequence that may get a copy draft this step (``Planner._copy_drafts``): its index in
     the batch, the levels it may draft, where its prediction aligns with its output and its
-    longest earlier matches (each None where it has none)."""
+    longest earlier matches (None and empty where it has none)."""
 
     index: int
     seq: Sequence
     room: int
     aligned: Match | None
-    best: list[Match] | None
+    best: list[Match]
 
 
 @dataclass(frozen=True)
@@ -235,11 +234,12 @@ class Planner:
         return True
 
     def prefills_draft(self, seq: Sequence, drafter: Drafter) -> bool:
-        """Whether ``drafter`` catches up on ``seq``'s prompt while the target prefills it: it
-        must unless its prefill is optional (``Drafter.prefill_optional``); then only while the
-        policy drafts trees or ``seq`` drafts its own. Otherwise its next proposal or probe
-        feeds what it missed, and a sequence that ends first costs the draft nothing."""
-        return not drafter.prefill_optional or self.drafting or fixed_tree(seq.params)
+        """Whether ``drafter`` catches up on ``seq``'s prompt while the target prefills it: one
+        that ``prefills`` does unless its prefill is optional (``Drafter.prefill_optional``);
+        then only while the policy drafts trees or ``seq`` drafts its own. Otherwise its next
+        proposal or probe feeds what it missed, and a sequence that ends first costs the draft
+        nothing."""
+        return drafter.prefills and (not drafter.prefill_optional or self.drafting or fixed_tree(seq.params))
 
     def _budget(self, seq: Sequence, planned: TreeBudget) -> TreeBudget:
         """This step's tree for ``seq``: the ``planned`` one, or the request's own override,
@@ -281,7 +281,7 @@ class Planner:
         for i, seq in enumerate(batch):
             if fixed_tree(seq.params):
                 continue
-            room, aligned, best = min(cfg.prompt_lookup, self._room(seq)), None, None
+            room, aligned, best = min(cfg.prompt_lookup, self._room(seq)), None, []
             if seq.prediction is not None:
                 seq.prediction.sync(seq.output_ids)
                 aligned = seq.prediction.locate()
@@ -293,11 +293,10 @@ class Planner:
             return {}
         self.copy_checks.reset()
         for c in candidates:
-            drafts = [(self._predicted(c.seq, c.aligned, c.room), True)]
-            if c.best is not None:
-                drafts.append(
-                    (self.copies.draft_from(c.seq.last_token, c.best, c.room, cfg.prompt_lookup), False)
-                )
+            drafts = [
+                (self._predicted(c.seq, c.aligned, c.room), True),
+                (self.copies.draft_from(c.seq.last_token, c.best, c.room, cfg.prompt_lookup), False),
+            ]
             kept = [(d, predicted) for d, predicted in drafts if d is not None and len(d.tree) > 1]
             worths = [copy_worth(d.reach, self.forward_cost, len(batch), limit) for d, _ in kept]
             best = better_copy(worths)
@@ -310,20 +309,22 @@ class Planner:
         of root-only trees: the drafts' yield could not pay for a wider forward
         (``adaptive.copies_may_widen``). Then each draft's match relaxes as ``_graft_copies``
         relaxes an unused one, and no draft is built."""
-        prospects: list[list[tuple[CopyYield, int, tuple[float, int]]]] = []  # yields, match, shape
+        shapes: list[list[tuple[float, int]]] = []  # each sequence's drafts as made: (rate, depth)
+        relaxing: list[tuple[CopyYield, int]] = []  # each draft's yields and match
         for c in candidates:
-            drafts = []  # each of the sequence's drafts as it would be made: (rate, depth)
+            drafts = []
             if c.aligned is not None and (
                 shape := prediction_prospect(c.aligned, c.room, self.prediction_yields)
             ):
-                drafts.append((self.prediction_yields, c.aligned.length, shape))
-            if c.best and (shape := self.copies.prospect(c.best, c.room)):
-                drafts.append((self.copies.yields, c.best[0].length, shape))
-            prospects.append(drafts)
-        shapes = [[shape for _, _, shape in drafts] for drafts in prospects]
+                drafts.append(shape)
+                relaxing.append((self.prediction_yields, c.aligned.length))
+            if shape := self.copies.prospect(c.best, c.room):
+                drafts.append(shape)
+                relaxing.append((self.copies.yields, c.best[0].length))
+            shapes.append(drafts)
         if copies_may_widen(shapes, self.forward_cost, batch, 1 + self.config.prompt_lookup):
             return False
-        for yields, length, _ in itertools.chain.from_iterable(prospects):
+        for yields, length in relaxing:
             yields.relax(length)
         return True
 

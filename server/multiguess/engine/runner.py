@@ -63,7 +63,6 @@ class NativeRunner:
         self.layers = list(model.model.layers)
         self.embed = model.model.embed_tokens
         self.norm = model.model.norm
-        self.rotary = model.model.rotary_emb
         self.lm_head = model.lm_head
         self.silu_gated = getattr(config, "hidden_act", None) in ("silu", "swish")
         self.num_heads = config.num_attention_heads
@@ -73,7 +72,7 @@ class NativeRunner:
         self.backend = backend_for(self.device, self.dtype, eager, backend)
         self.attn_dtype = self.backend.attn_dtype
         self.cache = self._cache(num_slots, capacity, cuda_graphs, kv_blocks)
-        self.rope = Rope(self.rotary, capacity, self.dtype, self.device)
+        self.rope = Rope(model.model.rotary_emb, capacity, self.dtype, self.device)
         projection = self.backend.projection
         self.qkv = [
             projection.of([la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj])

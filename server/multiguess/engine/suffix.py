@@ -262,7 +262,7 @@ class CopySource:
         rate, reach = self.shape(best, depth)
         return copy_tree(root, best, reach, rate, max_nodes)
 
-    def prospect(self, best: list[Match] | None, depth: int) -> tuple[float, int] | None:
+    def prospect(self, best: list[Match], depth: int) -> tuple[float, int] | None:
         """The ``shape`` of the tree ``draft_from`` would make from ``best``, or None where it
         would keep no node below its root: what the planner weighs before building any."""
         if not best or depth < 1 or not drafts_nodes(best):

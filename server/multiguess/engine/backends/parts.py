@@ -12,6 +12,7 @@ import torch
 
 from multiguess.engine.kv_cache import KVCache
 from multiguess.engine.linear import Projection
+from multiguess.engine.placement import Rope
 
 
 class ModelParts(Protocol):
@@ -21,7 +22,7 @@ class ModelParts(Protocol):
     layers: list[torch.nn.Module]  # the model's decoder layers (norms, attention, MLP modules)
     embed: torch.nn.Module
     norm: torch.nn.Module
-    rotary: torch.nn.Module
+    rope: Rope  # the rotary tables of a forward's positions
     lm_head: torch.nn.Module
     # Fused projections per layer (None where a layer is not a plain Linear: call it as is).
     qkv: list[Projection | None]

@@ -27,7 +27,7 @@ from multiguess.engine.backends import torch_layers
 from multiguess.engine.backends.cuda.attention import attention
 from multiguess.engine.linear import rms_norm
 from multiguess.engine.one_copy import Packed
-from multiguess.engine.placement import Placement, region_attention_mask, rotary_tables
+from multiguess.engine.placement import Placement, region_attention_mask
 
 if TYPE_CHECKING:
     from multiguess.engine.backends.parts import ModelParts
@@ -87,7 +87,6 @@ class _Graph:
         r = self.runner
         batch = self.tokens.shape[0]
         x = r.embed(self.tokens).to(r.dtype)
-        cos, sin = r.rotary(x, self.positions)
         heads = torch.arange(2 * r.num_kv_heads, device=r.device)
         where = (
             self.write_slots[:, None, None],
@@ -95,7 +94,7 @@ class _Graph:
             (self.starts[:, None] + self.columns)[:, None, :],
         )
         mask = region_attention_mask(self.lens, self.visible, self.span)
-        at = Placement(rotary_tables(cos, sin), list(range(batch)), self.starts, mask, self.span)
+        at = Placement(r.rope(x, self.positions), list(range(batch)), self.starts, mask, self.span)
         for i in range(len(r.layers)):
             q = torch_layers.queries_writing_cache(r, i, x, at.rope, where)
             keys, values = r.cache.read(i, slice(0, batch), self.span)
