@@ -2,8 +2,9 @@
 
 import torch
 from multiguess.engine.acceptance import accept_greedy, accept_sampled
-from multiguess.engine.drafters.growing import Candidate, select_nodes
-from multiguess.engine.sampling import NodeDistributions, Processing
+from multiguess.engine.drafter import DraftRequest, SampleSpec, TreeBudget
+from multiguess.engine.drafters.growing import Candidate, Level, TreeGrower, select_nodes
+from multiguess.engine.sampling import Generators, NodeDistributions, Processing
 from multiguess.engine.tree import TokenTree
 
 #        0 (root, token 9)
@@ -62,3 +63,29 @@ def test_select_nodes_always_keeps_the_spine() -> None:
     ]
     assert select_nodes(cands, 2) == [0, 2]
     assert select_nodes(cands, 3) == [0, 1, 2]
+
+
+def test_an_unseeded_sample_keeps_the_same_places_of_its_tree_whatever_it_drew() -> None:
+    """With the same draft distribution after every node, which drawn children a sampled tree
+    keeps (its parents, in creation order) is the same for every draw: the beam and the budget
+    choose by draw rank, never by the probability of the token drawn, which would leave the
+    kept children no longer draws from q and bias acceptance. Seeded trees choose by it."""
+    vocab = 12
+    logits = torch.linspace(0.0, 4.0, vocab)[None]  # far from flat: drawn tokens' q differ
+    grower = TreeGrower(None, vocab)
+
+    def feed(level: Level) -> list[torch.Tensor]:
+        return [logits.expand(len(beam), vocab) for beam in level.beams]
+
+    def shapes(coupled: bool) -> set[tuple[int, ...]]:
+        found = set()
+        for seed in range(30):
+            sample = SampleSpec(Processing(1.0), Generators(seed), coupled=coupled)
+            request = DraftRequest(0, [1, 2, 3], TreeBudget(4, 3, 9), sample)
+            tree = grower.grow([request], logits, [0], feed)[0].proposal.tree
+            assert len(tree) == 10
+            found.add(tree.parents)
+        return found
+
+    assert len(shapes(coupled=False)) == 1
+    assert len(shapes(coupled=True)) > 1  # where own probabilities choose, the places vary

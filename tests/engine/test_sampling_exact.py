@@ -9,6 +9,7 @@ it has the power to catch a wrong sampler.
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +30,14 @@ from tests.tiny_models import build_text_tokenizer, model_config, save_model, sa
 LENGTH = 3
 SAMPLES = 3000
 PROMPT = [5, 6, 7, 4]
-ALPHA = 1e-3  # a correct sampler fails this test once in a thousand runs per case
+ALPHA = 1e-3  # a correct sampler fails a case for one seed of its draws in a thousand
+
+
+@pytest.fixture(autouse=True)
+def reproducible_draws(request: pytest.FixtureRequest) -> None:
+    """An unseeded request's random streams are seeded from ``random``: seeded here by the
+    test's name, so every run of a case draws the same samples and a failure reproduces."""
+    random.seed(request.node.nodeid)
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +126,9 @@ SETTINGS = {
         logit_bias={5: 1.0},
     ),
 }
-# (num_candidates, depth); "wide" offers every token of the vocabulary as a child; "subset"
-# drafts over a draft vocabulary of half the tokens (q is zero on the others).
+# (num_candidates, depth); "wide" offers every token of the vocabulary as a child; "bushy"
+# draws 20 nodes and keeps 16, so the budget chooses among drawn children; "subset" drafts over
+# a draft vocabulary of half the tokens (q is zero on the others).
 SHAPES = {
     "chain": (1, 2),
     "wide": (8, 1),

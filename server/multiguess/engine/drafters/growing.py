@@ -7,6 +7,12 @@ the next beam; at the end the best ``max_nodes`` nodes form the tree (``select_n
 it drafts with is the drafter's: the roots' logits, and a ``FeedLevel`` that runs one forward
 over a level's beams and returns their logits rows. ``place_level`` lays a level out in the
 region after each sequence's committed positions, for the drafter's forward.
+
+An unseeded sample's children are scored by the draft's k-th largest probability at their
+parent (k their draw rank), not by their own: which drawn children the beam and the budget keep
+must not depend on the tokens drawn, or a kept child is no longer a draw from the distribution
+acceptance compares it with, and the output leaves the target's distribution. Greedy and seeded
+trees are verified against fixed choices, so their nodes keep their own log-probabilities.
 """
 
 from __future__ import annotations
@@ -325,7 +331,9 @@ class TreeGrower:
             choices = []
             for parent, q, picks in zip(beam, dists, drawn, strict=True):
                 probs[parent] = self._over_vocabulary(q)
-                choices.append((self.tokens(picks).tolist(), torch.log(q[picks]).tolist()))
+                # An unseeded draw is scored by its rank's probability, not its own (module doc).
+                weights = q[picks] if req.sample.coupled else torch.topk(q, len(picks)).values
+                choices.append((self.tokens(picks).tolist(), torch.log(weights).tolist()))
         for parent, (picks, scores) in zip(beam, choices, strict=True):
             base = 0.0 if parent == -1 else cands[parent].score
             on_spine = parent == -1 or cands[parent].spine
