@@ -362,6 +362,50 @@ def test_while_no_tree_pays_the_draft_skips_prompts_until_a_probe_catches_it_up(
     assert [s.output_ids for s in (first, later, fixed)] == expected
 
 
+def test_probes_pass_over_prompts_the_draft_skipped_while_another_sequence_can_probe(
+    tiny_llama: Path, tiny_llama_draft: Path
+) -> None:
+    """While no tree pays, a probe goes to a sequence whose prompt the draft has seen (the
+    first request, admitted before any plan, prefilled it) rather than to one whose prefill it
+    skipped, which would feed it the whole prompt; once that sequence ends, one of the others
+    is, and then it alone, its prompt seen. Outputs stay exact."""
+    policy = AdaptivePolicy(min_speedup=100.0, probe_every=2, probe_every_max=4)
+    config = EngineConfig(3, 4, 16, max_batch=4, max_model_len=128, policy=policy, prompt_lookup=0)
+    target, draft = (load_model(str(path), dtype="float32") for path in (tiny_llama, tiny_llama_draft))
+    drafter = ModelDrafter(draft)
+    engine = Engine(target, drafter, config)
+    prompts = random_prompts(31, (6, 30, 24))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    first = engine.add_request("first", prompts[0], replace(params, max_tokens=20))
+    while not first.output_ids:
+        engine.step()
+    later = [engine.add_request(f"later{i}", prompt, params) for i, prompt in enumerate(prompts[1:])]
+    assert all(drafter.behind(s.slot, len(s.prompt_ids) - 1) > 0 for s in later)  # prefill skipped
+    observe = drafter.observe
+    observed: list[int] = []
+
+    def recording(
+        slot: int, token_ids: list[int], width: int, since: int, sample: SampleSpec | None = None
+    ) -> list[int | None] | None:
+        observed.append(slot)
+        return observe(slot, token_ids, width, since, sample)
+
+    drafter.observe = recording  # type: ignore[method-assign]
+    probes: list[tuple[bool, str]] = []  # (first still running, the probed request)
+    while engine.has_unfinished():
+        names = {s.slot: s.request_id for s in (first, *later) if not s.finished}
+        running = not first.finished
+        observed.clear()
+        engine.step()
+        probes += [(running, names[slot]) for slot in observed]
+    assert len([p for p in probes if p[0]]) >= 3
+    assert all(name == "first" for running, name in probes if running)
+    assert len({name for running, name in probes if not running} & {"later0", "later1"}) == 1
+    expected = reference(tiny_llama, prompts, 40, ignore_eos=True)
+    assert first.output_ids == expected[0][:20]
+    assert [s.output_ids for s in later] == expected[1:]
+
+
 def test_observing_ranks_the_tokens_the_target_chose_and_catches_the_draft_up(tiny_llama: Path) -> None:
     """The target as its own draft ranks its greedy tokens first and any other token below
     them. Afterwards the draft's cache holds the sequence: a tree drafted from there equals one

@@ -191,7 +191,9 @@ class Planner:
 
         One tree serves the whole batch: trees are padded to the widest in the batch, and one
         deep tree would make every sequence pay for its width and its draft forwards. While no
-        tree pays, the sequence observed longest ago probes when the schedule says so."""
+        tree pays, one sequence probes when the schedule says so: the one observed longest ago
+        among those whose prompt the draft has seen, else among all (a probe of a sequence
+        whose prefill the draft skipped feeds it the whole prompt first)."""
         cfg, cost = self.config, self.forward_cost
         if not cfg.adaptive:
             return [cfg.budget] * len(batch)
@@ -205,7 +207,7 @@ class Planner:
         elif self.probes.due(cfg.policy.probe_interval(len(batch))):
             adaptive = [i for i, seq in enumerate(batch) if not fixed_tree(seq.params)]
             if adaptive:
-                oldest = min(adaptive, key=lambda i: batch[i].drafted_at)
+                oldest = min(adaptive, key=lambda i: (unseen_prompt(batch[i], drafter), batch[i].drafted_at))
                 if not self._observe(batch[oldest], drafter):
                     trees[oldest] = cfg.policy.probe(cfg.budget, len(batch))
         return trees
@@ -376,6 +378,12 @@ class Planner:
                 draft, tree=TokenTree.chain(draft.tree.tokens[: 1 + allowed]), reach=draft.reach[:allowed]
             )
         return draft
+
+
+def unseen_prompt(seq: Sequence, drafter: Drafter) -> bool:
+    """Whether ``drafter`` has yet to see part of ``seq``'s prompt before its last token (what
+    a prefill feeds): it skipped that prefill."""
+    return drafter.behind(seq.slot, len(seq.prompt_ids) - 1) > 0
 
 
 def fixed_tree(params: SamplingParams) -> bool:

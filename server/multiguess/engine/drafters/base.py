@@ -107,6 +107,11 @@ class Drafter(ABC):
         last token is the target's next one). Called only when ``prefills`` is true."""
         raise NotImplementedError(f"{type(self).__name__} does not prefill")
 
+    def behind(self, slot: int, length: int) -> int:
+        """How many of the first ``length`` tokens of the sequence in ``slot`` it has not seen:
+        what its next proposal or probe of it feeds first. None here: it keeps nothing."""
+        return 0
+
     def add_features(self, slot: int, position: int, features: torch.Tensor) -> None:
         """The target's hidden states ``[m, F]`` at ``feature_layers`` of the sequence in
         ``slot``, positions ``position..position + m - 1``. Called only when it reads some."""
@@ -184,6 +189,9 @@ class WrappedDrafter(Drafter):
 
     def prefill(self, slot: int, token_ids: list[int]) -> None:
         self.inner.prefill(slot, token_ids)
+
+    def behind(self, slot: int, length: int) -> int:
+        return self.inner.behind(slot, length)
 
     def add_features(self, slot: int, position: int, features: torch.Tensor) -> None:
         self.inner.add_features(slot, position, features)

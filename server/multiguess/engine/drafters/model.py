@@ -106,6 +106,9 @@ class ModelDrafter(Drafter):
             )
             self.cached[slot] = end
 
+    def behind(self, slot: int, length: int) -> int:
+        return max(0, length - self.cached.get(slot, 0))
+
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         logits, prefixes = self._catch_up(requests)
         grown = self.grower.grow(requests, logits, prefixes, self._feed)
