@@ -431,7 +431,8 @@ def sampling_section(report: Report | None) -> list[str]:
         "The cases of `tests/engine/test_sampling_exact.py`: tiny models with an 8-token vocabulary, "
         "every 3-token continuation enumerated, so the target's exact distribution is known. A "
         "speculative sampler is exact when its samples are consistent with it (the test fails below "
-        "p = 0.001, so a correct sampler fails it once in a thousand runs per case); sampling from the "
+        "p = 0.001, so a correct sampler fails a case for one seed of its draws in a thousand); "
+        "sampling from the "
         "draft alone must be rejected, which shows the test can fail. Total variation at this sample "
         "size is mostly sampling noise (about 0.15 for a correct sampler with the flat t1 target).",
         "",

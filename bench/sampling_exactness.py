@@ -1,10 +1,12 @@
 """Report the sampling-exactness test's statistics: p-values and total-variation distances.
 
-Runs the same cases as ``tests/engine/test_sampling_exact.py`` (tiny 8-token-vocabulary models,
-every 3-token continuation enumerated) and prints, per tree shape and setting, the chi-square
-p-value and the total-variation distance between the empirical and the exact distribution,
-plus the same for plain sampling from the draft (which must be rejected). Run from the repo
-root: ``.venv/bin/python bench/sampling_exactness.py``; the JSON goes to docs/bench/ and
+Runs the cases of ``tests/engine/test_sampling_exact.py`` on its engines (tiny 8-token-vocabulary
+models, every 3-token continuation enumerated; fixed trees, seeded where the case is) and
+prints, per case, the chi-square p-value and the total-variation distance between the
+empirical and the exact distribution, plus the same for plain sampling from the draft (which
+must be rejected). ``--samples`` raises the test's 3000 per case, for the power to see smaller
+biases; ``--shapes`` runs some shapes only. Run from the repo root:
+``.venv/bin/python bench/sampling_exactness.py``; the JSON goes to docs/bench/ and
 docs/BENCHMARKS.md is rendered again.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import tempfile
 from collections import Counter
@@ -32,19 +35,6 @@ def total_variation(samples: list[tuple[int, ...]], dist: dict[tuple[int, ...], 
     return 0.5 * sum(abs(counts[o] / n - p) for o, p in dist.items())
 
 
-def build_pair(folder: Path) -> tuple[Path, Path]:
-    tokenizer = case.build_text_tokenizer(list("abcd"), pieces=[])
-    target = case.save_model(folder / "target", case.model_config("llama", len(tokenizer)), 5, tokenizer)
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.no_grad():
-        model = AutoModelForCausalLM.from_pretrained(target)
-        model.lm_head.weight.mul_(0.25)
-        model.save_pretrained(target)
-    return target, case.save_noisy_copy(target, folder / "draft", noise=1.0, seed=6)
-
-
 def case_row(name: str, samples: list[tuple[int, ...]], exact: dict, mal: float | None = None) -> dict:
     return {
         "case": name,
@@ -60,24 +50,36 @@ def main() -> int:
     parser.add_argument(
         "--out", type=Path, default=Path("docs"), help="docs folder: bench/ JSON and BENCHMARKS.md"
     )
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=case.SAMPLES,
+        help="samples per case (more: power to see smaller biases)",
+    )
+    parser.add_argument("--shapes", help="comma-separated tree shapes to run (default: every case's)")
     args = parser.parse_args()
-    target, draft = build_pair(Path(tempfile.mkdtemp()))
+    target, draft = case.build_pair(Path(tempfile.mkdtemp()))
+    shapes = set(args.shapes.split(",")) if args.shapes else set(case.SHAPES)
     rows = []
-    for shape, setting in case.CASES:
+    for shape, setting, seeded in case.CASES:
+        if shape not in shapes:
+            continue
         k, depth = case.SHAPES[shape]
+        random.seed(f"{shape}/{setting}/{seeded}")  # an unseeded request's streams: reproducible
         params = SamplingParams(
-            max_tokens=case.LENGTH, ignore_eos=True, n=case.SAMPLES, seed=17, **case.SETTINGS[setting]
+            max_tokens=case.LENGTH,
+            ignore_eos=True,
+            n=args.samples,
+            seed=17 if seeded else None,
+            **case.SETTINGS[setting],
         )
-        drafter, draft_dir = ("ngram", None) if shape == "ngram" else ("model", str(draft))
-        if shape == "subset":  # a draft that scores only part of the vocabulary, as in the test
-            draft_dir = str(case.with_draft_vocab(draft, [1, 4, 6, 7]))
-        llm = LLM(str(target), draft_dir, k, depth, dtype="float32", max_batch=256, drafter=drafter)
-        out = llm.generate([case.PROMPT], params)[0]
+        out = case.speculative(target, draft, shape).generate([case.PROMPT], params)[0]
         samples = [tuple(o.token_ids) for o in out.outputs]
         mal = sum(o.stats["mean_accepted_length"] for o in out.outputs) / len(out.outputs)
         exact = case.exact_distribution(target, params)
-        rows.append(case_row(f"{shape} (k={k}, depth={depth}), {setting}", samples, exact, mal))
-    params = SamplingParams(max_tokens=case.LENGTH, ignore_eos=True, n=case.SAMPLES, seed=17, temperature=1.0)
+        name = f"{shape} (k={k}, depth={depth}), {setting}{', seeded' if seeded else ''}"
+        rows.append(case_row(name, samples, exact, mal))
+    params = SamplingParams(max_tokens=case.LENGTH, ignore_eos=True, n=args.samples, seed=17, temperature=1.0)
     plain_draft = LLM(str(draft), None, dtype="float32", max_batch=256)
     samples = [tuple(o.token_ids) for o in plain_draft.generate([case.PROMPT], params)[0].outputs]
     rejected = case_row(

@@ -42,7 +42,12 @@ def reproducible_draws(request: pytest.FixtureRequest) -> None:
 
 @pytest.fixture(scope="module")
 def small_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    folder = tmp_path_factory.mktemp("small-vocab")
+    return build_pair(tmp_path_factory.mktemp("small-vocab"))
+
+
+def build_pair(folder: Path) -> tuple[Path, Path]:
+    """The target and its noisy draft under ``folder``; ``bench/sampling_exactness.py`` builds
+    the same pair."""
     tokenizer = build_text_tokenizer(list("abcd"), pieces=[])  # text tokens, so grammars apply
     config = model_config("llama", len(tokenizer))
     target = save_model(folder / "target", config, seed=5, tokenizer=tokenizer)
