@@ -207,9 +207,9 @@ class Planner:
         elif self.probes.due(cfg.policy.probe_interval(len(batch))):
             adaptive = [i for i, seq in enumerate(batch) if not fixed_tree(seq.params)]
             if adaptive:
-                oldest = min(adaptive, key=lambda i: (unseen_prompt(batch[i], drafter), batch[i].drafted_at))
-                if not self._observe(batch[oldest], drafter):
-                    trees[oldest] = cfg.policy.probe(cfg.budget, len(batch))
+                probed = min(adaptive, key=lambda i: (unseen_prompt(batch[i], drafter), batch[i].drafted_at))
+                if not self._observe(batch[probed], drafter):
+                    trees[probed] = cfg.policy.probe(cfg.budget, len(batch))
         return trees
 
     def _observe(self, seq: Sequence, drafter: Drafter) -> bool:

@@ -70,7 +70,7 @@ class Sequence:
     params: SamplingParams
     generators: Generators | None  # sampled sequences' random streams
     slot: int = -1
-    drafted_at: int = -1  # the last engine step it drafted in (probes go to the oldest)
+    drafted_at: int = -1  # the last engine step it drafted or probed in (probes favour the oldest)
     cache_len: int = 0  # target KV entries: every token but the last (the next tree's root)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache, not a prefill
     output_ids: list[int] = field(default_factory=list)

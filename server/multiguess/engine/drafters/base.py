@@ -3,7 +3,8 @@
 The interface is three calls: ``propose`` a tree per sequence, ``commit`` what the target
 accepted (so a stateful drafter can keep its cache in step), ``release`` a sequence's state;
 ``move`` follows a sequence to another slot, and ``observe`` measures the drafter against tokens
-the target already chose, where it can do that without a tree. For prefix reuse
+the target already chose, where it can do that without a tree; ``behind`` says how much of a
+sequence it has yet to see, which is what probing that sequence costs it. For prefix reuse
 (``engine/prefix_cache.py``) a finished sequence is ``retain``-ed instead of released, and a
 new sequence starts with ``share``: from what a slot holds of its first tokens.
 A drafter that raises never fails a request: the engine decodes that step with the target
@@ -109,7 +110,7 @@ class Drafter(ABC):
 
     def behind(self, slot: int, length: int) -> int:
         """How many of the first ``length`` tokens of the sequence in ``slot`` it has not seen:
-        what its next proposal or probe of it feeds first. None here: it keeps nothing."""
+        what its next proposal or probe of it feeds first. 0 here: it keeps nothing per sequence."""
         return 0
 
     def add_features(self, slot: int, position: int, features: torch.Tensor) -> None:
