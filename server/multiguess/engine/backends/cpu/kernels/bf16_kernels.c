@@ -173,35 +173,49 @@ void multiguess_bf16_rope_cache(const uint16_t *qkv, const uint16_t *cos, const 
  * (-inf); scores [n][length + 16], out [n][dim]. Each head's arithmetic is that of the head
  * alone: keys are visited in cache order and hidden ones add nothing, so the result depends only
  * on the visible keys' values and order (a tree node and the same token decoded alone get the
- * same bits), never on which heads come along. */
+ * same bits), never on which heads come along. Scores are taken VLANES keys at a time, their
+ * dot products summed across lanes together (vsums: one order for every key, wherever it sits
+ * in its group), instead of one horizontal sum a key. */
 static inline __attribute__((always_inline)) void attend(const float *q, const float *keys, const float *values,
                                                          const float *mask, int64_t length, float scale,
                                                          float *scores, uint16_t *out, const int n,
                                                          const int64_t blocks) {
   const int64_t dim = blocks * VLANES, stride = length + 16;
-  vec query[MAX_SHARED][256 / VLANES];
-  float top[MAX_SHARED];
+  vec query[MAX_SHARED][256 / VLANES], highest[MAX_SHARED];
   for (int h = 0; h < n; h++) {
-    top[h] = -INFINITY;
+    highest[h] = vsplat(-INFINITY);
     for (int64_t c = 0; c < blocks; c++) query[h][c] = vload(q + h * dim + VLANES * c);
   }
-  for (int64_t j = 0; j < length; j++) {
-    if (mask[j] == -INFINITY) {
-      for (int h = 0; h < n; h++) scores[h * stride + j] = -INFINITY;
+  for (int64_t first = 0; first < length; first += VLANES) {
+    const int64_t live = length - first < VLANES ? length - first : VLANES;
+    bool shown = false;
+    for (int64_t j = first; j < first + live; j++) shown |= mask[j] != -INFINITY;
+    if (!shown) {
+      for (int h = 0; h < n; h++)
+        for (int64_t j = first; j < first + live; j++) scores[h * stride + j] = -INFINITY;
       continue;
     }
-    const float *key = keys + j * dim;
+    const float *key = keys + first * dim;
+    const vec hidden = vload_part(mask + first, live); /* past `length`: -inf, as hidden keys */
     for (int h = 0; h < n; h++) {
-      vec dot = vmul(query[h][0], vload(key));
-      for (int64_t c = 1; c < blocks; c++) dot = vfma(query[h][c], vload(key + VLANES * c), dot);
-      const float score = vsum(dot) * scale + mask[j];
-      scores[h * stride + j] = score;
-      top[h] = score > top[h] ? score : top[h];
+      vec dots[VLANES];
+#pragma GCC unroll 16
+      for (int i = 0; i < VLANES; i++) {
+        dots[i] = vzero();
+        if (i >= live) continue;
+        dots[i] = vmul(query[h][0], vload(key + i * dim));
+        for (int64_t c = 1; c < blocks; c++) dots[i] = vfma(query[h][c], vload(key + i * dim + VLANES * c), dots[i]);
+      }
+      const vec score = vhide(vadd(vmul(vsums(dots), vsplat(scale)), hidden), hidden);
+      vstore(scores + h * stride + first, score); /* a row has room for a whole group past `length` */
+      highest[h] = vmax(highest[h], score);
     }
   }
-  for (int h = 0; h < n; h++)
+  for (int h = 0; h < n; h++) {
+    const float top = vmax_lanes(highest[h]);
     for (int64_t j = 0; j < length; j += VLANES)
-      exp_shifted(scores + h * stride + j, length - j < VLANES ? length - j : VLANES, top[h]);
+      exp_shifted(scores + h * stride + j, length - j < VLANES ? length - j : VLANES, top);
+  }
   vec acc[MAX_SHARED][256 / VLANES];
   float total[MAX_SHARED];
   for (int h = 0; h < n; h++) {

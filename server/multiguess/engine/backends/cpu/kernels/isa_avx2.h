@@ -266,14 +266,44 @@ typedef __m256 vec;
 static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
 static inline vec vsplat(float f) { return _mm256_set1_ps(f); }
 static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
+static inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+static inline float vmax_lanes(vec v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
 static inline void vstore_bf16(uint16_t *out, vec v) { _mm_storeu_si128((__m128i *)out, narrow8(v)); }
 
-static inline float vsum(vec v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+/* Lane i: the sum of v[i]'s lanes, for each of 8 vectors, added in one order for every i
+ * (halves, then pairs), so a sum does not depend on its vector's place among the 8. */
+static inline vec vsums(const vec v[8]) {
+  __m256 halves[4], pairs[2];
+  for (int i = 0; i < 4; i++) /* [v[2i]: 4 sums of 2 | v[2i + 1]: 4 sums of 2] */
+    halves[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                              _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; i++) /* [v[4i]: 2 sums of 4, v[4i + 2]: 2 | v[4i + 1]: 2, v[4i + 3]: 2] */
+    pairs[i] = _mm256_add_ps(_mm256_shuffle_ps(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  /* [the sums of v[0], v[2], v[4], v[6] | v[1], v[3], v[5], v[7]]; then back in order */
+  const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm256_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* p[0, live) (live <= 8), -inf past it. */
+static inline vec vload_part(const float *p, int64_t live) {
+  float part[8];
+  for (int i = 0; i < 8; i++) part[i] = i < live ? p[i] : -INFINITY;
+  return _mm256_loadu_ps(part);
+}
+
+/* v, and -inf where `mask` is -inf (a hidden key). */
+static inline vec vhide(vec v, vec mask) {
+  return _mm256_blendv_ps(v, mask, _mm256_cmp_ps(mask, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
 }
 
 /* scores[j, j + live) (live <= 8) as e^(s - top), those at -inf (hidden keys) as 0. */

@@ -177,10 +177,43 @@ typedef __m512 vec;
 static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
 static inline vec vsplat(float f) { return _mm512_set1_ps(f); }
 static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
+static inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+static inline float vmax_lanes(vec v) { return _mm512_reduce_max_ps(v); }
+
+/* Lane i: the sum of v[i]'s lanes, for each of 16 vectors, added in one order for every i
+ * (halves, quarters, then pairs: _mm512_reduce_add_ps's order), so a sum does not depend on
+ * its vector's place among the 16. */
+static inline vec vsums(const vec v[16]) {
+  __m512 halves[8], quarters[4], pairs[2];
+  for (int i = 0; i < 8; i++) /* [v[2i]: 8 sums of 2 | v[2i + 1]: 8 sums of 2] */
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; i++) /* 128-bit chunk c: v[4i + c]'s 4 sums of 4 */
+    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; i++) /* chunk c: 2 sums of 8 of v[8i + c], then of v[8i + 4 + c] */
+    pairs[i] = _mm512_add_ps(_mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  /* chunk c: the sums of v[c], v[4 + c], v[8 + c], v[12 + c]; then back in order */
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
+}
 static inline void vstore_bf16(uint16_t *out, vec v) { _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(v)); }
+
+/* p[0, live) (live <= 16), -inf past it. */
+static inline vec vload_part(const float *p, int64_t live) {
+  return _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), lanes(live), p);
+}
+
+/* v, and -inf where `mask` is -inf (a hidden key). */
+static inline vec vhide(vec v, vec mask) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mask, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), v, mask);
+}
 
 /* scores[j, j + live) (live <= 16) as e^(s - top), those at -inf (hidden keys) as 0. */
 static inline void exp_shifted(float *scores, int64_t live, float top) {
