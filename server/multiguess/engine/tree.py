@@ -43,6 +43,11 @@ class TokenTree:
     def max_depth(self) -> int:
         return max(self.depths)
 
+    @property
+    def is_chain(self) -> bool:
+        """Whether the nodes form one chain (depths 0..n-1 in order: parents precede children)."""
+        return self.depths[-1] == len(self.tokens) - 1
+
     def paths(self) -> list[tuple[int, ...]]:
         """The drafted tokens from the root down to each node, that node's included (the
         root's path is empty): the text a node's logits condition on beyond the sequence."""
@@ -69,19 +74,18 @@ def pack_trees(trees: list[TokenTree], device: torch.device | str = "cpu") -> tu
     (decode steps, a prompt's chunk) is built whole; other trees list each node's ancestors.
     """
     width = max(len(t) for t in trees)
-    if all(len(t) == width and t.depths[-1] == width - 1 for t in trees):  # chains of one length
-        triangle = torch.ones(width, width, dtype=torch.bool).tril_()
+    triangle = torch.ones(width, width, dtype=torch.bool).tril_()
+    if all(len(t) == width and t.is_chain for t in trees):
         tokens = torch.tensor([t.tokens for t in trees])
         depths = torch.arange(width).repeat(len(trees), 1)
         return tokens.to(device), depths.to(device), triangle.repeat(len(trees), 1, 1).to(device)
     tokens = torch.tensor([(*t.tokens, *(0,) * (width - len(t))) for t in trees])
     depths = torch.tensor([(*t.depths, *(0,) * (width - len(t))) for t in trees])
     mask = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)
-    triangle = torch.ones(width, width, dtype=torch.bool).tril_()
     seen: list[tuple[int, int, int]] = []  # (tree, node, ancestor) outside any chain's triangle
     for b, tree in enumerate(trees):
         n = len(tree)
-        if tree.depths[-1] == n - 1:  # a chain: depths 0..n-1 in order
+        if tree.is_chain:
             mask[b, :n, :n] = triangle[:n, :n]
             continue
         for node, parent in enumerate(tree.parents):
