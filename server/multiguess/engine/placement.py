@@ -6,9 +6,15 @@ each placed after its sequence's prefix, attends to prefix + its own ancestors.
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
+
+TableKey = tuple[int, torch.dtype, torch.device]
+_fixed_tables: weakref.WeakKeyDictionary[
+    torch.nn.Module, dict[TableKey, tuple[torch.Tensor, torch.Tensor]]
+] = weakref.WeakKeyDictionary()
 
 
 def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -16,6 +22,21 @@ def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, t
     half = sin.shape[-1] // 2
     signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
     return cos[:, :, None], signed[:, :, None]
+
+
+def fixed_tables(
+    rotary: torch.nn.Module, length: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rotary_tables`` of every position below ``length``, ``[length, 1, D]`` each, computed
+    once per rotary module, length, dtype and device: every runner over one model rotates by the
+    same bits, whatever torch's elementwise kernels return on a later evaluation (docs/ENGINE.md)."""
+    tables = _fixed_tables.setdefault(rotary, {})
+    key = (length, dtype, device)
+    if key not in tables:
+        like = torch.empty(0, dtype=dtype, device=device)
+        cos, sin = rotary_tables(*rotary(like, torch.arange(length, device=device)[None]))
+        tables[key] = cos[0], sin[0]
+    return tables[key]
 
 
 class Rope:
@@ -31,9 +52,7 @@ class Rope:
         self.table: tuple[torch.Tensor, torch.Tensor] | None = None
         kind = getattr(rotary, "rope_type", "default")
         if "dynamic" not in kind and kind != "longrope":
-            like = torch.empty(0, dtype=dtype, device=device)
-            cos, sin = rotary_tables(*rotary(like, torch.arange(length, device=device)[None]))
-            self.table = cos[0], sin[0]
+            self.table = fixed_tables(rotary, length, dtype, device)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The tables at ``positions`` ``[B, T]`` for ``x``'s dtype and device: ``[B, T, 1, D]``."""
