@@ -11,9 +11,9 @@ from typing import NamedTuple
 
 import torch
 
-TableKey = tuple[int, torch.dtype, torch.device]
+_TableKey = tuple[int, torch.dtype, torch.device]
 _fixed_tables: weakref.WeakKeyDictionary[
-    torch.nn.Module, dict[TableKey, tuple[torch.Tensor, torch.Tensor]]
+    torch.nn.Module, dict[_TableKey, tuple[torch.Tensor, torch.Tensor]]
 ] = weakref.WeakKeyDictionary()
 
 
@@ -42,7 +42,7 @@ def fixed_tables(
 class Rope:
     """A forward's rotary tables (``rotary_tables``) from the model's ``rotary`` module: where
     the rope is fixed in advance, gathered from tables of every position below ``length``
-    computed once, instead of cos and sin evaluated and signs folded for every forward; where
+    computed once per model (``fixed_tables``), instead of cos and sin evaluated and signs folded for every forward; where
     it rescales with the sequence (dynamic, longrope), evaluated for each forward."""
 
     def __init__(
