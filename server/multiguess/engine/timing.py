@@ -1,7 +1,7 @@
 """The target's forward time, measured once when the engine starts, before any request runs.
 
 Two choices read it: the planner prices a tree by how much longer a forward of its nodes takes
-(``measure_forward_cost``), and chunked prefill sizes its chunk by how long a chunk pauses the
+(``measure_forward_cost``, which real steps then calibrate: ``step_cost``), and chunked prefill sizes its chunk by how long a chunk pauses the
 running sequences (``measure_prefill_chunk``). Both time chains on slot 0 after a cached
 context, which admission overwrites.
 """
