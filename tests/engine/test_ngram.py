@@ -125,7 +125,7 @@ def test_grafts_widen_the_forward_only_where_the_widening_is_cheap(
             ModelDrafter(load_model(str(tiny_llama_draft), dtype="float32")),
             config,
         )
-        engine.planner.step_costs = StepCosts(cost, calibrating=False)
+        engine.planner.step_costs = StepCosts.fixed(cost)
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, params)
         while engine.has_unfinished():

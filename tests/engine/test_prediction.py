@@ -135,7 +135,7 @@ def test_predicted_outputs_are_lossless_whatever_the_prediction(
     draft = str(tiny_llama_draft) if drafter == "model" else None
     llm = LLM(str(tiny_llama), draft, drafter=drafter, dtype="float32", max_batch=2, max_model_len=512)
     # every width costs alike: acceptance, not timing, is tested
-    llm.engine.planner.step_costs = StepCosts(ForwardCost(), calibrating=False)
+    llm.engine.planner.step_costs = StepCosts.fixed(ForwardCost())
     for i, (prompt, predicted) in enumerate(zip(prompts, predictions, strict=True)):
         llm.engine.add_request(
             str(i), prompt, SamplingParams(**{**vars(PARAMS[setting]), "prediction": predicted})

@@ -87,16 +87,17 @@ class Planner:
         )
         self.probes = ProbeSchedule(policy.probe_every)
         # Measured whatever the drafter: a server attaches a remote drafter after construction.
-        measured = ForwardCost()
+        self.step_costs = StepCosts.fixed(ForwardCost())
         if self.config.adaptive:
             limit = max(policy.token_budget, self.config.max_batch, target.backend.cost_tokens)
             measured = measure_forward_cost(target, min(limit, target.capacity))
-            budget = measured.nearly_free(policy.nearly_free)
+            budget = measured.curves[0].nearly_free(policy.nearly_free)
             if budget > policy.token_budget:  # measured on this device: more nodes ride for free
                 self.config = replace(self.config, policy=replace(policy, token_budget=budget))
-        self.step_costs = StepCosts(measured, calibrating=self.config.adaptive)
+            self.step_costs = StepCosts(measured)
         self._step_started = 0.0  # when this step's planning began
         self._step_drafting = 0.0  # the drafter's seconds in it, which CostMeter prices
+        self._context = 0  # the batch's mean cached tokens this step
         self.copies = CopySource(RecentOutputs(self.config.recent_outputs, self.config.recent_age))
         self.copy_checks = ProbeSchedule(1)  # while copies cannot pay: every step, then sparser
         self.prediction_yields = CopyYield()  # how predictions pay, apart from copies
@@ -104,7 +105,7 @@ class Planner:
     @property
     def forward_cost(self) -> ForwardCost:
         """What a step costs by the tokens its forward verifies (``step_cost.StepCosts``)."""
-        return self.step_costs.curve()
+        return self.step_costs.curve(self._context)
 
     def propose(self, batch: list[Sequence], drafter: Drafter | None) -> list[Proposal]:
         """This step's tree per sequence of ``batch``: the drafter's where the policy gives one,
@@ -113,6 +114,7 @@ class Planner:
         planning around it is paid whether or not anything is drafted, and counts in the
         step's cost (``learn``)."""
         self._step_started, self._step_drafting = time.perf_counter(), 0.0
+        self._context = sum(s.cache_len for s in batch) // len(batch)
         self.steps += 1
         proposals = [Proposal(TokenTree.chain([s.last_token])) for s in batch]
         base = [1.0] * len(batch)  # tokens each sequence's tree is expected to yield
@@ -149,7 +151,8 @@ class Planner:
         copy policy's yields and the step's seconds besides drafting into what steps cost;
         returns each sequence's verified levels."""
         tokens = len(batch) * max(len(p.tree) for p in proposals)  # the forward pads to the widest
-        self.step_costs.observe(tokens, time.perf_counter() - self._step_started - self._step_drafting)
+        seconds = time.perf_counter() - self._step_started - self._step_drafting
+        self.step_costs.observe(tokens, self._context, seconds)
         outcomes: list[list[Outcome]] = []
         observed: dict[bool, list[list[Outcome]]] = {True: [], False: []}
         for seq, proposal, acceptance in zip(batch, proposals, acceptances, strict=True):
