@@ -12,7 +12,6 @@ from multiguess.engine.drafters.model import ModelDrafter
 from multiguess.engine.drafters.ngram import NgramDrafter
 from multiguess.engine.engine import Engine
 from multiguess.engine.ngram import find_continuations, trie
-from multiguess.engine.step_cost import StepCosts
 from multiguess.models.loading import load_model
 
 from tests.engine.test_lossless import random_prompts, reference
@@ -125,7 +124,7 @@ def test_grafts_widen_the_forward_only_where_the_widening_is_cheap(
             ModelDrafter(load_model(str(tiny_llama_draft), dtype="float32")),
             config,
         )
-        engine.planner.step_costs = StepCosts.fixed(cost)
+        engine.planner.forward_cost = cost
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, params)
         while engine.has_unfinished():

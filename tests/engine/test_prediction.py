@@ -11,7 +11,6 @@ from multiguess import LLM, SamplingParams
 from multiguess.engine.adaptive import RATE_CAP, CopyYield, ForwardCost
 from multiguess.engine.prediction import START, Alignment, align, prediction_draft, prediction_prospect
 from multiguess.engine.sequence import SOURCES
-from multiguess.engine.step_cost import StepCosts
 from multiguess.errors import InvalidRequestError
 
 from tests.engine.test_lossless import random_prompts
@@ -135,7 +134,7 @@ def test_predicted_outputs_are_lossless_whatever_the_prediction(
     draft = str(tiny_llama_draft) if drafter == "model" else None
     llm = LLM(str(tiny_llama), draft, drafter=drafter, dtype="float32", max_batch=2, max_model_len=512)
     # every width costs alike: acceptance, not timing, is tested
-    llm.engine.planner.step_costs = StepCosts.fixed(ForwardCost())
+    llm.engine.planner.forward_cost = ForwardCost()
     for i, (prompt, predicted) in enumerate(zip(prompts, predictions, strict=True)):
         llm.engine.add_request(
             str(i), prompt, SamplingParams(**{**vars(PARAMS[setting]), "prediction": predicted})

@@ -25,7 +25,6 @@ from multiguess.engine.adaptive import (
 from multiguess.engine.ngram import graft
 from multiguess.engine.prediction import Alignment, prediction_draft, prediction_prospect
 from multiguess.engine.sources import better_copy, copy_worth
-from multiguess.engine.step_cost import StepCosts
 from multiguess.engine.suffix import (
     CopySource,
     Match,
@@ -265,7 +264,7 @@ def test_copy_drafts_are_lossless_whatever_the_index_holds(
         "empty": [],
     }[index]
     # every width costs alike: acceptance, not timing, is tested
-    llm.engine.planner.step_costs = StepCosts.fixed(ForwardCost())
+    llm.engine.planner.forward_cost = ForwardCost()
     for prompt, out in zip(prompts, held, strict=False):
         llm.engine.planner.copies.record(prompt + out)
     outs = llm.generate(prompts, PARAMS[setting])
@@ -283,7 +282,7 @@ def test_repeated_requests_copy_from_recent_outputs(tiny_llama: Path, plain: dic
     prompts, expected = plain["greedy"]
     llm = LLM(str(tiny_llama), None, drafter="suffix", dtype="float32", max_batch=1)
     # every width costs alike: acceptance, not timing, is tested
-    llm.engine.planner.step_costs = StepCosts.fixed(ForwardCost())
+    llm.engine.planner.forward_cost = ForwardCost()
     prompt = prompts[-1]  # random: nothing of its reply repeats its prompt
     first = llm.generate(prompt, PARAMS["greedy"])[0]
     copied = llm.engine.totals.copy_accepted_tokens
@@ -299,7 +298,7 @@ def test_recent_outputs_steer_only_their_own_tenants_drafts(tiny_llama: Path, pl
     prompts, expected = plain["greedy"]
     llm = LLM(str(tiny_llama), None, drafter="suffix", dtype="float32", max_batch=1)
     # every width costs alike: acceptance, not timing, is tested
-    llm.engine.planner.step_costs = StepCosts.fixed(ForwardCost())
+    llm.engine.planner.forward_cost = ForwardCost()
     prompt, reply = prompts[-1], expected[-1]
     alice = replace(PARAMS["greedy"], tenant="alice")
     assert llm.generate(prompt, alice)[0].outputs[0].token_ids == reply
@@ -341,13 +340,13 @@ def test_while_no_copy_can_pay_copies_are_checked_ever_more_rarely(tiny_llama: P
     planner._copies_idle = recording  # type: ignore[method-assign]
     steep = ForwardCost((1, 64), (1.0, 64.0))
     for cost in (ForwardCost(), steep, ForwardCost()):
-        planner.step_costs = StepCosts.fixed(cost)
+        planner.forward_cost = cost
         outs = llm.generate(prompts[:4], PARAMS["greedy"])
         assert [o.outputs[0].token_ids for o in outs] == expected[:4]
     assert {gap for gap, was_idle in gaps() if not was_idle} == {1}
     assert {gap for gap, was_idle in gaps() if was_idle} == {2, 4}
     assert sum(was_idle for _, was_idle in gaps()) >= 4  # ...and the steep stretch backed off
     checks.clear()
-    planner.step_costs = StepCosts.fixed(steep)
+    planner.forward_cost = steep
     assert llm.generate(prompts[0], PARAMS["greedy"])[0].outputs[0].token_ids == expected[0]
     assert {gap for gap, _ in gaps()} == {1} and all(was_idle for _, was_idle in checks)

@@ -35,7 +35,6 @@ from multiguess.engine.prediction import prediction_draft, prediction_prospect
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.sequence import Sequence
 from multiguess.engine.sources import better_copy, copy_worth, model_drafts, model_worth
-from multiguess.engine.step_cost import StepCosts
 from multiguess.engine.suffix import CopyDraft, CopySource, Match, RecentOutputs
 from multiguess.engine.timing import measure_forward_cost
 from multiguess.engine.tree import TokenTree
@@ -87,48 +86,31 @@ class Planner:
         )
         self.probes = ProbeSchedule(policy.probe_every)
         # Measured whatever the drafter: a server attaches a remote drafter after construction.
-        self.step_costs = StepCosts.fixed(ForwardCost())
+        self.forward_cost = ForwardCost()
         if self.config.adaptive:
             limit = max(policy.token_budget, self.config.max_batch, target.backend.cost_tokens)
-            measured = measure_forward_cost(target, min(limit, target.capacity))
-            budget = measured.curves[0].nearly_free(policy.nearly_free)
+            self.forward_cost = measure_forward_cost(target, min(limit, target.capacity))
+            budget = self.forward_cost.nearly_free(policy.nearly_free)
             if budget > policy.token_budget:  # measured on this device: more nodes ride for free
                 self.config = replace(self.config, policy=replace(policy, token_budget=budget))
-            self.step_costs = StepCosts(measured)
-        self._step_started = 0.0  # when this step's planning began
-        self._step_drafting = 0.0  # the drafter's seconds in it, which CostMeter prices
-        self._context = 0  # the batch's mean cached tokens this step
         self.copies = CopySource(RecentOutputs(self.config.recent_outputs, self.config.recent_age))
         self.copy_checks = ProbeSchedule(1)  # while copies cannot pay: every step, then sparser
         self.prediction_yields = CopyYield()  # how predictions pay, apart from copies
-
-    @property
-    def forward_cost(self) -> ForwardCost:
-        """What a step costs by the tokens its forward verifies (``step_cost.StepCosts``)."""
-        return self.step_costs.curve(self._context)
 
     def propose(self, batch: list[Sequence], drafter: Drafter | None) -> list[Proposal]:
         """This step's tree per sequence of ``batch``: the drafter's where the policy gives one,
         with copy or prediction drafts grafted on where they pay; a root-only tree otherwise.
         The drafter's own time feeds the draft's cost per level (see ``CostMeter``): the
-        planning around it is paid whether or not anything is drafted, and counts in the
-        step's cost (``learn``)."""
-        self._step_started, self._step_drafting = time.perf_counter(), 0.0
-        self._context = sum(s.cache_len for s in batch) // len(batch)
+        planning around it is paid whether or not anything is drafted."""
         self.steps += 1
         proposals = [Proposal(TokenTree.chain([s.last_token])) for s in batch]
         base = [1.0] * len(batch)  # tokens each sequence's tree is expected to yield
         budgets = [] if drafter is None or drafter.copy_only else self._budgets(batch, drafter)
-        if plain := self._measures_plain(batch):  # planned all the same: the policy's state moves on
-            budgets = [replace(budget, depth=0) for budget in budgets]
         own_trees = any(budget.depth > 0 for budget in budgets)
-        copies = (
-            {} if plain else self._copy_drafts(batch, drafter is not None and drafter.takes_grafts, own_trees)
-        )
+        copies = self._copy_drafts(batch, drafter is not None and drafter.takes_grafts, own_trees)
         seconds = 0.0
         if drafter is not None and own_trees:
             seconds = self._draft(batch, budgets, proposals, base, copies, drafter)
-            self._step_drafting += seconds
         self._graft_copies(batch, proposals, base, copies)
         # Draft time per level only from steps that drafted on caught-up caches (see CostMeter).
         drafting = [s for s, p in zip(batch, proposals, strict=True) if p.own_nodes > 1]
@@ -139,20 +121,11 @@ class Planner:
             seq.drafted_at = self.steps
         return proposals
 
-    def _measures_plain(self, batch: list[Sequence]) -> bool:
-        """Whether this step is a plain one, timed as every tree's yardstick
-        (``StepCosts.plain_due``): not where a sequence drafts a tree of its own choosing."""
-        return self.step_costs.plain_due(len(batch)) and not any(fixed_tree(s.params) for s in batch)
-
     def learn(
         self, batch: list[Sequence], proposals: list[Proposal], acceptances: list[Acceptance]
     ) -> list[list[Outcome]]:
-        """Fold the verified step into the coverage, a grafted copy draft's outcome into the
-        copy policy's yields and the step's seconds besides drafting into what steps cost;
-        returns each sequence's verified levels."""
-        tokens = len(batch) * max(len(p.tree) for p in proposals)  # the forward pads to the widest
-        seconds = time.perf_counter() - self._step_started - self._step_drafting
-        self.step_costs.observe(tokens, self._context, seconds)
+        """Fold the verified step into the coverage and a grafted copy draft's outcome into the
+        copy policy's yields; returns each sequence's verified levels."""
         outcomes: list[list[Outcome]] = []
         observed: dict[bool, list[list[Outcome]]] = {True: [], False: []}
         for seq, proposal, acceptance in zip(batch, proposals, acceptances, strict=True):
@@ -249,14 +222,11 @@ class Planner:
         if not seq.params.greedy and seq.params.seed is None:
             return False
         width = self.config.num_candidates
-        started = time.perf_counter()
         try:
             ranks = drafter.observe(seq.slot, seq.token_ids, width, len(seq.prompt_ids), sample_spec(seq))
         except Exception as exc:  # a failing drafter must never fail a request
             self.fallback(exc, [seq])
             return True
-        finally:
-            self._step_drafting += time.perf_counter() - started
         if ranks is None:
             return False
         observed = [[(width, rank)] for rank in ranks]  # each a first-level guess

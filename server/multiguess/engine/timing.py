@@ -1,7 +1,7 @@
 """The target's forward time, measured once when the engine starts, before any request runs.
 
 Two choices read it: the planner prices a tree by how much longer a forward of its nodes takes
-(``measure_forward_cost``, which real steps then calibrate: ``step_cost``), and chunked prefill sizes its chunk by how long a chunk pauses the
+(``measure_forward_cost``), and chunked prefill sizes its chunk by how long a chunk pauses the
 running sequences (``measure_prefill_chunk``). Both time chains on slot 0 after a cached
 context, which admission overwrites.
 """
@@ -18,7 +18,6 @@ import torch
 from multiguess.engine.adaptive import ForwardCost
 from multiguess.engine.config import PREFILL_PAUSE_STEPS
 from multiguess.engine.runner import NativeRunner
-from multiguess.engine.step_cost import ContextCurves
 from multiguess.engine.tree import TokenTree
 
 log = logging.getLogger(__name__)
@@ -27,44 +26,33 @@ MIN_PREFILL_CHUNK = 64  # a smaller chunk would pay a whole weight read for a fe
 MAX_PREFILL_CHUNK = 8192
 
 
-START_CONTEXTS = (64, 512)  # cached tokens the forward is timed after (measure_forward_cost)
-
-
 def measure_forward_cost(
-    runner: NativeRunner, limit: int, rounds: int = 5, contexts: tuple[int, ...] = START_CONTEXTS
-) -> ContextCurves:
+    runner: NativeRunner, limit: int, rounds: int = 5, context: int = 256
+) -> ForwardCost:
     """The target's forward time for 1, 2, 4, … ``limit`` tokens, as one chain on slot 0 after
-    each of ``contexts`` cached tokens (at most what leaves room for ``limit`` more), before any
-    request runs (admission overwrites it). A batch of single tokens costs about the same as a
-    chain of as many: both are one matmul over that many rows, and attention over as many rows
-    of context.
+    ``context`` cached tokens, before any request runs (admission overwrites it). A batch of
+    single tokens costs about the same as a chain of as many: both are one matmul over that
+    many rows, and attention over as many rows of context.
 
     The context matters: without it attention is free, trees are priced below what they cost,
-    and the policy drafts trees that lose; and a row's attention grows with it, so two contexts
-    are timed and others read off the line through them (``ContextCurves``). The sizes take
-    turns for ``rounds`` rounds and each keeps its fastest time, so a burst of load on a shared
-    machine hits one sample, not one size (timing each size back to back misordered sizes and
-    planned trees smaller than they pay); each curve is then made non-decreasing (more tokens
-    never cost less). The measurements behind both choices are in docs/ENGINE.md."""
+    and the policy drafts trees that lose. The sizes take turns for ``rounds`` rounds and each
+    keeps its fastest time, so a burst of load on a shared machine hits one sample, not one
+    size (timing each size back to back misordered sizes and planned trees smaller than they
+    pay); the curve is then made non-decreasing (more tokens never cost less). The measurements
+    behind both choices are in docs/ENGINE.md."""
     counts = sorted({min(2**i, limit) for i in range(limit.bit_length() + 1)})
-    curves: dict[int, ForwardCost] = {}
-    for wanted in contexts:
-        context = cache_context(runner, wanted, limit)
-        if context in curves:
-            continue
-        best = dict.fromkeys(counts, float("inf"))
-        for _ in range(rounds):
-            for count in counts:
-                best[count] = min(best[count], time_chain(runner, context, count))
-        seconds = list(itertools.accumulate((best[c] for c in counts), max))
-        log.info(
-            "target forward ms by tokens after %d cached: %s",
-            context,
-            {c: round(s * 1000, 2) for c, s in zip(counts, seconds, strict=True)},
-        )
-        curves[context] = ForwardCost(tuple(counts), tuple(seconds))
-    measured = sorted(curves)
-    return ContextCurves(tuple(measured), tuple(curves[c] for c in measured))
+    context = cache_context(runner, context, limit)
+    best = dict.fromkeys(counts, float("inf"))
+    for _ in range(rounds):
+        for count in counts:
+            best[count] = min(best[count], time_chain(runner, context, count))
+    seconds = list(itertools.accumulate((best[c] for c in counts), max))
+    log.info(
+        "target forward ms by tokens after %d cached: %s",
+        context,
+        {c: round(s * 1000, 2) for c, s in zip(counts, seconds, strict=True)},
+    )
+    return ForwardCost(tuple(counts), tuple(seconds))
 
 
 def cache_context(runner: NativeRunner, context: int, limit: int) -> int:
