@@ -164,4 +164,10 @@ def served_weights() -> dict[str, str]:
     from multiguess.llm import load_target
 
     default = weights_of(load_target(None, "auto", "auto")[0].model)
-    return {name: "bfloat16" if BF16[-1] in flags else default for name, flags in SETUPS.items()}
+    return {name: "bfloat16" if serves_bf16(flags) else default for name, flags in SETUPS.items()}
+
+
+def serves_bf16(flags: list[str]) -> bool:
+    """Whether a setup's flags load the target in bf16: ``--quantization none`` (plain
+    decoding's ``--drafter none`` does not)."""
+    return any(flags[i : i + len(BF16)] == BF16 for i in range(len(flags)))

@@ -10,6 +10,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "server"))
 
 import grounded  # noqa: E402
+import grounded_load  # noqa: E402
 
 
 def test_every_request_but_the_agent_loops_decodes_in_a_scope_of_its_own() -> None:
@@ -29,3 +30,10 @@ def test_agent_loop_requests_differ_so_a_load_run_never_repeats_one() -> None:
     """Its replies share tool-call JSON across requests; an identical request would be copied whole."""
     requests = grounded.WORKLOADS["agent loop"]
     assert len(set(requests)) == len(requests) >= 16  # 8 clients x 2 rounds in serving_load.py
+
+
+def test_each_setup_is_labelled_with_the_weights_its_server_loads() -> None:
+    """Plain decoding's ``--drafter none`` is not ``--quantization none``: it serves the default
+    weights, as the default setup does."""
+    labelled = {name: grounded_load.serves_bf16(flags) for name, flags in grounded_load.SETUPS.items()}
+    assert labelled == {"plain": False, "default": False, "plain bf16": True, "default bf16": True}
