@@ -526,7 +526,9 @@ def grounded_load_section(report: Report | None) -> list[str]:
         f"{report['max_tokens']} tokens, the embedded pair, `--max-batch {max(report['levels'])}`; "
         "`weights` are the target's (`multiguess serve`'s default on CPUs: its Q4_1 file; bf16: "
         "`--quantization none`). Plain decoding (`--drafter none --prompt-lookup 0`) and the "
-        "default configuration take turns on each; `× plain` is the median over "
+        "default configuration take turns on each, and on the default weights the copy sources "
+        "alone (`suffix`: `--drafter suffix`, what the draft model adds to them or costs, where "
+        "the run has it); `× plain` is the median over "
         f"{report['repeats']} repeats of the ratio of their tokens/s to plain decoding's of the "
         "same weights in the same repeat. " + SCOPES,
         "",

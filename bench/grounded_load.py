@@ -1,8 +1,9 @@
 """Grounded workloads under load: ``bench/grounded.py``'s prompts over HTTP from 1, 4 and 8 clients.
 
-``serving_load.py --workload grounded`` runs it: two servers with the embedded pair, plain
-decoding (``--drafter none``, no prompt lookup, so a prediction drafts nothing) and the
-default configuration, take turns workload by workload (the order rotating every repeat), each client sending the workload's prompts (the code
+``serving_load.py --workload grounded`` runs it: servers with the embedded pair, plain
+decoding (``--drafter none``, no prompt lookup, so a prediction drafts nothing), the default
+configuration and, on the default weights, the copy sources alone (``--drafter suffix``: what
+the draft model adds to them, or costs), take turns workload by workload (the order rotating every repeat), each client sending the workload's prompts (the code
 edit with the original file as its ``prediction``) as greedy chat completions. Every (repeat,
 request decodes in a cache scope of its own (``cache_salt``; the agent loop's requests share
 one per run, as ``grounded.cache_salts`` says), so no request copies another's reply from the
@@ -29,12 +30,18 @@ from openai import AsyncOpenAI
 # compared with plain decoding of the same weights.
 PLAIN = ["--drafter", "none", "--prompt-lookup", "0"]
 BF16 = ["--quantization", "none"]
-SETUPS = {"plain": PLAIN, "default": [], "plain bf16": [*PLAIN, *BF16], "default bf16": BF16}
+SETUPS = {
+    "plain": PLAIN,
+    "default": [],
+    "suffix": ["--drafter", "suffix"],
+    "plain bf16": [*PLAIN, *BF16],
+    "default bf16": BF16,
+}
 
 
 def reference(name: str) -> str:
     """The plain decoding a setup is compared with: the one on the same weights."""
-    return name.replace("default", "plain")
+    return "plain bf16" if serves_bf16(SETUPS[name]) else "plain"
 
 
 async def one_request(

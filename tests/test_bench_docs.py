@@ -186,6 +186,7 @@ def test_grounded_load_section_shows_each_workload_and_client_count_against_plai
         for c, s, v, m in (
             (4, "plain", 1.0, 1.0),
             (4, "default", 2.05, 4.2),
+            (4, "suffix", 1.95, 3.9),
             (4, "plain bf16", 1.0, 1.0),
             (4, "default bf16", 2.5, 4.4),
         )
@@ -201,12 +202,14 @@ def test_grounded_load_section_shows_each_workload_and_client_count_against_plai
         "target_weights": {
             "plain": "Q4_1",
             "default": "Q4_1",
+            "suffix": "Q4_1",
             "plain bf16": "bfloat16",
             "default bf16": "bfloat16",
         },
     }
     lines = bench_docs.grounded_load_section(report)
     assert "| code edit + prediction | 4 | Q4_1 | default | 50.0 | 2.05 | 4.20 | yes |" in lines
+    assert "| code edit + prediction | 4 | Q4_1 | suffix | 50.0 | 1.95 | 3.90 | yes |" in lines
     assert "| code edit + prediction | 4 | bfloat16 | default | 50.0 | 2.50 | 4.40 | yes |" in lines
     assert not any("| plain |" in line for line in lines)  # plain is the reference, not a row
     assert any("abc1234" in line for line in lines)

@@ -36,4 +36,17 @@ def test_each_setup_is_labelled_with_the_weights_its_server_loads() -> None:
     """Plain decoding's ``--drafter none`` is not ``--quantization none``: it serves the default
     weights, as the default setup does."""
     labelled = {name: grounded_load.serves_bf16(flags) for name, flags in grounded_load.SETUPS.items()}
-    assert labelled == {"plain": False, "default": False, "plain bf16": True, "default bf16": True}
+    assert labelled == {
+        "plain": False,
+        "default": False,
+        "suffix": False,
+        "plain bf16": True,
+        "default bf16": True,
+    }
+    assert {name: grounded_load.reference(name) for name in labelled} == {
+        "plain": "plain",
+        "default": "plain",
+        "suffix": "plain",
+        "plain bf16": "plain bf16",
+        "default bf16": "plain bf16",
+    }
