@@ -42,8 +42,9 @@ def fixed_tables(
 class Rope:
     """A forward's rotary tables (``rotary_tables``) from the model's ``rotary`` module: where
     the rope is fixed in advance, gathered from tables of every position below ``length``
-    computed once per model (``fixed_tables``), instead of cos and sin evaluated and signs folded for every forward; where
-    it rescales with the sequence (dynamic, longrope), evaluated for each forward."""
+    computed once per model (``fixed_tables``), instead of cos and sin evaluated and signs
+    folded for every forward; where it rescales with the sequence (dynamic, longrope),
+    evaluated for each forward."""
 
     def __init__(
         self, rotary: torch.nn.Module, length: int, dtype: torch.dtype, device: torch.device
