@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from multiguess import LLM, SamplingParams
 from multiguess.engine.adaptive import (
+    CONTEXT_STEP,
     AdaptivePolicy,
     CostMeter,
     Coverage,
@@ -187,6 +188,22 @@ def test_forward_cost_interpolates_and_extrapolates() -> None:
     assert CPU_COST(64) == pytest.approx(0.072)  # linear beyond the last two points
     assert CPU_COST.growth(8, 4) == pytest.approx(0.046 / 0.028)
     assert ForwardCost().growth(8, 4) == 1.0  # unmeasured: every forward costs the same
+
+
+def test_attention_makes_extra_rows_dearer_the_longer_the_context_and_the_smaller_the_batch() -> None:
+    """A sequence's attention costs per cached token a part for the sequence and a part per row:
+    at a long context an extra row costs more than the bare curve says, and most where few
+    sequences share the matmuls' weight reads."""
+    cost = ForwardCost(CPU_COST.tokens, CPU_COST.seconds, per_sequence=2e-6, per_row=1e-6)
+    assert cost.at(0).growth(4, 2) == pytest.approx(CPU_COST.growth(4, 2))  # nothing cached
+    long = cost.at(1024)
+    assert long.step(4, 2) == pytest.approx(CPU_COST(8) + 4 * (2e-6 + 2 * 1e-6) * 1024)
+    assert long.growth(1, 4) > cost.at(64).growth(1, 4) > CPU_COST.growth(1, 4)
+    assert long.growth(1, 4) / CPU_COST.growth(1, 4) > long.growth(8, 4) / CPU_COST.growth(8, 4)
+    # Read in steps of CONTEXT_STEP, each once: plans cached on a cost change no more often.
+    assert cost.at(1024 + CONTEXT_STEP // 3) is long
+    assert cost.at(1024 + CONTEXT_STEP) is not long
+    assert CPU_COST.at(1024) is CPU_COST  # nothing measured for attention: one cost for all
 
 
 def test_verification_cost_turns_speculation_off_where_it_does_not_pay() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,15 @@ from multiguess.engine import engine as engine_module
 from multiguess.engine.admission import next_admission, request_share
 from multiguess.engine.config import EngineConfig
 from multiguess.engine.engine import PROMPT_LOGPROB_ROWS, Engine
-from multiguess.engine.timing import MIN_PREFILL_CHUNK, measure_prefill_chunk
+from multiguess.engine.paged_kv import PagedKVCache
+from multiguess.engine.timing import (
+    MIN_PREFILL_CHUNK,
+    attention_batch,
+    attention_slopes,
+    cache_context,
+    measure_forward_cost,
+    measure_prefill_chunk,
+)
 from multiguess.models.loading import load_model
 
 from tests.engine.test_lossless import random_prompts
@@ -89,6 +98,37 @@ def test_the_measured_chunk_grows_with_the_pause(target: object) -> None:
     assert measure_prefill_chunk(runner, 256, 0) == MIN_PREFILL_CHUNK
     assert measure_prefill_chunk(runner, 256, 1e9) == 256
     assert measure_prefill_chunk(runner, 8, 1e9) == 8
+
+
+def test_attention_is_timed_on_sequences_that_hold_the_context(target: object) -> None:
+    """The forward-cost measurement times attention on up to 4 slots, each holding slot 0's
+    cached context, and fits non-negative costs per cached token onto a non-decreasing curve."""
+    engine = Engine(target, None, EngineConfig(max_model_len=256, max_batch=4, adaptive=False))  # type: ignore[arg-type]
+    runner = engine.target
+    context = cache_context(runner, 100, 8)
+    assert attention_batch(runner, context, 8) == 4
+    kv = runner.cache.kv
+    for slot in (1, 2, 3):
+        assert torch.equal(kv[:, slot, :, :context], kv[:, 0, :, :context])
+    assert kv[:, 1, :, :context].abs().sum() > 0
+    cost = measure_forward_cost(runner, 8)
+    assert cost.per_sequence >= 0 and cost.per_row >= 0
+    assert list(cost.seconds) == sorted(cost.seconds) and cost.tokens == (1, 2, 4, 8)
+
+
+def test_attention_is_timed_on_as_many_sequences_as_the_cache_has_room_for() -> None:
+    shape = (2, 4, 2, 64, 8, torch.float32, torch.device("cpu"))
+    paged = PagedKVCache(*shape, block_size=16, num_blocks=5)
+    paged.locate([0], torch.tensor([0]), 40)  # slot 0 holds its context: 3 blocks, 2 left
+    # Each copy shares those blocks, and the timed forwards' writes copy the third: two fit.
+    assert attention_batch(SimpleNamespace(cache=paged), 40, 8) == 2  # type: ignore[arg-type]
+    assert paged.tables[2] == []
+
+
+def test_attention_slopes_fit_a_line_through_what_the_context_added() -> None:
+    assert attention_slopes([1, 2, 4], [3.0, 4.0, 6.0]) == pytest.approx((2.0, 1.0))
+    assert attention_slopes([1, 2, 4], [3.0, 2.0, 1.0]) == pytest.approx((2.0, 0.0))  # never negative
+    assert attention_slopes([1], [3.0]) == (3.0, 0.0)
 
 
 def test_prompt_logprobs_take_bounded_rows_and_equal_chunked_ones(

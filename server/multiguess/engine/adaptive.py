@@ -41,7 +41,7 @@ import collections
 import functools
 import itertools
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from multiguess.engine.drafter import TreeBudget
 from multiguess.engine.tree import TokenTree
@@ -163,15 +163,29 @@ def _reach(levels: tuple[tuple[float, ...], ...], width: int, depth: int) -> tup
     return [0.0, *itertools.accumulate(spine)], [0.0, *itertools.accumulate(sorted(others, reverse=True))]
 
 
+CONTEXT_STEP = 64  # cached tokens a step's cost is read at a time (ForwardCost.at)
+
+
 @dataclass(frozen=True)
 class ForwardCost:
     """Target forward time by the number of tokens in it (piecewise linear between measured
-    points, linear beyond the last two). Without measurements every forward costs the same."""
+    points, linear beyond the last two), and what attention over the cache adds: each sequence
+    of a step pays ``per_sequence + per_row * rows`` seconds for every token cached before it
+    (reading its cache once for all its rows, then each row's own products), ``context`` tokens
+    each on average (``at``). A forward's matmuls share the weights' reads across all its
+    rows, a sequence's attention only across that sequence's, so at long contexts an extra row
+    costs more than the bare curve says, the more so in a small batch (docs/ENGINE.md). Without
+    measurements every forward costs the same."""
 
     tokens: tuple[int, ...] = (1,)
     seconds: tuple[float, ...] = (1.0,)
+    per_sequence: float = 0.0
+    per_row: float = 0.0
+    context: int = 0
     # Each count's time, as first asked: a step asks for the same few counts many times over.
     known: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # The cost at each context read (``at``), by the context rounded to CONTEXT_STEP.
+    contexts: dict[int, ForwardCost] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __call__(self, count: int) -> float:
         seconds = self.known.get(count)
@@ -189,9 +203,25 @@ class ForwardCost:
         (t0, t1), (s0, s1) = self.tokens[i - 1 : i + 1], self.seconds[i - 1 : i + 1]
         return max(s0 + (s1 - s0) * (count - t0) / (t1 - t0), min(self.seconds))
 
+    def at(self, context: int) -> ForwardCost:
+        """This cost for steps whose sequences have ``context`` cached tokens on average, read
+        in steps of ``CONTEXT_STEP`` (so plans cached on it change only that often)."""
+        if not (self.per_sequence or self.per_row):
+            return self
+        context = round(context / CONTEXT_STEP) * CONTEXT_STEP
+        cost = self.contexts.get(context)
+        if cost is None:
+            cost = self.contexts[context] = replace(self, context=context)
+        return cost
+
+    def step(self, batch: int, nodes: int) -> float:
+        """Seconds of a forward verifying ``nodes`` per sequence (root included) of ``batch``."""
+        attention = batch * (self.per_sequence + self.per_row * nodes) * self.context
+        return self(batch * nodes) + attention
+
     def growth(self, batch: int, nodes: int) -> float:
         """Cost of verifying ``nodes`` per sequence (root included) relative to a plain step."""
-        return self(batch * nodes) / self(batch)
+        return self.step(batch, nodes) / self.step(batch, 1)
 
     def nearly_free(self, tolerance: float) -> int:
         """The most measured tokens one forward takes within ``1 + tolerance`` of one token's

@@ -87,6 +87,7 @@ class Planner:
         self.probes = ProbeSchedule(policy.probe_every)
         # Measured whatever the drafter: a server attaches a remote drafter after construction.
         self.forward_cost = ForwardCost()
+        self.step_cost = self.forward_cost  # read at the batch's context each step (``propose``)
         if self.config.adaptive:
             limit = max(policy.token_budget, self.config.max_batch, target.backend.cost_tokens)
             self.forward_cost = measure_forward_cost(target, min(limit, target.capacity))
@@ -103,6 +104,7 @@ class Planner:
         The drafter's own time feeds the draft's cost per level (see ``CostMeter``): the
         planning around it is paid whether or not anything is drafted."""
         self.steps += 1
+        self.step_cost = self.forward_cost.at(sum(s.cache_len for s in batch) // len(batch))
         proposals = [Proposal(TokenTree.chain([s.last_token])) for s in batch]
         base = [1.0] * len(batch)  # tokens each sequence's tree is expected to yield
         budgets = [] if drafter is None or drafter.copy_only else self._budgets(batch, drafter)
@@ -157,9 +159,9 @@ class Planner:
         each is expected to yield into ``base``; returns the seconds the drafter took. A
         sequence whose copy draft is worth at least its tree drafts none
         (``sources.model_drafts``)."""
-        cfg, cost = self.config, self.forward_cost
+        cfg, cost = self.config, self.step_cost
         requests = []
-        fixed, per_level = self.costs.ratios(cost(len(batch)))
+        fixed, per_level = self.costs.ratios(cost.step(len(batch), 1))
         for i, (seq, budget) in enumerate(zip(batch, budgets, strict=True)):
             if budget.depth == 0:
                 continue
@@ -194,10 +196,10 @@ class Planner:
         tree pays, one sequence probes when the schedule says so: the one observed longest ago
         among those whose prompt the draft has seen, else among all (a probe of a sequence
         whose prefill the draft skipped feeds it the whole prompt first)."""
-        cfg, cost = self.config, self.forward_cost
+        cfg, cost = self.config, self.step_cost
         if not cfg.adaptive:
             return [cfg.budget] * len(batch)
-        fixed, per_level = self.costs.ratios(cost(len(batch)))
+        fixed, per_level = self.costs.ratios(cost.step(len(batch), 1))
         coverages = [self.coverage[s.params.greedy] for s in batch]
         planned = cfg.policy.plan(cfg.budget, coverages, per_level, cost, fixed)
         self.drafting = planned.depth > 0
@@ -300,7 +302,7 @@ class Planner:
                 (self.copies.draft_from(c.seq.last_token, c.best, c.room, cfg.prompt_lookup), False),
             ]
             kept = [(d, predicted) for d, predicted in drafts if d is not None and len(d.tree) > 1]
-            worths = [copy_worth(d.reach, self.forward_cost, len(batch), limit) for d, _ in kept]
+            worths = [copy_worth(d.reach, self.step_cost, len(batch), limit) for d, _ in kept]
             best = better_copy(worths)
             if best is not None:
                 found[c.index] = Copy(kept[best][0], kept[best][1], worths[best])
@@ -324,7 +326,7 @@ class Planner:
                 drafts.append(shape)
                 relaxing.append((self.copies.yields, c.best[0].length))
             shapes.append(drafts)
-        if copies_may_widen(shapes, self.forward_cost, batch, 1 + self.config.prompt_lookup):
+        if copies_may_widen(shapes, self.step_cost, batch, 1 + self.config.prompt_lookup):
             return False
         for yields, length in relaxing:
             yields.relax(length)
@@ -355,7 +357,7 @@ class Planner:
             return
         own = [len(p.tree) for p in proposals]
         reach = [drafts[i][1] if i in drafts else () for i in range(len(batch))]
-        width = copy_width(own, base, reach, self.forward_cost, 1 + cfg.prompt_lookup)
+        width = copy_width(own, base, reach, self.step_cost, 1 + cfg.prompt_lookup)
         for i, (tree, _, match, predicted) in drafts.items():
             keep = min(len(tree) - own[i], max(0, width - own[i]))
             if keep:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import statistics
 import time
 
 import torch
@@ -26,33 +27,85 @@ MIN_PREFILL_CHUNK = 64  # a smaller chunk would pay a whole weight read for a fe
 MAX_PREFILL_CHUNK = 8192
 
 
-def measure_forward_cost(
-    runner: NativeRunner, limit: int, rounds: int = 5, context: int = 256
-) -> ForwardCost:
-    """The target's forward time for 1, 2, 4, … ``limit`` tokens, as one chain on slot 0 after
-    ``context`` cached tokens, before any request runs (admission overwrites it). A batch of
-    single tokens costs about the same as a chain of as many: both are one matmul over that
-    many rows, and attention over as many rows of context.
+START_CONTEXTS = (64, 768)  # cached tokens a forward is timed after (measure_forward_cost)
+ATTENTION_BATCH = 4  # sequences whose attention is timed together (measure_forward_cost)
+ATTENTION_ROWS = (1, 2, 4)  # rows per sequence it is timed at
 
-    The context matters: without it attention is free, trees are priced below what they cost,
-    and the policy drafts trees that lose. The sizes take turns for ``rounds`` rounds and each
-    keeps its fastest time, so a burst of load on a shared machine hits one sample, not one
-    size (timing each size back to back misordered sizes and planned trees smaller than they
-    pay); the curve is then made non-decreasing (more tokens never cost less). The measurements
-    behind both choices are in docs/ENGINE.md."""
+
+def measure_forward_cost(
+    runner: NativeRunner, limit: int, rounds: int = 5, contexts: tuple[int, int] = START_CONTEXTS
+) -> ForwardCost:
+    """The target's forward time for 1, 2, 4, … ``limit`` tokens, and what attention over the
+    cache adds to it, measured before any request runs (admission overwrites what it caches).
+
+    The matmuls of a batch of single tokens cost about what a chain of as many does (one matmul
+    over that many rows), so the curve times chains on slot 0 after the shorter of two
+    ``contexts``. Attention does not: it grows with every sequence's context apart, shared only
+    by that sequence's rows. So a batch of ``ATTENTION_BATCH`` sequences of 1, 2 and 4 rows each
+    is timed after both contexts, and what the longer adds is fitted per sequence and row
+    (``attention_slopes``); the curve is then the chains' time less their attention
+    (``ForwardCost``). Without it attention is free, trees at long contexts are priced below
+    what they cost, and the policy drafts trees that lose; one sequence's attention alone runs
+    less evenly over the cores than a batch's, and prices a batch's too dear.
+
+    The forwards take turns for ``rounds`` rounds and each keeps its fastest time, so a burst of
+    load on a shared machine hits one sample, not one size (timing each size back to back
+    misordered sizes and planned trees smaller than they pay); the curve is then made
+    non-decreasing (more tokens never cost less). The measurements are in docs/ENGINE.md."""
     counts = sorted({min(2**i, limit) for i in range(limit.bit_length() + 1)})
-    context = cache_context(runner, context, limit)
-    best = dict.fromkeys(counts, float("inf"))
+    long = cache_context(runner, contexts[1], limit)
+    short = min(contexts[0], long)
+    batch = attention_batch(runner, long, limit)
+    rows = [n for n in ATTENTION_ROWS if batch * n <= limit] or [1]
+    chains = dict.fromkeys(counts, float("inf"))
+    batches = dict.fromkeys(((n, c) for n in rows for c in (short, long)), float("inf"))
     for _ in range(rounds):
         for count in counts:
-            best[count] = min(best[count], time_chain(runner, context, count))
-    seconds = list(itertools.accumulate((best[c] for c in counts), max))
+            chains[count] = min(chains[count], time_chain(runner, short, count))
+        for n, context in batches:
+            batches[n, context] = min(batches[n, context], time_batch(runner, batch, context, n))
+    for slot in range(1, batch):
+        runner.cache.truncate(slot, 0)
+    per_sequence, per_row = 0.0, 0.0
+    if long > short:
+        added = [(batches[n, long] - batches[n, short]) / (batch * (long - short)) for n in rows]
+        per_sequence, per_row = attention_slopes(rows, added)
+    bare = (s - (per_sequence + per_row * c) * short for c, s in zip(counts, chains.values(), strict=True))
+    seconds = list(itertools.accumulate((max(s, 0.0) for s in bare), max))
     log.info(
-        "target forward ms by tokens after %d cached: %s",
-        context,
+        "target forward ms by tokens: %s; attention per cached token: %.2f us a sequence + %.2f us a row",
         {c: round(s * 1000, 2) for c, s in zip(counts, seconds, strict=True)},
+        per_sequence * 1e6,
+        per_row * 1e6,
     )
-    return ForwardCost(tuple(counts), tuple(seconds))
+    return ForwardCost(tuple(counts), tuple(seconds), per_sequence, per_row)
+
+
+def attention_batch(runner: NativeRunner, context: int, limit: int) -> int:
+    """How many sequences attention is timed on: up to ``ATTENTION_BATCH`` slots holding slot
+    0's ``context`` (copied), as many as the cache has room for ``limit`` more tokens in."""
+    cache, batch = runner.cache, 1
+    while batch < min(ATTENTION_BATCH, cache.num_slots):
+        cache.move(0, batch, context)
+        if not cache.fits([(slot, context, context + limit) for slot in range(batch + 1)]):
+            cache.truncate(batch, 0)
+            break
+        batch += 1
+    return batch
+
+
+def attention_slopes(rows: list[int], added: list[float]) -> tuple[float, float]:
+    """The seconds each cached token adds to a forward, as ``per_sequence + per_row * rows``
+    for a sequence of that many rows: the least-squares line through what it ``added`` at each
+    count of ``rows``, neither part negative."""
+    if len(rows) < 2:  # one count: a row's share cannot be told from the sequence's
+        return max(0.0, added[0]), 0.0
+    mean_rows, mean_added = statistics.fmean(rows), statistics.fmean(added)
+    spread = sum((n - mean_rows) ** 2 for n in rows)
+    per_row = max(
+        0.0, sum((n - mean_rows) * (a - mean_added) for n, a in zip(rows, added, strict=True)) / spread
+    )
+    return max(0.0, mean_added - per_row * mean_rows), per_row
 
 
 def cache_context(runner: NativeRunner, context: int, limit: int) -> int:
@@ -62,6 +115,16 @@ def cache_context(runner: NativeRunner, context: int, limit: int) -> int:
     if context:
         runner.forward_trees([0], [0], [TokenTree.chain([0] * context)], last_only=True)
     return context
+
+
+def time_batch(runner: NativeRunner, batch: int, context: int, rows: int) -> float:
+    """Seconds of one target forward of a chain of ``rows`` tokens on each of slots 0 ..
+    ``batch`` - 1, each after ``context`` cached tokens."""
+    start = time.perf_counter()
+    runner.forward_trees(list(range(batch)), [context] * batch, [TokenTree.chain([0] * rows)] * batch)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    return time.perf_counter() - start
 
 
 def time_chain(runner: NativeRunner, context: int, count: int, last_only: bool = False) -> float:
