@@ -476,7 +476,9 @@ def grounded_section(report: Report | None) -> list[str]:
         "quoting passages, an agent loop repeating tool-call JSON) and open chat as the control, "
         f"greedy, batch {report['batch']}, at most {report['max_tokens']} tokens, through the engine "
         "with the embedded pair; `weights` are the target's (`LLM()`'s default on CPUs: its Q4_1 "
-        'file; bf16: `quantization="none"`). `× plain` is the median over '
+        'file; bf16: `quantization="none"`). The default drafter (`auto`) drafts copies alone on '
+        "the Q4_1 file and with the draft model in bf16; beside it runs the other of the two "
+        "(`suffix` or `model`). `× plain` is the median over "
         f"{report['repeats']} repeats of the ratio to plain decoding (`--drafter none`) of the same "
         "weights in the same repeat. " + SCOPES,
         "",
@@ -526,9 +528,10 @@ def grounded_load_section(report: Report | None) -> list[str]:
         f"{report['max_tokens']} tokens, the embedded pair, `--max-batch {max(report['levels'])}`; "
         "`weights` are the target's (`multiguess serve`'s default on CPUs: its Q4_1 file; bf16: "
         "`--quantization none`). Plain decoding (`--drafter none --prompt-lookup 0`) and the "
-        "default configuration take turns on each, and on the default weights the copy sources "
-        "alone (`suffix`: `--drafter suffix`, what the draft model adds to them or costs, where "
-        "the run has it); `× plain` is the median over "
+        "default configuration (`--drafter auto`: copies alone on the Q4_1 file, the draft model "
+        "in bf16) take turns on each, and on the default weights the draft model beside the copy "
+        "sources (`model`: `--drafter model`, what it adds to them or costs); `× plain` is the "
+        "median over "
         f"{report['repeats']} repeats of the ratio of their tokens/s to plain decoding's of the "
         "same weights in the same repeat. " + SCOPES,
         "",
@@ -789,8 +792,8 @@ def headline_rows(bench: Path) -> list[list[Any]]:
 
 def grounded_headline(report: Report) -> str:
     """Per weights (``LLM()``'s default first): the default drafter's range over the workloads
-    that copy their input, and open chat, against plain decoding of the same weights; then the
-    suffix drafter's best and how many runs were identical to plain."""
+    that copy their input, and open chat, against plain decoding of the same weights; then how
+    many runs were identical to plain."""
     weights = list(dict.fromkeys(r.get("weights", "") for r in report["rows"]))
     rows = [r for r in report["rows"] if r["setup"] != "plain"]
     parts = []
@@ -802,13 +805,8 @@ def grounded_headline(report: Report) -> str:
             f"{kind + ': ' if kind else ''}replies that copy their input {fmt(min(copying))}–"
             f"{fmt(max(copying))}× plain decoding, open chat {fmt(chat)}×"
         )
-    best = max((r for r in rows if r["setup"] == "suffix"), key=lambda r: r["vs_plain"])
     same = sum(r["identical_to_plain"] for r in rows)
-    where = f", {best['weights']}" if best.get("weights") else ""
-    return (
-        f"{'; '.join(parts)} (default drafter); `--drafter suffix` up to {fmt(best['vs_plain'])}× "
-        f"({best['workload']}{where}); output identical to plain in {same} of {len(rows)} runs"
-    )
+    return f"{'; '.join(parts)} (default drafter); output identical to plain in {same} of {len(rows)} runs"
 
 
 def llama_cpp_headline(report: Report) -> str:

@@ -2,10 +2,11 @@
 
 Code edits (with the original file as the prediction, and without), extraction and quotation, reformatting, question answering over passages, an agent
 loop whose requests repeat tool-call JSON, and open chat as the control, each decoded greedily
-by plain decoding (``--drafter none``, no prediction), the default drafter and the suffix
-drafter, on the embedded pair, with the target's weights as ``LLM()`` loads them by default
-(on CPUs its Q4_1 file) and in bf16 (``quantization="none"``), each against plain decoding of
-the same weights. The setups take turns workload by workload within each repeat
+by plain decoding (``--drafter none``, no prediction), the default drafter (``auto``) and the
+source it did not choose of the two it chooses between (the copy sources alone, ``suffix``, or
+the draft model, ``model``), on the embedded pair, with the target's weights as ``LLM()`` loads
+them by default (on CPUs its Q4_1 file) and in bf16 (``quantization="none"``), each against
+plain decoding of the same weights. The setups take turns workload by workload within each repeat
 (the order rotating every repeat), so a slow stretch of a shared machine falls on all of them
 alike. Each request decodes in a cache scope of its own (``cache_salt``), so none copies an
 earlier request's reply from the recent-output index or reuses its prompt's KV; the agent
@@ -103,7 +104,7 @@ WORKLOADS: dict[str, list[str]] = {
         "Explain to a child why the sky is blue.",
     ],
 }
-SETUPS = {"plain": "none", "default": "model", "suffix": "suffix"}
+SETUPS = {"plain": "none", "default": "auto", "model": "model", "suffix": "suffix"}
 MAX_TOKENS = 160  # per reply, at batch 1 and under load (grounded_load.py): long enough to copy a passage
 PREDICTIONS = {"code edit + prediction": CODE}  # the text each workload's requests predict
 # Workloads whose requests share one cache scope, as one client's do: the agent loop's replies
@@ -127,6 +128,13 @@ def chat(llm: LLM, prompt: str) -> list[int]:
         [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
     )
     return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def chosen(llm: LLM) -> str:
+    """The setup ``llm``'s default drafter drafts as: the copy sources alone or the draft model."""
+    from multiguess.engine.drafters.suffix import SuffixDrafter
+
+    return "suffix" if isinstance(llm.engine.drafter, SuffixDrafter) else "model"
 
 
 def run_workload(llm: LLM, prompts: list[list[int]], params: SamplingParams, salts: list[str]) -> dict:
@@ -159,8 +167,15 @@ def main() -> int:
         "--out", type=Path, default=Path("docs"), help="docs folder: bench/ JSON and BENCHMARKS.md"
     )
     args = parser.parse_args()
-    setups = [(q, name) for q in args.quantization.split(",") for name in SETUPS]
-    llms = {(q, name): LLM(drafter=SETUPS[name], max_batch=1, quantization=q) for q, name in setups}
+    defaults = {q: LLM(max_batch=1, quantization=q) for q in args.quantization.split(",")}
+    picked = {q: chosen(llm) for q, llm in defaults.items()}
+    setups = [(q, name) for q in defaults for name in SETUPS if name != picked[q]]
+    llms = {
+        (q, name): defaults[q]
+        if name == "default"
+        else LLM(drafter=SETUPS[name], max_batch=1, quantization=q)
+        for q, name in setups
+    }
     weights = {q: weights_of(llms[q, "plain"].engine.target.model) for q, _ in setups}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     prompts = {w: [chat(llms[setups[0]], p) for p in ps] for w, ps in WORKLOADS.items()}
@@ -188,7 +203,7 @@ def main() -> int:
                     "workload": workload,
                     "weights": weights[q],
                     "setup": name,
-                    "drafter": SETUPS[name],
+                    "drafter": f"auto: {picked[q]}" if name == "default" else SETUPS[name],
                     "tokens_per_second": round(statistics.median(rates), 2),
                     "vs_plain": round(statistics.median(ratios), 3),
                     "ratios": [round(r, 3) for r in ratios],

@@ -2,8 +2,9 @@
 
 ``serving_load.py --workload grounded`` runs it: servers with the embedded pair, plain
 decoding (``--drafter none``, no prompt lookup, so a prediction drafts nothing), the default
-configuration and, on the default weights, the copy sources alone (``--drafter suffix``: what
-the draft model adds to them, or costs), take turns workload by workload (the order rotating
+configuration (on the default weights the copy sources alone, ``--drafter auto``) and, on the
+default weights, the draft model beside them (``--drafter model``: what it adds, or costs), take
+turns workload by workload (the order rotating
 every repeat), each client sending the workload's prompts (the code edit with the original
 file as its ``prediction``) as greedy chat completions. Every request decodes in a cache
 scope of its own (``cache_salt``; the agent loop's requests share one per run, as
@@ -28,14 +29,14 @@ from openai import AsyncOpenAI
 
 # Plain decoding drafts nothing, a request's prediction included (prompt lookup off). Plain and
 # default decoding run on the target's weights as served by default (on CPUs its Q4_1 file) and
-# in bf16, the copy sources alone on the default weights; each setup is compared with plain
-# decoding of the same weights.
+# in bf16, the draft model on the default weights; each setup is compared with plain decoding
+# of the same weights.
 PLAIN = ["--drafter", "none", "--prompt-lookup", "0"]
 BF16 = ["--quantization", "none"]
 SETUPS = {
     "plain": PLAIN,
     "default": [],
-    "suffix": ["--drafter", "suffix"],
+    "model": ["--drafter", "model"],
     "plain bf16": [*PLAIN, *BF16],
     "default bf16": BF16,
 }

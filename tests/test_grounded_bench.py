@@ -39,14 +39,14 @@ def test_each_setup_is_labelled_with_the_weights_its_server_loads() -> None:
     assert labelled == {
         "plain": False,
         "default": False,
-        "suffix": False,
+        "model": False,
         "plain bf16": True,
         "default bf16": True,
     }
     assert {name: grounded_load.reference(name) for name in labelled} == {
         "plain": "plain",
         "default": "plain",
-        "suffix": "plain",
+        "model": "plain",
         "plain bf16": "plain bf16",
         "default bf16": "plain bf16",
     }

@@ -169,21 +169,39 @@ KINDS = (
     DrafterKind("none", no_drafter),
 )
 BY_NAME = {kind.name: kind for kind in KINDS}
-DRAFTERS = tuple(BY_NAME)
+AUTO = "auto"  # the default choice, which stands for a kind of the registry (``resolve``)
+DRAFTERS = (AUTO, *BY_NAME)
 DRAFT_SERVER_DRAFTERS = tuple(k.name for k in KINDS if k.serves_remotely)  # what serve-draft can host
-READS_DRAFT = tuple(k.name for k in KINDS if k.reads_draft)
+READS_DRAFT = (AUTO, *(k.name for k in KINDS if k.reads_draft))  # auto: where it stands for model
 
 
 def check_drafter(kind: str) -> None:
-    if kind not in BY_NAME:
+    if kind not in DRAFTERS:
         raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}; got {kind!r}")
 
 
+def resolve(kind: str, target: LoadedModel, options: DraftOptions) -> str:
+    """The registry's kind ``kind`` stands for: itself, or for ``auto`` (the default) copy drafts
+    alone (``suffix``) beside the embedded pair's quantized target (its Q4_1 file on CPUs) and the
+    draft model (``model``) otherwise. A draft level takes about as long whatever the target's
+    weights, a larger share of the quantized target's faster step: beside the copy sources the
+    draft model cost more than it brought there on every grounded workload at batch 1
+    (docs/ENGINE.md)."""
+    if kind != AUTO:
+        return kind
+    from multiguess.engine.quantized import QuantizedLinear
+
+    quantized = any(isinstance(m, QuantizedLinear) for m in target.model.modules())
+    return "suffix" if options.embedded is not None and quantized else "model"
+
+
 def build_drafter(kind: str, target: LoadedModel, options: DraftOptions | None = None) -> Drafter | None:
-    """The ``kind`` drafter for ``target`` (None: ``none``, or ``model`` without a draft); with
-    ``options.serving``, inside the guard, and the draft server's when that names a ``url``."""
+    """The ``kind`` drafter for ``target`` (``resolve``; None: ``none``, or ``model`` without a
+    draft); with ``options.serving``, inside the guard, and the draft server's when that names a
+    ``url``."""
     check_drafter(kind)
     options = options or DraftOptions()
+    kind = resolve(kind, target, options)
     serving = options.serving
     if serving is None:
         return BY_NAME[kind].build(target, options)

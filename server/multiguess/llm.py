@@ -68,7 +68,7 @@ def build_engine(
     config: EngineConfig,
     target: str | None = None,
     draft: str | None = None,
-    drafter: str = "model",
+    drafter: str = "auto",
     dtype: str = "auto",
     device: str = "auto",
     draft_device: str | None = None,
@@ -77,9 +77,10 @@ def build_engine(
     quantization: str = "auto",
     serving: Serving | None = None,
 ) -> Engine:
-    """An engine with the chosen drafter (``drafting.KINDS``): a draft ``model``, an ``eagle3``
-    head (``draft`` is its folder; the embedded target's shipped head by default), ``ngram``
-    lookup, ``suffix`` (copy drafts alone: the sequence's own text and recent outputs,
+    """An engine with the chosen drafter (``drafting.KINDS``): ``auto`` (the default: the draft
+    model, or copy drafts alone beside the embedded pair's quantized target), a draft ``model``,
+    an ``eagle3`` head (``draft`` is its folder; the embedded target's shipped head by default),
+    ``ngram`` lookup, ``suffix`` (copy drafts alone: the sequence's own text and recent outputs,
     ``engine/suffix.py``), or ``none``; ``serving``: a server's (``drafting.Serving``)."""
     check_drafter(drafter)
     target_model, embedded, dtype = load_target(target, dtype, device, quantization)
@@ -112,7 +113,8 @@ class LLM:
     says what each does and its default), so ``LLM(target, draft, num_candidates, depth,
     dtype="float32")`` sets those fields and leaves the others at their defaults.
 
-    ``LLM()`` uses the embedded default pair. ``draft=None`` (with an explicit target) or
+    ``LLM()`` uses the embedded default pair: on a CPU its Q4_1 target with copy drafts alone
+    (``drafter="auto"``), elsewhere its draft model too. ``draft=None`` (with an explicit target) or
     ``drafter="none"`` is plain decoding through the same engine; ``drafter="ngram"`` drafts
     from the sequence itself, with no draft model, and ``drafter="suffix"`` copies alone.
     ``serving`` (a server's, ``drafting.Serving``): the drafter runs inside the guard, or remotely.

@@ -2,7 +2,7 @@
 
 # The drafter registry's names (``drafting.KINDS``), written out so that the engine's options do
 # not import the registry that builds drafters; tests/engine/test_drafters.py fails when they differ.
-DRAFTERS = ("model", "eagle3", "ngram", "suffix", "none")
+DRAFTERS = ("auto", "model", "eagle3", "ngram", "suffix", "none")
 DRAFT_SERVER_DRAFTERS = ("model", "eagle3")  # what serve-draft can host
 
 DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")

@@ -13,7 +13,10 @@ from multiguess import drafting, options
 from multiguess.commands import engine_args, serve_draft
 from multiguess.drafting import KINDS, build_drafter
 from multiguess.engine.drafters.base import Drafter, StatelessDrafter
+from multiguess.engine.drafters.model import ModelDrafter
+from multiguess.engine.drafters.suffix import SuffixDrafter
 from multiguess.engine.guard import GuardedDrafter
+from multiguess.models.embedded import EmbeddedModels
 from multiguess.models.loading import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,8 +52,9 @@ def test_every_drafter_module_is_a_registry_line() -> None:
 
 
 def test_the_cli_offers_the_registry() -> None:
-    names = [kind.name for kind in KINDS]
-    assert list(options.DRAFTERS) == names
+    """Every kind of the registry, after ``auto``, the default, which stands for one of them."""
+    names = [drafting.AUTO, *(kind.name for kind in KINDS)]
+    assert list(options.DRAFTERS) == list(drafting.DRAFTERS) == names
     parser = argparse.ArgumentParser()
     engine_args.add_engine_args(parser)
     (drafter,) = [a for a in parser._actions if "--drafter" in a.option_strings]
@@ -80,8 +84,25 @@ def test_model_free_drafters_build_by_name(tiny_llama: Path, kind: str) -> None:
     assert [getattr(guarded, a) for a in abilities] == [getattr(drafter, a) for a in abilities]
 
 
+def test_auto_copies_alone_beside_the_embedded_pairs_quantized_target(
+    tiny_llama: Path, tiny_llama_draft: Path
+) -> None:
+    """``auto`` (the default) drafts with the draft model, except beside the embedded pair's
+    quantized target, where the draft model costs more than it brings: there copies alone."""
+    embedded = EmbeddedModels(tiny_llama, tiny_llama_draft, None, "float32")
+    quantized = load_model(str(tiny_llama), dtype="float32", quantization="q8_0")
+    floats = load_model(str(tiny_llama), dtype="float32")
+    assert isinstance(
+        build_drafter("auto", quantized, drafting.DraftOptions(embedded=embedded)), SuffixDrafter
+    )
+    assert isinstance(build_drafter("auto", floats, drafting.DraftOptions(embedded=embedded)), ModelDrafter)
+    named = drafting.DraftOptions(draft=str(tiny_llama_draft))  # a target and draft of one's own
+    assert isinstance(build_drafter("auto", quantized, named), ModelDrafter)
+    assert build_drafter("auto", quantized) is None  # a target of one's own without a draft: plain
+
+
 def test_an_unknown_drafter_is_refused(tiny_llama: Path) -> None:
-    with pytest.raises(ValueError, match="drafter must be one of model, eagle3, ngram, suffix, none"):
+    with pytest.raises(ValueError, match="drafter must be one of auto, model, eagle3, ngram, suffix, none"):
         build_drafter("medusa", load_model(str(tiny_llama), dtype="float32"))
 
 

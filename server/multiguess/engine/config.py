@@ -70,9 +70,10 @@ class ModelConfig:
         None, "the draft's weights, as --quantization (default: auto)", choices=QUANTIZATIONS
     )
     drafter: str = option(
-        "model",
-        "draft model, EAGLE-3 head on the target's features (--draft: its folder), n-gram lookup, "
-        "suffix (copy drafts from the request and recent outputs alone), or none",
+        "auto",
+        "auto (the embedded pair's Q4_1 target: suffix; otherwise: model), draft model, EAGLE-3 "
+        "head on the target's features (--draft: its folder), n-gram lookup, suffix (copy drafts "
+        "from the request and recent outputs alone), or none",
         choices=DRAFTERS,
     )
     dtype: str = option("auto", "weights/activations dtype", choices=DTYPE_NAMES)
