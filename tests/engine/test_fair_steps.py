@@ -114,6 +114,7 @@ def test_attention_is_timed_on_sequences_that_hold_the_context(target: object) -
     cost = measure_forward_cost(runner, 8)
     assert cost.per_sequence >= 0 and cost.per_row >= 0
     assert list(cost.seconds) == sorted(cost.seconds) and cost.tokens == (1, 2, 4, 8)
+    assert cost.seconds[0] > 0 and cost.growth(4, 2) >= 1  # a plain step is never free
 
 
 def test_attention_is_timed_on_as_many_sequences_as_the_cache_has_room_for() -> None:

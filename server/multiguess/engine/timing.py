@@ -70,8 +70,10 @@ def measure_forward_cost(
     if long > short:
         added = [(batches[n, long] - batches[n, short]) / (batch * (long - short)) for n in rows]
         per_sequence, per_row = attention_slopes(rows, added)
-    bare = (s - (per_sequence + per_row * c) * short for c, s in zip(counts, chains.values(), strict=True))
-    seconds = list(itertools.accumulate((max(s, 0.0) for s in bare), max))
+    # Never below half the chain's time: a slope fitted to noise (a tiny model's forwards) must
+    # not make the matmuls, or a plain step, free.
+    bare = (max(s - (per_sequence + per_row * c) * short, s / 2) for c, s in chains.items())
+    seconds = list(itertools.accumulate(bare, max))
     log.info(
         "target forward ms by tokens: %s; attention per cached token: %.2f us a sequence + %.2f us a row",
         {c: round(s * 1000, 2) for c, s in zip(counts, seconds, strict=True)},
