@@ -3,16 +3,15 @@
 ``serving_load.py --workload grounded`` runs it: servers with the embedded pair, plain
 decoding (``--drafter none``, no prompt lookup, so a prediction drafts nothing), the default
 configuration (on the default weights the copy sources alone, ``--drafter auto``) and, on the
-default weights, the draft model beside them (``--drafter model``: what it adds, or costs), take
-turns workload by workload (the order rotating
-every repeat), each client sending the workload's prompts (the code edit with the original
-file as its ``prediction``) as greedy chat completions. Every request decodes in a cache
-scope of its own (``cache_salt``; the agent loop's requests share one per run, as
-``grounded.cache_salts`` says), so no request copies another's reply from the recent-output
-index or reuses its prompt's KV. Reported per workload, level and setup: the
-median tokens/s over repeats, the median ratio to plain decoding within each repeat, the mean
-accepted length (1 + accepted drafts per verification, over every request), and whether each
-reply is plain decoding's text.
+default weights, the draft model beside them (``--drafter model``: what it adds, or costs),
+take turns workload by workload (the order rotating every repeat), each client sending the
+workload's prompts (the code edit with the original file as its ``prediction``) as greedy chat
+completions. Every request decodes in a cache scope of its own (``cache_salt``; the agent
+loop's requests share one per run, as ``grounded.cache_salts`` says), so no request copies
+another's reply from the recent-output index or reuses its prompt's KV. Reported per workload,
+level and setup: the median tokens/s over repeats, the median ratio to plain decoding within
+each repeat, the mean accepted length (1 + accepted drafts per verification, over every
+request), and whether each reply is plain decoding's text.
 """
 
 from __future__ import annotations
