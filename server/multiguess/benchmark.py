@@ -12,7 +12,6 @@ which bound what speculation can gain on the machine.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import json
 import statistics
@@ -208,9 +207,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def weights_of(model: torch.nn.Module) -> str:
     """The format most of a model's linears hold their weights in: a GGUF block format
     (``Q4_1``), else the float dtype's name."""
-    from multiguess.engine.quantized import QuantizedLinear
+    from multiguess.engine.quantized import linear_formats
 
-    kinds = collections.Counter(m.kind for m in model.modules() if isinstance(m, QuantizedLinear))
+    kinds = linear_formats(model)
     if kinds:
         return kinds.most_common(1)[0][0].upper()
     return str(next(model.parameters()).dtype).removeprefix("torch.")

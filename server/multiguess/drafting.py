@@ -189,10 +189,9 @@ def resolve(kind: str, target: LoadedModel, options: DraftOptions) -> str:
     (docs/ENGINE.md)."""
     if kind != AUTO:
         return kind
-    from multiguess.engine.quantized import QuantizedLinear
+    from multiguess.engine.quantized import linear_formats
 
-    quantized = any(isinstance(m, QuantizedLinear) for m in target.model.modules())
-    return "suffix" if options.embedded is not None and quantized else "model"
+    return "suffix" if options.embedded is not None and linear_formats(target.model) else "model"
 
 
 def build_drafter(kind: str, target: LoadedModel, options: DraftOptions | None = None) -> Drafter | None:

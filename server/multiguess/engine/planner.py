@@ -87,13 +87,13 @@ class Planner:
         self.probes = ProbeSchedule(policy.probe_every)
         # Measured whatever the drafter: a server attaches a remote drafter after construction.
         self.forward_cost = ForwardCost()
-        self.step_cost = self.forward_cost  # read at the batch's context each step (``propose``)
         if self.config.adaptive:
             limit = max(policy.token_budget, self.config.max_batch, target.backend.cost_tokens)
             self.forward_cost = measure_forward_cost(target, min(limit, target.capacity))
             budget = self.forward_cost.nearly_free(policy.nearly_free)
             if budget > policy.token_budget:  # measured on this device: more nodes ride for free
                 self.config = replace(self.config, policy=replace(policy, token_budget=budget))
+        self.step_cost = self.forward_cost  # read at the batch's context each step (``propose``)
         self.copies = CopySource(RecentOutputs(self.config.recent_outputs, self.config.recent_age))
         self.copy_checks = ProbeSchedule(1)  # while copies cannot pay: every step, then sparser
         self.prediction_yields = CopyYield()  # how predictions pay, apart from copies

@@ -12,6 +12,7 @@ float weight, so a safetensors model can run quantized (``--quantization q8_0``)
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable
 
@@ -206,6 +207,11 @@ class QuantizedEmbedding(torch.nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = dequantize(self.blocks[ids.reshape(-1)], self.kind).to(self.dtype)
         return rows.view(*ids.shape, self.dim)
+
+
+def linear_formats(model: torch.nn.Module) -> collections.Counter[str]:
+    """How many of ``model``'s linears keep their weights in each block format (none: floats)."""
+    return collections.Counter(m.kind for m in model.modules() if isinstance(m, QuantizedLinear))
 
 
 def format_for(kind: str, in_features: int) -> str:
