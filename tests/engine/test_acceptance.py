@@ -6,6 +6,7 @@ from multiguess.engine.drafter import DraftRequest, SampleSpec, TreeBudget
 from multiguess.engine.drafters.growing import Candidate, Level, TreeGrower, select_nodes
 from multiguess.engine.sampling import Generators, NodeDistributions, Processing
 from multiguess.engine.tree import TokenTree
+from multiguess.engine.verifier import NodeArgmax
 
 #        0 (root, token 9)
 #      1(a=5)   2(b=6)
@@ -29,6 +30,30 @@ def test_greedy_rejecting_everything_emits_the_target_token() -> None:
 
 def test_greedy_root_only_tree_is_plain_decoding() -> None:
     assert accept_greedy(TokenTree.chain([4]), [2]).tokens == [2]
+
+
+def test_node_argmax_is_torchs_argmax_row_by_row() -> None:
+    rows = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0))
+    rows[1, [3, 700]] = 50.0  # equal maxima: the first
+    rows[2, [10, 20]] = float("nan")  # NaN wins, the first
+    rows[3] = float("-inf")
+    for table in (rows, rows.to(torch.bfloat16), rows[:, ::2]):
+        choices = NodeArgmax(table)
+        assert [choices[i] for i in range(len(table))] == table.argmax(dim=-1).tolist()
+
+
+def test_greedy_acceptance_reads_the_rows_of_its_path_only() -> None:
+    read: list[int] = []
+
+    class Reads(NodeArgmax):
+        def __getitem__(self, node: int) -> int:
+            read.append(node)
+            return super().__getitem__(node)
+
+    rows = torch.zeros(5, 10)
+    rows[0, 6] = rows[2, 8] = rows[4, 3] = 1.0  # the path of the first test, by its rows
+    assert accept_greedy(TREE, Reads(rows)).tokens == [6, 8, 3]
+    assert read == [0, 2, 4]
 
 
 def test_sampled_with_point_mass_target_is_deterministic() -> None:
