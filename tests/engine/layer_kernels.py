@@ -1,5 +1,6 @@
-"""A runner's whole-layer kernel call against the same kernels called one by one from Python:
-the check the bf16 and the quantized layer kernels share."""
+"""Checks the bf16 and the quantized layer kernels share: a runner's whole-layer kernel call
+against the same kernels called one by one from Python, and trees of different sizes verified
+a node per row against the same trees padded."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 from multiguess.engine.backends.cpu import bf16_kernel
 from multiguess.engine.placement import Placement
 from multiguess.engine.runner import NativeRunner
-from multiguess.engine.tree import TokenTree
+from multiguess.engine.tree import TokenTree, pack_trees
 
 
 def assert_layer_kernel_is_per_op(
@@ -36,3 +37,28 @@ def assert_layer_kernel_is_per_op(
         runner.forward_trees([0, 1], [0, 0], [TokenTree.chain(p) for p in prompts])
     logits = [r.forward_trees([0, 1], [len(p) for p in prompts], trees) for r in (fused, per_op)]
     assert torch.equal(logits[0], logits[1])
+
+
+def assert_ragged_rows_are_padded_rows(runner: NativeRunner, prompts: list[list[int]]) -> None:
+    """After the two ``prompts`` are cached, trees of 4 and 2 nodes go through the layers as 6
+    rows of one node, and each node's logits are, bit for bit, those of the same trees padded
+    to one width (``NativeRunner.forward``); the padding rows of the result are zero."""
+    trees = [TokenTree((30, 41, 42, 43), (-1, 0, 0, 1)), TokenTree((7, 8), (-1, 0))]
+    runner.forward_trees([0, 1], [0, 0], [TokenTree.chain(p) for p in prompts])
+    lens = [len(p) for p in prompts]
+    shapes = []
+    run_layers = runner.backend.run_layers
+
+    def recorded(r: NativeRunner, x: torch.Tensor, at: Placement) -> torch.Tensor:
+        shapes.append(tuple(x.shape[:2]))
+        return run_layers(r, x, at)
+
+    runner.backend.run_layers = recorded
+    ragged = runner.forward_trees([0, 1], lens, trees)
+    tokens, depths, ancestors = pack_trees(trees)
+    starts = torch.tensor(lens)
+    padded = runner.forward([0, 1], lens, tokens, starts[:, None] + depths, starts, ancestors)
+    assert shapes == [(6, 1), (2, 4)]
+    for b, tree in enumerate(trees):
+        assert torch.equal(ragged[b, : len(tree)], padded[b, : len(tree)])
+    assert not ragged[1, 2:].any()

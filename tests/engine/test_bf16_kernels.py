@@ -18,7 +18,7 @@ from multiguess.engine.runner import NativeRunner
 from multiguess.engine.tree import TokenTree
 from multiguess.models.loading import load_model
 
-from tests.engine.layer_kernels import assert_layer_kernel_is_per_op
+from tests.engine.layer_kernels import assert_layer_kernel_is_per_op, assert_ragged_rows_are_padded_rows
 from tests.engine.test_fast_path import linear
 from tests.engine.test_lossless import random_prompts
 
@@ -285,6 +285,15 @@ def test_tree_rows_are_the_bits_of_tokens_decoded_alone(
     for depth, node in enumerate(path):
         step = alone.forward_trees([2], [len(prompt) + depth], [TokenTree.chain([tree.tokens[node]])])
         assert torch.equal(step[0, 0], verified[node]), f"node {node} at depth {depth}"
+
+
+@needs_kernel
+def test_trees_of_different_sizes_verify_a_node_per_row_as_if_padded(
+    gqa_pair: tuple[Path, Path], product: bool
+) -> None:
+    runner = NativeRunner(load_model(str(gqa_pair[0]), dtype="bfloat16"), 2, 256)
+    assert runner.backend.layer_kernels and runner.backend.ragged_rows
+    assert_ragged_rows_are_padded_rows(runner, random_prompts(14, (40, 9)))
 
 
 @needs_kernel

@@ -337,11 +337,14 @@ class Planner:
     ) -> None:
         """Graft each sequence's copy draft (``_copy_drafts``) onto its tree, drafted or not.
         Where a reply repeats text (code edits, quotes, extraction, an agent's tool calls) it
-        goes on far past where a draft's guesses fade, and costs microseconds. The forward pads
-        every tree to the widest, so grafts fill that padding for free and widen the batch only
-        while their expected tokens pay for the wider forward (``adaptive.copy_width`` over the
-        measured ``ForwardCost``, against what each tree is expected to yield: ``base``), which
-        they never do where matches are short and rarely accepted. Not onto sampled children
+        goes on far past where a draft's guesses fade, and costs microseconds. The forward is
+        priced as padding every tree to the widest, so grafts fill that padding for free and
+        widen the batch only while their expected tokens pay for the wider forward
+        (``adaptive.copy_width`` over the measured ``ForwardCost``, against what each tree is
+        expected to yield: ``base``), which they never do where matches are short and rarely
+        accepted. Where the backend skips the padding (``ragged_rows``) that price is an upper
+        bound, kept on purpose: grafts priced a row each were taken more often than their
+        tokens paid for (docs/ENGINE.md). Not onto sampled children
         (exact sampling needs the distribution each was drawn from; greedy and seeded
         acceptance hold for any tree, and an unseeded sample's tree of copies alone is
         deterministic); under a grammar, only a prediction's chain, cut where the grammar stops

@@ -171,10 +171,51 @@ class NativeRunner:
         last_only: bool = False,
         capture: tuple[int, ...] = (),
     ) -> torch.Tensor | Captured:
-        """Each tree written right after its prefix, seeing prefix + ancestors (verify, prefill)."""
+        """Each tree written right after its prefix, seeing prefix + ancestors (verify, prefill).
+        Trees of different sizes are padded to the widest, or, where the backend computes every
+        row alone (``ragged_rows``), verified a node per row: no padding is computed, and the
+        result has the padded shape, its padding rows zero."""
         tokens, depths, ancestors = pack_trees(trees)
         lens = torch.tensor(prefix_lens)
+        if not last_only and self.backend.ragged_rows and len({len(t) for t in trees}) > 1:
+            return self._forward_ragged(slots, lens, trees, tokens, depths, ancestors, capture)
         logits_at = torch.tensor([len(t) - 1 for t in trees]) if last_only else None
         return self.forward(
             slots, prefix_lens, tokens, lens[:, None] + depths, lens, ancestors, logits_at, capture
         )
+
+    def _forward_ragged(
+        self,
+        slots: list[int],
+        lens: torch.Tensor,
+        trees: list[TokenTree],
+        tokens: torch.Tensor,
+        depths: torch.Tensor,
+        ancestors: torch.Tensor,
+        capture: tuple[int, ...],
+    ) -> torch.Tensor | Captured:
+        """``forward_trees`` over one row per node: node i of tree b is written at its prefix
+        plus i and sees what it would see in b's padded row, and its logits (and features) land
+        at ``[b, i]`` of the padded result."""
+        batch, width = tokens.shape
+        real = torch.arange(width)[None, :] < torch.tensor([len(t) for t in trees])[:, None]
+        owner, node = real.nonzero(as_tuple=True)
+        starts = lens[owner]
+        out = self.forward(
+            [slots[b] for b in owner.tolist()],
+            starts.tolist(),
+            tokens[real][:, None],
+            (starts + depths[real])[:, None],
+            starts + node,
+            ancestors[real][:, None],
+            capture=capture,
+        )
+        places, padding = owner * width + node, (~real).flatten().nonzero()[:, 0]
+
+        def padded(rows: torch.Tensor) -> torch.Tensor:
+            spread = rows.new_empty(batch * width, rows.shape[-1]).index_fill_(0, padding, 0)
+            return spread.index_copy_(0, places, rows[:, 0]).view(batch, width, -1)
+
+        if isinstance(out, Captured):
+            return Captured(padded(out.logits), padded(out.features))
+        return padded(out)

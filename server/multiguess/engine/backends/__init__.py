@@ -40,6 +40,9 @@ class Backend(Protocol):
     # Whether a step accepts its whole batch in tensor ops on the device, read back once
     # (``engine/batch_acceptance.py``), or node by node on the host with the family's kernels.
     batched_acceptance: bool
+    # Whether every row of a forward is computed alone (per-row kernels), so a batch of trees of
+    # different sizes may be verified a node per row, without padding (``NativeRunner.forward_trees``).
+    ragged_rows: bool
 
     def attach(self, runner: ModelParts) -> None:
         """Prepare per-model state once the runner has built its projections and cache."""

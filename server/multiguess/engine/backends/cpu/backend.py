@@ -120,6 +120,11 @@ class CpuBackend:
         return bool(self.layer_weights)
 
     @property
+    def ragged_rows(self) -> bool:
+        """The layer kernels compute every row alone, over the keys its mask shows it."""
+        return self.layer_kernels or self.quantized_layers
+
+    @property
     def label(self) -> str:
         if self.layer_kernels:
             return "multiguess bf16 on AMX tiles" if bf16_kernel.matrix_units() else "multiguess bf16"

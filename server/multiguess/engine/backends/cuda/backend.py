@@ -31,6 +31,7 @@ class TorchBackend:
     attends_unmasked = True
     pages_kv = True
     batched_acceptance = True  # the host reads a step's outcome once
+    ragged_rows = False  # padded trees keep the shapes its graphs and batched acceptance read
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.attn_dtype = dtype
