@@ -75,9 +75,9 @@ def accept_tree(
 
 class NodeArgmax:
     """The target's token after each node, taken when acceptance reads it: greedy acceptance
-    reads only the accepted path's rows and the row after it. On the host through numpy, whose
-    argmax over a vocabulary-wide row is an order of magnitude faster than torch's on CPUs;
-    both take the first of equal maxima (and of NaNs)."""
+    reads only the rows of the path it accepts (the last one's gives the bonus token). On the
+    host through numpy, whose argmax over a vocabulary-wide row is an order of magnitude faster
+    than torch's on CPUs; both take the first of equal maxima (and of NaNs)."""
 
     def __init__(self, rows: torch.Tensor) -> None:
         self.rows = rows.numpy() if rows.device.type == "cpu" and rows.dtype != torch.bfloat16 else rows
