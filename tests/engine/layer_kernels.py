@@ -41,8 +41,9 @@ def assert_layer_kernel_is_per_op(
 
 def assert_ragged_rows_are_padded_rows(runner: NativeRunner, prompts: list[list[int]]) -> None:
     """After the two ``prompts`` are cached, trees of 4 and 2 nodes go through the layers as 6
-    rows of one node, and each node's logits are, bit for bit, those of the same trees padded
-    to one width (``NativeRunner.forward``); the padding rows of the result are zero."""
+    rows of one node, and each node's logits and captured hidden states (what EAGLE-3 reads)
+    are, bit for bit, those of the same trees padded to one width (``NativeRunner.forward``);
+    the padding rows of the result are zero."""
     trees = [TokenTree((30, 41, 42, 43), (-1, 0, 0, 1)), TokenTree((7, 8), (-1, 0))]
     runner.forward_trees([0, 1], [0, 0], [TokenTree.chain(p) for p in prompts])
     lens = [len(p) for p in prompts]
@@ -54,11 +55,13 @@ def assert_ragged_rows_are_padded_rows(runner: NativeRunner, prompts: list[list[
         return run_layers(r, x, at)
 
     runner.backend.run_layers = recorded
-    ragged = runner.forward_trees([0, 1], lens, trees)
+    ragged = runner.forward_trees([0, 1], lens, trees, capture=(1,))
     tokens, depths, ancestors = pack_trees(trees)
     starts = torch.tensor(lens)
-    padded = runner.forward([0, 1], lens, tokens, starts[:, None] + depths, starts, ancestors)
+    padded = runner.forward([0, 1], lens, tokens, starts[:, None] + depths, starts, ancestors, capture=(1,))
     assert shapes == [(6, 1), (2, 4)]
-    for b, tree in enumerate(trees):
-        assert torch.equal(ragged[b, : len(tree)], padded[b, : len(tree)])
-    assert not ragged[1, 2:].any()
+    for part in ("logits", "features"):
+        rows, expected = getattr(ragged, part), getattr(padded, part)
+        for b, tree in enumerate(trees):
+            assert torch.equal(rows[b, : len(tree)], expected[b, : len(tree)])
+        assert not rows[1, 2:].any()
