@@ -61,9 +61,9 @@ def measure_forward_cost(
     batches = dict.fromkeys(((n, c) for n in rows for c in (short, long)), float("inf"))
     for _ in range(rounds):
         for count in counts:
-            chains[count] = min(chains[count], time_chain(runner, short, count))
+            chains[count] = min(chains[count], time_forward(runner, short, count))
         for n, context in batches:
-            batches[n, context] = min(batches[n, context], time_batch(runner, batch, context, n))
+            batches[n, context] = min(batches[n, context], time_forward(runner, context, n, batch))
     for slot in range(1, batch):
         runner.cache.truncate(slot, 0)
     per_sequence, per_row = 0.0, 0.0
@@ -119,21 +119,16 @@ def cache_context(runner: NativeRunner, context: int, limit: int) -> int:
     return context
 
 
-def time_batch(runner: NativeRunner, batch: int, context: int, rows: int) -> float:
-    """Seconds of one target forward of a chain of ``rows`` tokens on each of slots 0 ..
-    ``batch`` - 1, each after ``context`` cached tokens."""
+def time_forward(
+    runner: NativeRunner, context: int, count: int, batch: int = 1, last_only: bool = False
+) -> float:
+    """Seconds of one target forward of a chain of ``count`` tokens on each of slots 0 ..
+    ``batch`` - 1, each after ``context`` cached tokens (``last_only``: the last position's
+    logits only, as a prefill chunk computes)."""
     start = time.perf_counter()
-    runner.forward_trees(list(range(batch)), [context] * batch, [TokenTree.chain([0] * rows)] * batch)
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize(runner.device)
-    return time.perf_counter() - start
-
-
-def time_chain(runner: NativeRunner, context: int, count: int, last_only: bool = False) -> float:
-    """Seconds of one target forward of a chain of ``count`` tokens after ``context`` on slot 0
-    (``last_only``: the last position's logits only, as a prefill chunk computes)."""
-    start = time.perf_counter()
-    runner.forward_trees([0], [context], [TokenTree.chain([0] * count)], last_only=last_only)
+    runner.forward_trees(
+        list(range(batch)), [context] * batch, [TokenTree.chain([0] * count)] * batch, last_only=last_only
+    )
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     return time.perf_counter() - start
@@ -160,7 +155,7 @@ def measure_prefill_chunk(
     best: dict[int, float] = collections.defaultdict(lambda: float("inf"))
 
     def fits(count: int) -> bool:
-        best[count] = min(best[count], time_chain(runner, context, count, last_only=True))
+        best[count] = min(best[count], time_forward(runner, context, count, last_only=True))
         return best[count] <= pause_steps * best[1]
 
     for _ in range(rounds):
