@@ -102,12 +102,8 @@ def attention_slopes(rows: list[int], added: list[float]) -> tuple[float, float]
     count of ``rows``, neither part negative."""
     if len(rows) < 2:  # one count: a row's share cannot be told from the sequence's
         return max(0.0, added[0]), 0.0
-    mean_rows, mean_added = statistics.fmean(rows), statistics.fmean(added)
-    spread = sum((n - mean_rows) ** 2 for n in rows)
-    per_row = max(
-        0.0, sum((n - mean_rows) * (a - mean_added) for n, a in zip(rows, added, strict=True)) / spread
-    )
-    return max(0.0, mean_added - per_row * mean_rows), per_row
+    per_row = max(0.0, statistics.linear_regression(rows, added).slope)
+    return max(0.0, statistics.fmean(added) - per_row * statistics.fmean(rows)), per_row
 
 
 def cache_context(runner: NativeRunner, context: int, limit: int) -> int:
