@@ -281,6 +281,27 @@ def test_new_requests_start_from_the_rate_measured_on_earlier_ones(
     assert perfect > 0.8 and noisy < perfect - 0.1
 
 
+def test_each_step_plans_from_the_estimates_it_finds(tiny_llama: Path, tiny_llama_draft: Path) -> None:
+    """Steps reuse the latest plan only while what it reads is unchanged: estimates that turn
+    good draft trees on the next step, ones that turn useless stop them. (The draft's cost
+    stays at its prior: measured on a draft as big as its target, it would keep trees off.)"""
+    target, draft = (load_model(str(path), dtype="float32") for path in (tiny_llama, tiny_llama_draft))
+    engine = Engine(
+        target, ModelDrafter(draft), EngineConfig(max_batch=2, max_model_len=128, prompt_lookup=0)
+    )
+    for i, prompt in enumerate(random_prompts(31, (6, 9))):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()
+    useless = Coverage((0.0, 0.0, 0.0))
+    drafted = []
+    for coverage in (STRONG, useless, STRONG, STRONG, useless):
+        engine.planner.coverage = dict.fromkeys((True, False), coverage)
+        engine.planner.costs = CostMeter()
+        engine.step()
+        drafted.append(max(engine.last_tree_sizes) > 0)
+    assert drafted == [True, False, True, True, False]
+
+
 def test_sampled_requests_keep_their_own_estimates(tiny_llama: Path, tiny_llama_draft: Path) -> None:
     """Sampled outcomes must not pull down the greedy estimates (nor the reverse): in the
     benchmark, sampled runs sharing an engine with greedy ones had halved its trees."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.adaptive import (
     COPY_CHECKS_LONGEST,
+    PLAN_DIGITS,
     CopyYield,
     CostMeter,
     ForwardCost,
@@ -85,6 +86,10 @@ class Planner:
             (True, False), policy.initial(self.config.num_candidates, self.config.depth)
         )
         self.probes = ProbeSchedule(policy.probe_every)
+        # The latest plan and what it was made from: while drafting is off nothing it reads
+        # changes from step to step, so most steps reuse it (``_planned``).
+        self.plan_inputs: tuple = ()
+        self.latest_plan = config.budget
         # Measured whatever the drafter: a server attaches a remote drafter after construction.
         self.forward_cost = ForwardCost()
         if self.config.adaptive:
@@ -200,8 +205,14 @@ class Planner:
         if not cfg.adaptive:
             return [cfg.budget] * len(batch)
         fixed, per_level = self.costs.ratios(cost.step(len(batch), 1))
-        coverages = [self.coverage[s.params.greedy] for s in batch]
-        planned = cfg.policy.plan(cfg.budget, coverages, per_level, cost, fixed)
+        greedy = sum(s.params.greedy for s in batch)
+        inputs = (cfg, self.coverage[True], self.coverage[False], greedy, len(batch), cost)
+        inputs += (round(fixed, PLAN_DIGITS), round(per_level, PLAN_DIGITS))
+        if inputs != self.plan_inputs:
+            coverages = [self.coverage[True]] * greedy + [self.coverage[False]] * (len(batch) - greedy)
+            self.latest_plan = cfg.policy.plan(cfg.budget, coverages, per_level, cost, fixed)
+            self.plan_inputs = inputs
+        planned = self.latest_plan
         self.drafting = planned.depth > 0
         trees = [planned] * len(batch)
         if planned.depth > 0:
