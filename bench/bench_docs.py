@@ -480,7 +480,9 @@ def grounded_section(report: Report | None) -> list[str]:
         "the Q4_1 file and with the draft model in bf16; beside it runs the other of the two "
         "(`suffix` or `model`). `× plain` is the median over "
         f"{report['repeats']} repeats of the ratio to plain decoding (`--drafter none`) of the same "
-        "weights in the same repeat. " + SCOPES,
+        "weights in the same repeat. " + SCOPES + " The code edits run once more with each "
+        "request's prediction the reply plain decoding of the same weights gave it (`code edit + "
+        "its reply as prediction`): what the engine makes of a reply that follows its prediction.",
         "",
     ]
     rows = [
