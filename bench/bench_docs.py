@@ -29,6 +29,8 @@ GPU_FILE = "gpu_check.json"
 GROUNDED_FILE = "grounded.json"
 LLAMA_CPP_FILE = "llama-cpp.json"
 GROUNDED_LOAD_FILE = "load-grounded.json"
+# The grounded benchmark's code edits predicting plain decoding's own reply (bench/grounded.py).
+GROUNDED_CEILING = "code edit + its reply as prediction"
 QUANT_ACCURACY_FILE = "quant-accuracy.json"
 QUANT_ACCURACY_COMMAND = "PYTHONPATH=server .venv/bin/python bench/quant_accuracy.py"
 HEADLINE_START, HEADLINE_END = "<!-- headline:start -->", "<!-- headline:end -->"
@@ -794,18 +796,20 @@ def headline_rows(bench: Path) -> list[list[Any]]:
 
 def grounded_headline(report: Report) -> str:
     """Per weights (``LLM()``'s default first): the default drafter's range over the workloads
-    that copy their input, and open chat, against plain decoding of the same weights; then how
-    many runs were identical to plain."""
+    that copy their input, open chat, and the code edits predicting their own replies, against
+    plain decoding of the same weights; then how many runs were identical to plain."""
     weights = list(dict.fromkeys(r.get("weights", "") for r in report["rows"]))
     rows = [r for r in report["rows"] if r["setup"] != "plain"]
     parts = []
     for kind in weights:
         mine = [r for r in rows if r.get("weights", "") == kind and r["setup"] == "default"]
-        copying = [r["vs_plain"] for r in mine if r["workload"] != "open chat"]
-        chat = next(r["vs_plain"] for r in mine if r["workload"] == "open chat")
+        by_workload = {r["workload"]: r["vs_plain"] for r in mine}
+        chat, ceiling = by_workload.pop("open chat"), by_workload.pop(GROUNDED_CEILING, None)
+        copying = by_workload.values()
         parts.append(
             f"{kind + ': ' if kind else ''}replies that copy their input {fmt(min(copying))}–"
             f"{fmt(max(copying))}× plain decoding, open chat {fmt(chat)}×"
+            + ("" if ceiling is None else f", a code edit predicting its own reply {fmt(ceiling)}×")
         )
     same = sum(r["identical_to_plain"] for r in rows)
     return f"{'; '.join(parts)} (default drafter); output identical to plain in {same} of {len(rows)} runs"

@@ -112,7 +112,7 @@ PREDICTIONS = {"code edit + prediction": CODE}  # the text each workload's reque
 # The code edits again, each predicting the reply plain decoding of the same weights gives it:
 # the speed-up where a reply follows its prediction (the embedded target rewrites the file
 # rather than editing it, so the code edit's own prediction is mostly wrong). At batch 1 only.
-CEILING = "code edit + its reply as prediction"
+CEILING = bench_docs.GROUNDED_CEILING
 # Workloads whose requests share one cache scope, as one client's do: the agent loop's replies
 # repeat across its requests through the recent-output index. Every other request decodes in a
 # scope of its own, so none copies another's reply (two prompts of a workload may have the same
