@@ -3,21 +3,21 @@
 Code edits (with the original file as the prediction, and without), extraction and quotation,
 reformatting, question answering over passages, an agent loop whose requests repeat tool-call
 JSON, open chat as the control, and the code edits once more with each request predicting the
-reply plain decoding gives it (``CEILING``: where a reply follows its prediction), each decoded greedily by plain decoding (``--drafter
-none``, no prediction), the default drafter (``auto``) and the source it did not choose of the
-two it chooses between (the copy sources alone, ``suffix``, or the draft model, ``model``), on
-the embedded pair, with the target's weights as ``LLM()`` loads them by default (on CPUs its
-Q4_1 file) and in bf16 (``quantization="none"``), each against plain decoding of the same
-weights. The setups take turns workload by workload within each repeat (the order rotating
-every repeat), so a slow stretch of a shared machine falls on all of them alike. Each request
-decodes in a cache scope of its own (``cache_salt``), so none copies an earlier request's reply
-from the recent-output index or reuses its prompt's KV; the agent loop's requests share one
-scope per run, since repeating replies across requests is that workload's point. Reported per
-workload and setup: the median over repeats of tokens per second of the workload's prompts,
-the ratio to plain decoding of the same repeat, the mean accepted length, and whether every
-output is plain decoding's token for token. Run from the repo root on an otherwise idle
-machine: ``.venv/bin/python bench/grounded.py``; the JSON goes to docs/bench/grounded.json and
-docs/BENCHMARKS.md is rendered again.
+reply plain decoding gives it (``CEILING``: where a reply follows its prediction), each decoded
+greedily by plain decoding (``--drafter none``, no prediction), the default drafter (``auto``)
+and the source it did not choose of the two it chooses between (the copy sources alone,
+``suffix``, or the draft model, ``model``), on the embedded pair, with the target's weights as
+``LLM()`` loads them by default (on CPUs its Q4_1 file) and in bf16 (``quantization="none"``),
+each against plain decoding of the same weights. The setups take turns workload by workload
+within each repeat (the order rotating every repeat), so a slow stretch of a shared machine
+falls on all of them alike. Each request decodes in a cache scope of its own (``cache_salt``),
+so none copies an earlier request's reply from the recent-output index or reuses its prompt's
+KV; the agent loop's requests share one scope per run, since repeating replies across requests
+is that workload's point. Reported per workload and setup: the median over repeats of tokens per
+second of the workload's prompts, the ratio to plain decoding of the same repeat, the mean
+accepted length, and whether every output is plain decoding's token for token. Run from the repo
+root on an otherwise idle machine: ``.venv/bin/python bench/grounded.py``; the JSON goes to
+docs/bench/grounded.json and docs/BENCHMARKS.md is rendered again.
 """
 
 from __future__ import annotations
