@@ -99,6 +99,9 @@ class Planner:
             if budget > policy.token_budget:  # measured on this device: more nodes ride for free
                 self.config = replace(self.config, policy=replace(policy, token_budget=budget))
         self.step_cost = self.forward_cost  # read at the batch's context each step (``propose``)
+        # The draft's fixed and per-level cost in plain steps of this step's batch
+        # (``CostMeter.ratios``), read once a step where the drafter drafts its own trees.
+        self.draft_ratios = (0.0, 0.0)
         self.copies = CopySource(RecentOutputs(self.config.recent_outputs, self.config.recent_age))
         self.copy_checks = ProbeSchedule(1)  # while copies cannot pay: every step, then sparser
         self.prediction_yields = CopyYield()  # how predictions pay, apart from copies
@@ -112,7 +115,10 @@ class Planner:
         self.step_cost = self.forward_cost.at(sum(s.cache_len for s in batch) // len(batch))
         proposals = [Proposal(TokenTree.chain([s.last_token])) for s in batch]
         base = [1.0] * len(batch)  # tokens each sequence's tree is expected to yield
-        budgets = [] if drafter is None or drafter.copy_only else self._budgets(batch, drafter)
+        budgets = []
+        if drafter is not None and not drafter.copy_only:
+            self.draft_ratios = self.costs.ratios(self.step_cost.step(len(batch), 1))
+            budgets = self._budgets(batch, drafter)
         own_trees = any(budget.depth > 0 for budget in budgets)
         copies = self._copy_drafts(batch, drafter is not None and drafter.takes_grafts, own_trees)
         seconds = 0.0
@@ -166,7 +172,7 @@ class Planner:
         (``sources.model_drafts``)."""
         cfg, cost = self.config, self.step_cost
         requests = []
-        fixed, per_level = self.costs.ratios(cost.step(len(batch), 1))
+        fixed, per_level = self.draft_ratios
         for i, (seq, budget) in enumerate(zip(batch, budgets, strict=True)):
             if budget.depth == 0:
                 continue
@@ -204,7 +210,7 @@ class Planner:
         cfg, cost = self.config, self.step_cost
         if not cfg.adaptive:
             return [cfg.budget] * len(batch)
-        fixed, per_level = self.costs.ratios(cost.step(len(batch), 1))
+        fixed, per_level = self.draft_ratios
         greedy = sum(s.params.greedy for s in batch)
         inputs = (cfg, self.coverage[True], self.coverage[False], greedy, len(batch), cost)
         inputs += (round(fixed, PLAN_DIGITS), round(per_level, PLAN_DIGITS))
