@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from multiguess.engine.adaptive import CopyYield
-from multiguess.engine.matching import Occurrences, SuffixMatches
+from multiguess.engine.matching import SuffixMatches
 from multiguess.engine.suffix import MAX_MATCH, CopyDraft, Match, copy_tree
 
 # The match length a prediction's beginning counts as before any output: the client's word
@@ -32,7 +32,6 @@ class Alignment:
 
     def __init__(self, prediction: np.ndarray, max_match: int = MAX_MATCH) -> None:
         self.prediction = prediction
-        self.where = Occurrences(prediction.tolist())
         self.found = SuffixMatches(max_match)
         self.seen = 0  # output tokens taken in
         self.anchor = 0
@@ -40,7 +39,7 @@ class Alignment:
     def sync(self, output: Sequence[int]) -> None:
         """Take in what ``output`` holds past the tokens already taken in."""
         for token in output[self.seen :]:
-            self.found.advance(self.where.of(token))
+            self.found.advance(np.flatnonzero(self.prediction == token))
         self.seen = len(output)
 
     def match(self) -> Match | None:
@@ -51,18 +50,15 @@ class Alignment:
         prediction = self.prediction
         if not self.seen:
             return Match(START, prediction, -1)
-        last = len(prediction) - 1
-        usable = [(end, length) for end, length in self.found.by_end.items() if end < last]
-        if not usable:
+        usable = self.found.ends < len(prediction) - 1
+        if not usable.any():
             return None
-        longest = max(length for _, length in usable)
+        ends, lengths = self.found.ends[usable], self.found.lengths[usable]
+        longest = lengths == lengths.max()
         anchor = self.anchor
-
-        def distance(end: int) -> int:
-            return end - anchor if end >= anchor else len(prediction) + anchor - end
-
-        nearest = min((end for end, length in usable if length == longest), key=distance)
-        return Match(longest, prediction, nearest)
+        distance = np.where(ends >= anchor, ends - anchor, len(prediction) + anchor - ends)
+        best = np.flatnonzero(longest)[np.argmin(distance[longest])]
+        return Match(int(lengths[best]), prediction, int(ends[best]))
 
     def locate(self) -> Match | None:
         """``match``, and the anchor moves to where its continuation starts: the draft from

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from multiguess.engine.adaptive import RATE_CAP, CopyYield
-from multiguess.engine.matching import Occurrences, SuffixMatches, match_lengths
+from multiguess.engine.matching import SuffixMatches, match_lengths
 from multiguess.engine.tree import TokenTree
 from multiguess.params import SHARED_SCOPE
 
@@ -53,14 +53,13 @@ class Match:
 class OwnText:
     """A sequence's tokens (prompt and output so far) and the earlier occurrences of its
     suffix (``matching.SuffixMatches``), kept as the sequence grows (``sync``): a step costs
-    the look-up of its new tokens' earlier occurrences, not a copy of the sequence and a walk
+    the search for its new tokens' earlier occurrences, not a copy of the sequence and a walk
     back along each match."""
 
     def __init__(self, max_match: int = MAX_MATCH) -> None:
         self.buffer = np.zeros(64, dtype=np.int64)
         self.size = 0
         self.found = SuffixMatches(max_match)
-        self.where = Occurrences()
 
     @property
     def tokens(self) -> np.ndarray:
@@ -71,21 +70,18 @@ class OwnText:
         if self.size == 0:
             self._start([*prompt, *output])
             return
-        new = output[self.size - len(prompt) :]
-        for token in new:
-            self.found.advance(self.where.of(token))
-            self.where.add((token,))
-        self._put(new)
+        for token in output[self.size - len(prompt) :]:
+            self.found.advance(np.flatnonzero(self.tokens == token))
+            self._put([token])
 
     def matches(self, limit: int = CANDIDATES) -> list[Match]:
         """Earlier occurrences of the suffix (its last token at least), each with its match
         length: the longest first, then the latest."""
-        text = self.tokens
-        return [Match(length, text, end) for end, length in self.found.ranked(limit)]
+        text, found = self.tokens, self.found
+        return [Match(int(found.lengths[i]), text, int(found.ends[i])) for i in found.ranked(limit)]
 
     def _start(self, tokens: list[int]) -> None:
         self._put(tokens)
-        self.where.add(tokens)
         if self.size > 1:
             text = self.tokens
             ends = np.flatnonzero(text[:-1] == text[-1])
