@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 from multiguess.engine.acceptance import Acceptance
 from multiguess.engine.adaptive import (
     COPY_CHECKS_LONGEST,
-    PLAN_DIGITS,
     CopyYield,
     CostMeter,
     ForwardCost,
@@ -210,11 +209,10 @@ class Planner:
         cfg, cost = self.config, self.step_cost
         if not cfg.adaptive:
             return [cfg.budget] * len(batch)
-        fixed, per_level = self.draft_ratios
         greedy = sum(s.params.greedy for s in batch)
-        inputs = (cfg, self.coverage[True], self.coverage[False], greedy, len(batch), cost)
-        inputs += (round(fixed, PLAN_DIGITS), round(per_level, PLAN_DIGITS))
+        inputs = (cfg, self.coverage[True], self.coverage[False], greedy, len(batch), cost, self.draft_ratios)
         if inputs != self.plan_inputs:
+            fixed, per_level = self.draft_ratios
             coverages = [self.coverage[True]] * greedy + [self.coverage[False]] * (len(batch) - greedy)
             self.latest_plan = cfg.policy.plan(cfg.budget, coverages, per_level, cost, fixed)
             self.plan_inputs = inputs
