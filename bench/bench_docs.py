@@ -460,9 +460,10 @@ def sampling_section(report: Report | None) -> list[str]:
 SCOPES = (
     "Each request decodes in a cache scope of its own (`cache_salt`), so none copies another's "
     "reply from the recent-output index or reuses its prompt's KV; the agent loop's distinct "
-    "requests share one scope per run, as one agent's would. The code edits' replies are what "
-    "the target writes: the embedded target rewrites the functions rather than editing them, so "
-    "little of a reply copies the file and its prediction (mean accepted length)."
+    "requests share one scope per run, as one agent's would. The code edits send the file first, "
+    "in a code block, and the edit after it; their replies are what the target writes: the "
+    "embedded target writes the file out again, not always with the edit asked for, and then "
+    "explains it in a sentence or two that neither the file nor the prompt foresees."
 )
 
 
