@@ -156,7 +156,7 @@ def test_rotary_and_cache_write_are_bitwise_the_torch_ops() -> None:
     batch, width, heads, kv_heads, dim, capacity = 2, 3, 4, 2, 16, 12
     qkv = torch.randn(batch, width, heads + 2 * kv_heads, dim).to(torch.bfloat16)
     cos, sin = torch.randn(2, batch, width, dim).to(torch.bfloat16)
-    cache = torch.zeros(3, 2 * kv_heads, capacity, dim)
+    cache = torch.zeros(3, 2 * kv_heads, capacity, dim, dtype=torch.bfloat16)
     slots, starts = torch.tensor([2, 0]), torch.tensor([5, 1])
     queries = bf16_kernel.rope_into_cache(
         qkv, *(t[:, :, 0] for t in rotary_tables(cos, sin)), cache, slots, starts, heads
@@ -165,7 +165,7 @@ def test_rotary_and_cache_write_are_bitwise_the_torch_ops() -> None:
     rotated = apply_rotary(qkv[:, :, : heads + kv_heads], *rotary_tables(cos, sin)).float()
     assert torch.equal(queries, rotated[:, :, :heads])
     for b, (slot, start) in enumerate(zip(slots.tolist(), starts.tolist(), strict=True)):
-        written = cache[slot, :, start : start + width].transpose(0, 1)
+        written = cache[slot, :, start : start + width].transpose(0, 1).float()
         assert torch.equal(written[:, :kv_heads], rotated[b, :, heads:])
         assert torch.equal(written[:, kv_heads:], qkv[b, :, heads + kv_heads :].float())
     assert cache[1].abs().sum() == 0  # an unused slot stays untouched
@@ -182,16 +182,18 @@ def test_attention_of_keys_scattered_among_hidden_ones_is_that_of_the_keys_side_
     nothing (a sum split by the keys' places would round differently now and then)."""
     generator = torch.Generator().manual_seed(11)
     visible, hidden = 300, 200
-    keys = torch.randn(2 * kv_heads, visible, dim, generator=generator)
+    keys = torch.randn(2 * kv_heads, visible, dim, generator=generator).to(torch.bfloat16)
     queries = torch.randn(1, 1, heads, dim, generator=generator) * 3
-    side_by_side = torch.zeros(1, 2 * kv_heads, visible + hidden, dim)
+    side_by_side = torch.zeros(1, 2 * kv_heads, visible + hidden, dim, dtype=torch.bfloat16)
     side_by_side[0, :, :visible] = keys
     alone = bf16_kernel.attention(
         queries, side_by_side, torch.tensor([0]), torch.zeros(1, 1, visible), dim**-0.5, visible
     )
     for trial in range(400):
         places = torch.randperm(visible + hidden, generator=generator)[:visible].sort().values
-        scattered = torch.randn(1, 2 * kv_heads, visible + hidden, dim, generator=generator)
+        scattered = torch.randn(1, 2 * kv_heads, visible + hidden, dim, generator=generator).to(
+            torch.bfloat16
+        )
         scattered[0, :, places] = keys
         mask = torch.full((1, 1, visible + hidden), float("-inf"))
         mask[0, 0, places] = 0.0
@@ -205,14 +207,14 @@ def test_attention_matches_scaled_dot_product_attention(heads: int, kv_heads: in
     torch.manual_seed(5)
     batch, width, capacity, length = 2, 5, 40, 33
     queries = torch.randn(batch, width, heads, dim)
-    cache = torch.randn(4, 2 * kv_heads, capacity, dim)
+    cache = torch.randn(4, 2 * kv_heads, capacity, dim).to(torch.bfloat16)
     slots = torch.tensor([3, 1])
     visible = torch.rand(batch, width, length) < 0.6
     visible[..., 0] = True  # every row sees at least one key
     mask = torch.zeros(batch, width, length).masked_fill_(~visible, float("-inf"))
     out = bf16_kernel.attention(queries, cache, slots, mask, dim**-0.5, length)
 
-    kv = cache[slots, :, :length]
+    kv = cache[slots, :, :length].float()
     keys = kv[:, :kv_heads].repeat_interleave(heads // kv_heads, 1)
     values = kv[:, kv_heads:].repeat_interleave(heads // kv_heads, 1)
     expected = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, mask[:, None])
@@ -229,7 +231,7 @@ def test_a_heads_attention_is_the_same_bits_whichever_heads_share_its_pass(dim: 
     generator = torch.Generator().manual_seed(12)
     heads, length = 7, 70
     queries = torch.randn(2, 3, heads, dim, generator=generator)
-    cache = torch.randn(1, 2, length, dim, generator=generator)
+    cache = torch.randn(1, 2, length, dim, generator=generator).to(torch.bfloat16)
     mask = torch.zeros(2, 3, length).masked_fill_(
         torch.rand(2, 3, length, generator=generator) < 0.3, float("-inf")
     )

@@ -71,7 +71,6 @@ class NativeRunner:
         self.capacity = capacity
         self.backend = backend_for(self.device, self.dtype, eager, backend)
         self.attn_dtype = self.backend.attn_dtype
-        self.cache = self._cache(num_slots, capacity, cuda_graphs, kv_blocks)
         self.rope = Rope(model.model.rotary_emb, capacity, self.dtype, self.device)
         projection = self.backend.projection
         self.qkv = [
@@ -87,6 +86,7 @@ class NativeRunner:
         self.head_vocab = None
         if head_vocab is not None and (subset := projection.rows(self.lm_head, head_vocab)):
             self.head, self.head_vocab = subset, head_vocab.to(self.device)
+        self.cache = self._cache(num_slots, capacity, cuda_graphs, kv_blocks)
         self.backend.attach(self)
         self.static = self.backend.static_forward(self, graph_width) if cuda_graphs else None
 
@@ -95,9 +95,10 @@ class NativeRunner:
         whole capacity), else static slots (the CPU's layer kernels read the slot layout; CUDA
         graphs' buffers index slots, with a scratch slot for padding rows)."""
         shape = (len(self.layers), num_slots, self.num_kv_heads, capacity, self.head_dim)
+        dtype = self.backend.kv_dtype(self)
         if self.backend.pages_kv and not cuda_graphs:
-            return PagedKVCache(*shape, self.attn_dtype, self.device, num_blocks=kv_blocks)
-        return StaticKVCache(*shape, self.attn_dtype, self.device, scratch_slots=1 if cuda_graphs else 0)
+            return PagedKVCache(*shape, dtype, self.device, num_blocks=kv_blocks)
+        return StaticKVCache(*shape, dtype, self.device, scratch_slots=1 if cuda_graphs else 0)
 
     def attention_scale(self, i: int) -> float:
         return getattr(self.layers[i].self_attn, "scaling", None) or self.head_dim**-0.5

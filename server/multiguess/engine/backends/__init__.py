@@ -7,7 +7,8 @@ form and how a forward runs every decoder layer. Nothing above the runner asks w
 it is on.
 
 - ``cpu``: prepacked weights (multiguess's bf16 panels on huge pages, or oneDNN), whole layers
-  in multiguess's bf16 kernels where they apply, fp32 attention over an fp32 cache.
+  in multiguess's bf16 or quantized layer kernels where they apply, fp32 attention over a bf16
+  cache there (every key and value they write is a bf16 value) and over an fp32 cache in torch.
 - ``torch`` (CUDA and any other torch device): the model's dtype end to end, attention without
   a dense mask where causality or a plain decode suffices (so fused flash kernels apply), CUDA
   graphs on request (``backends/cuda/graphs.py``).
@@ -32,7 +33,7 @@ BACKENDS = ("auto", "cpu", "torch")
 class Backend(Protocol):
     name: str
     label: str  # which kernels run, as benchmarks report it
-    attn_dtype: torch.dtype  # the KV cache's and attention's dtype
+    attn_dtype: torch.dtype  # attention's dtype (and the KV cache's unless ``kv_dtype`` says otherwise)
     projection: type[Projection]  # how fused projections keep their weights
     cost_tokens: int  # how many tokens the forward-cost curve is measured up to, at least
     attends_unmasked: bool  # whether forwards that see only their own prefix go without a mask
@@ -43,6 +44,9 @@ class Backend(Protocol):
     # Whether every row of a forward is computed alone (per-row kernels), so a batch of trees of
     # different sizes may be verified a node per row, without padding (``NativeRunner.forward_trees``).
     ragged_rows: bool
+
+    def kv_dtype(self, runner: ModelParts) -> torch.dtype:
+        """The KV cache's dtype for ``runner``'s layers, once it has built its projections."""
 
     def attach(self, runner: ModelParts) -> None:
         """Prepare per-model state once the runner has built its projections and cache."""

@@ -71,6 +71,25 @@ def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
     return mask[:, :, None].expand(batch, 1, groups, width, length).reshape(batch, 1, groups * width, length)
 
 
+def bf16_layers(runner: ModelParts) -> bool:
+    """Whether every layer runs in the bf16 layer kernel: pre-norm SiLU-gated layers with bf16
+    norms and packed panels, without q/k norms, of a head width the attention kernel holds."""
+    return (
+        runner.silu_gated
+        and all(
+            isinstance(p, PackedProjection) and p.panels is not None
+            for p in (*runner.qkv, *runner.o, *runner.gate_up, *runner.down)
+        )
+        and all(
+            norm.weight.dtype == torch.bfloat16
+            for la in runner.layers
+            for norm in (la.input_layernorm, la.post_attention_layernorm)
+        )
+        and not hasattr(runner.layers[0].self_attn, "q_norm")
+        and bf16_kernel.attention_supported(runner.head_dim)
+    )
+
+
 class CpuBackend:
     name = "cpu"
     attn_dtype = torch.float32
@@ -86,27 +105,20 @@ class CpuBackend:
         self.layer_weights: list[bf16_kernel.LayerWeights] = []
         self.quantized_layers = False  # GGUF-quantized layers with per-row attention (quant.py)
 
+    def kv_dtype(self, runner: ModelParts) -> torch.dtype:
+        """bf16 where every layer runs in the bf16 or the quantized layer kernel: each key and
+        value they write is a bf16 value (rotary rounds to bf16), so the cache holds it exactly in
+        half the bytes and attention reads half as many; fp32 where torch attends over it."""
+        in_kernels = bf16_layers(runner) or (self.packed and quant.layers_supported(runner))
+        return torch.bfloat16 if in_kernels else torch.float32
+
     def attach(self, runner: ModelParts) -> None:
         """Panels onto huge pages; whole layers in the bf16 kernels where every part of a layer
-        has them: pre-norm SiLU-gated layers with bf16 norms and panels, without q/k norms."""
+        has them (``bf16_layers``), else in the quantized layer kernel where it applies."""
         projections = [*runner.qkv, *runner.o, *runner.gate_up, *runner.down, runner.head]
         place_panels(projections)
-        kernels = (
-            runner.silu_gated
-            and all(
-                isinstance(p, PackedProjection) and p.panels is not None
-                for p in (*runner.qkv, *runner.o, *runner.gate_up, *runner.down)
-            )
-            and all(
-                norm.weight.dtype == torch.bfloat16
-                for la in runner.layers
-                for norm in (la.input_layernorm, la.post_attention_layernorm)
-            )
-            and not hasattr(runner.layers[0].self_attn, "q_norm")
-            and bf16_kernel.attention_supported(runner.head_dim)
-        )
         self.layer_weights = (
-            [self._layer_weights(runner, i) for i in range(len(runner.layers))] if kernels else []
+            [self._layer_weights(runner, i) for i in range(len(runner.layers))] if bf16_layers(runner) else []
         )
         self.quantized_layers = self.packed and quant.layers_supported(runner)
         self.quant_layers = (

@@ -337,13 +337,13 @@ def rope_into_cache(
     heads: int,
 ) -> torch.Tensor:
     """Rotary on bf16 ``qkv`` ``[B, T, heads + 2 * kv_heads, D]`` (tables ``[B, T, D]``); keys and
-    values go to ``layer_cache`` ``[slots, 2 * kv_heads, capacity, D]`` (fp32) at ``starts[b] + t``
+    values go to ``layer_cache`` ``[slots, 2 * kv_heads, capacity, D]`` (bf16) at ``starts[b] + t``
     of slot ``slots[b]``; the fp32 queries ``[B, T, heads, D]`` are returned. Bitwise the
     runner's ``apply_rotary`` and cache write, in one call instead of a dozen."""
     lib = loaded()
     batch, width, _, dim = qkv.shape
     kv_heads = layer_cache.shape[1] // 2
-    assert qkv.is_contiguous() and layer_cache.is_contiguous() and layer_cache.dtype == torch.float32
+    assert qkv.is_contiguous() and layer_cache.is_contiguous() and layer_cache.dtype == torch.bfloat16
     queries = torch.empty(batch, width, heads, dim, dtype=torch.float32)
     lib.multiguess_bf16_rope_cache(
         qkv.data_ptr(),
@@ -426,12 +426,13 @@ def attention(
     length: int,
 ) -> torch.Tensor:
     """fp32 queries ``[B, T, H, D]`` over cache rows ``[0, length)`` of each sequence's slot in
-    ``layer_cache`` ``[slots, 2 * kv_heads, capacity, D]``, additive ``mask`` ``[B, T, length]``:
+    bf16 ``layer_cache`` ``[slots, 2 * kv_heads, capacity, D]``, additive ``mask`` ``[B, T, length]``:
     ``[B, T, H * D]`` in bf16. Each query row is computed alone, keys in cache order, hidden keys
     skipped, so a tree node and the same token decoded alone get the same bits."""
     lib = loaded()
     batch, width, heads, dim = queries.shape
     assert queries.is_contiguous() and mask.shape == (batch, width, length)
+    assert layer_cache.is_contiguous() and layer_cache.dtype == torch.bfloat16
     out = torch.empty(batch, width, heads * dim, dtype=torch.bfloat16)
     status = lib.multiguess_attention(
         queries.data_ptr(),

@@ -44,6 +44,9 @@ class TorchBackend:
         run its paths alone."""
         return attention(q, keys, values, mask, scale)
 
+    def kv_dtype(self, runner: ModelParts) -> torch.dtype:
+        return self.attn_dtype
+
     def attach(self, runner: ModelParts) -> None:
         """Nothing to prepare: the projections are plain fused products."""
 

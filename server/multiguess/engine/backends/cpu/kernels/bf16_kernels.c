@@ -132,32 +132,36 @@ int multiguess_bf16_matmul(const uint16_t *packed, const uint16_t *x, const uint
 }
 
 /* Rotary embedding of queries and keys, bitwise the runner's bf16 ops (x * cos and the
- * half-swapped x * signed sin, each rounded, then their rounded sum), widened to fp32: queries
- * into `queries` [b][t][heads][dim], keys and values into one layer's cache
+ * half-swapped x * signed sin, each rounded, then their rounded sum): queries widened to fp32
+ * into `queries` [b][t][heads][dim], keys and values in bf16 (every one a bf16 value, so the
+ * cache holds them exactly in half the bytes fp32 takes) into one layer's cache
  * [slots][2 * kv_heads][capacity][dim] at row starts[b] + t of slot slots[b]. qkv is
  * [b][t][heads + 2 * kv_heads][dim]; cos and sin (sign folded) are [b][t][dim]. */
 void multiguess_bf16_rope_cache(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin,
-                                float *queries, float *cache, const int64_t *slots,
+                                float *queries, uint16_t *cache, const int64_t *slots,
                                 const int64_t *starts, int64_t batch, int64_t width, int64_t heads,
                                 int64_t kv_heads, int64_t dim, int64_t capacity) {
   const int64_t half = dim / 2, all = heads + 2 * kv_heads;
   for (int64_t b = 0; b < batch; b++) {
-    float *slot = cache + slots[b] * 2 * kv_heads * capacity * dim;
+    uint16_t *slot = cache + slots[b] * 2 * kv_heads * capacity * dim;
     for (int64_t t = 0; t < width; t++) {
       const int64_t row = b * width + t;
       const uint16_t *c = cos + row * dim, *s = sin + row * dim;
       for (int64_t h = 0; h < all; h++) {
         const uint16_t *x = qkv + (row * all + h) * dim;
-        float *out = h < heads ? queries + (row * heads + h) * dim
-                               : slot + ((h - heads) * capacity + starts[b] + t) * dim;
+        uint16_t *kept = slot + ((h - heads) * capacity + starts[b] + t) * dim;
         if (h >= heads + kv_heads) {
-          for (int64_t d = 0; d < dim; d++) out[d] = widen(x[d]);
+          memcpy(kept, x, (size_t)dim * sizeof *x);
           continue;
         }
         for (int64_t d = 0; d < dim; d++) {
           const uint16_t other = d < half ? x[d + half] : x[d - half];
-          out[d] = widen(narrow(widen(narrow(widen(x[d]) * widen(c[d]))) +
-                                widen(narrow(widen(other) * widen(s[d])))));
+          const uint16_t rotated =
+              narrow(widen(narrow(widen(x[d]) * widen(c[d]))) + widen(narrow(widen(other) * widen(s[d]))));
+          if (h < heads)
+            queries[(row * heads + h) * dim + d] = widen(rotated);
+          else
+            kept[d] = rotated;
         }
       }
     }
@@ -176,7 +180,7 @@ void multiguess_bf16_rope_cache(const uint16_t *qkv, const uint16_t *cos, const 
  * same bits), never on which heads come along. Scores are taken VLANES keys at a time, their
  * dot products summed across lanes together (vsums: one order for every key, wherever it sits
  * in its group), instead of one horizontal sum a key. */
-static inline __attribute__((always_inline)) void attend(const float *q, const float *keys, const float *values,
+static inline __attribute__((always_inline)) void attend(const float *q, const uint16_t *keys, const uint16_t *values,
                                                          const float *mask, int64_t length, float scale,
                                                          float *scores, uint16_t *out, const int n,
                                                          const int64_t blocks) {
@@ -195,7 +199,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
         for (int64_t j = first; j < first + live; j++) scores[h * stride + j] = -INFINITY;
       continue;
     }
-    const float *key = keys + first * dim;
+    const uint16_t *key = keys + first * dim;
     const vec hidden = vload_part(mask + first, live); /* past `length`: -inf, as hidden keys */
     for (int h = 0; h < n; h++) {
       vec dots[VLANES];
@@ -203,8 +207,9 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
       for (int i = 0; i < VLANES; i++) {
         dots[i] = vzero();
         if (i >= live) continue;
-        dots[i] = vmul(query[h][0], vload(key + i * dim));
-        for (int64_t c = 1; c < blocks; c++) dots[i] = vfma(query[h][c], vload(key + i * dim + VLANES * c), dots[i]);
+        dots[i] = vmul(query[h][0], vload_bf16(key + i * dim));
+        for (int64_t c = 1; c < blocks; c++)
+          dots[i] = vfma(query[h][c], vload_bf16(key + i * dim + VLANES * c), dots[i]);
       }
       const vec score = vhide(vadd(vmul(vsums(dots), vsplat(scale)), hidden), hidden);
       vstore(scores + h * stride + first, score); /* a row has room for a whole group past `length` */
@@ -223,12 +228,12 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
     for (int64_t c = 0; c < blocks; c++) acc[h][c] = vzero();
   }
   for (int64_t j = 0; j < length; j++) {
-    const float *value = values + j * dim;
+    const uint16_t *value = values + j * dim;
     for (int h = 0; h < n; h++) {
       const float weight = scores[h * stride + j];
       if (weight == 0.0f) continue;
       total[h] += weight;
-      for (int64_t c = 0; c < blocks; c++) acc[h][c] = vfma(vsplat(weight), vload(value + VLANES * c), acc[h][c]);
+      for (int64_t c = 0; c < blocks; c++) acc[h][c] = vfma(vsplat(weight), vload_bf16(value + VLANES * c), acc[h][c]);
     }
   }
   for (int h = 0; h < n; h++) {
@@ -254,8 +259,8 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
     default:             \
       ATTEND(1, blocks); \
   }
-static void attend_heads(const float *q, const float *keys, const float *values, const float *mask, int64_t length,
-                         int64_t dim, float scale, float *scores, uint16_t *out, int n) {
+static void attend_heads(const float *q, const uint16_t *keys, const uint16_t *values, const float *mask,
+                         int64_t length, int64_t dim, float scale, float *scores, uint16_t *out, int n) {
   switch (dim / VLANES) {
     case 4:
       HEADS(4);
@@ -270,13 +275,14 @@ static void attend_heads(const float *q, const float *keys, const float *values,
 #undef HEADS
 #undef ATTEND
 
-/* Attention of fp32 queries [b][t][heads][dim] over one layer's cache [slots][2 * kv_heads]
- * [capacity][dim] (keys, then values) for sequence b's slot slots[b], rows [0, length), under
+/* Attention of fp32 queries [b][t][heads][dim] over one layer's bf16 cache [slots][2 * kv_heads]
+ * [capacity][dim] (keys, then values, widened to fp32 as they are read) for sequence b's slot
+ * slots[b], rows [0, length), under
  * an additive mask [b][t][length] (0 or -inf); query head h reads key/value head h / (heads /
  * kv_heads). The heads of a key/value head go together, `shared` at a time (as many as keep
  * their sums in half the vector registers, at most MAX_SHARED). Output bf16 [b][t][heads * dim],
  * the dtype the o projection takes. Returns -1 when out of memory. */
-int multiguess_attention(const float *queries, const float *cache, const int64_t *slots,
+int multiguess_attention(const float *queries, const uint16_t *cache, const int64_t *slots,
                          const float *mask, uint16_t *out, int64_t batch, int64_t width,
                          int64_t heads, int64_t kv_heads, int64_t dim, int64_t capacity,
                          int64_t length, float scale, int threads) {
@@ -297,8 +303,8 @@ int multiguess_attention(const float *queries, const float *cache, const int64_t
       const int64_t row = item / (kv_heads * chunks), kv = item / chunks % kv_heads, b = row / width;
       const int64_t skipped = item % chunks * shared, n = group - skipped < shared ? group - skipped : shared;
       const int64_t first = kv * group + skipped;
-      const float *slot = cache + slots[b] * 2 * kv_heads * capacity * dim;
-      const float *keys = slot + kv * capacity * dim, *values = slot + (kv_heads + kv) * capacity * dim;
+      const uint16_t *slot = cache + slots[b] * 2 * kv_heads * capacity * dim;
+      const uint16_t *keys = slot + kv * capacity * dim, *values = slot + (kv_heads + kv) * capacity * dim;
       const int64_t at = (row * heads + first) * dim;
       attend_heads(queries + at, keys, values, mask + row * length, length, dim, scale, scores, out + at, (int)n);
     }
@@ -311,7 +317,7 @@ int multiguess_attention(const float *queries, const float *cache, const int64_t
 typedef struct {
   const uint16_t *input_norm, *post_norm; /* RMSNorm weights [d] */
   const uint16_t *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
-  float *cache; /* [slots][2 * kv_heads][capacity][dim] */
+  uint16_t *cache; /* bf16 [slots][2 * kv_heads][capacity][dim] */
   int64_t qkv_n, inter; /* q/k/v outputs, MLP intermediate size */
   float eps, post_eps, scale; /* the two norms' epsilons, the attention scale */
 } multiguess_layer;

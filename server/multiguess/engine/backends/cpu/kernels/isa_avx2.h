@@ -264,6 +264,7 @@ static void panel_product(const uint16_t *panel, const uint16_t *x, const float 
 typedef __m256 vec;
 #define VREGISTERS 16 /* vector registers */
 static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline vec vload_bf16(const uint16_t *p) { return widen8(_mm_loadu_si128((const __m128i *)p)); }
 static inline vec vsplat(float f) { return _mm256_set1_ps(f); }
 static inline vec vzero(void) { return _mm256_setzero_ps(); }
 static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }

@@ -175,6 +175,7 @@ static void configure_tiles(void) {
 typedef __m512 vec;
 #define VREGISTERS 32 /* vector registers */
 static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline vec vload_bf16(const uint16_t *p) { return widen_lanes(_mm256_loadu_si256((const __m256i *)p)); }
 static inline vec vsplat(float f) { return _mm512_set1_ps(f); }
 static inline vec vzero(void) { return _mm512_setzero_ps(); }
 static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }

@@ -582,15 +582,15 @@ int multiguess_quant_matmul(const multiguess_quant_weight *W, const void *x, voi
 typedef struct {
   const uint16_t *input_norm, *post_norm; /* RMSNorm weights [d], bf16 */
   multiguess_quant_weight qkv, o, gate_up, down;
-  float *cache; /* [slots][2 * kv_heads][capacity][dim] */
+  uint16_t *cache; /* bf16 [slots][2 * kv_heads][capacity][dim] */
   float eps, post_eps, scale; /* the two norms' epsilons, the attention scale */
 } multiguess_quant_layer_weights;
 
 /* The bf16 library's rotary-with-cache-write and attention kernels (bf16_kernels.c), passed in
  * by address: the quantized layer runs them between its products. */
-typedef void (*rope_cache_fn)(const uint16_t *, const uint16_t *, const uint16_t *, float *, float *, const int64_t *,
-                              const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
-typedef int (*attention_fn)(const float *, const float *, const int64_t *, const float *, uint16_t *, int64_t,
+typedef void (*rope_cache_fn)(const uint16_t *, const uint16_t *, const uint16_t *, float *, uint16_t *,
+                              const int64_t *, const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+typedef int (*attention_fn)(const float *, const uint16_t *, const int64_t *, const float *, uint16_t *, int64_t,
                             int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
 
 /* A whole pre-norm SiLU-gated decoder layer on the bf16 residual stream x [m][d], updated in
