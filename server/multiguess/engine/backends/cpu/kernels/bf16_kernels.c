@@ -201,15 +201,20 @@ static inline __attribute__((always_inline)) void attend(const float *q, const u
     }
     const uint16_t *key = keys + first * dim;
     const vec hidden = vload_part(mask + first, live); /* past `length`: -inf, as hidden keys */
+    float group[VLANES * 256] __attribute__((aligned(64))); /* the group's keys widened once, for n > 1 */
+    if (n > 1)
+      for (int64_t i = 0; i < live * blocks; i++) vstore(group + VLANES * i, vload_bf16(key + VLANES * i));
     for (int h = 0; h < n; h++) {
       vec dots[VLANES];
 #pragma GCC unroll 16
       for (int i = 0; i < VLANES; i++) {
         dots[i] = vzero();
         if (i >= live) continue;
-        dots[i] = vmul(query[h][0], vload_bf16(key + i * dim));
-        for (int64_t c = 1; c < blocks; c++)
-          dots[i] = vfma(query[h][c], vload_bf16(key + i * dim + VLANES * c), dots[i]);
+        dots[i] = vmul(query[h][0], n > 1 ? vload(group + i * dim) : vload_bf16(key + i * dim));
+        for (int64_t c = 1; c < blocks; c++) {
+          const vec k = n > 1 ? vload(group + i * dim + VLANES * c) : vload_bf16(key + i * dim + VLANES * c);
+          dots[i] = vfma(query[h][c], k, dots[i]);
+        }
       }
       const vec score = vhide(vadd(vmul(vsums(dots), vsplat(scale)), hidden), hidden);
       vstore(scores + h * stride + first, score); /* a row has room for a whole group past `length` */
@@ -229,11 +234,16 @@ static inline __attribute__((always_inline)) void attend(const float *q, const u
   }
   for (int64_t j = 0; j < length; j++) {
     const uint16_t *value = values + j * dim;
+    bool weighed = false;
+    for (int h = 0; h < n; h++) weighed |= scores[h * stride + j] != 0.0f;
+    if (!weighed) continue;
+    vec widened[256 / VLANES]; /* the value once for all n heads */
+    for (int64_t c = 0; c < blocks; c++) widened[c] = vload_bf16(value + VLANES * c);
     for (int h = 0; h < n; h++) {
       const float weight = scores[h * stride + j];
       if (weight == 0.0f) continue;
       total[h] += weight;
-      for (int64_t c = 0; c < blocks; c++) acc[h][c] = vfma(vsplat(weight), vload_bf16(value + VLANES * c), acc[h][c]);
+      for (int64_t c = 0; c < blocks; c++) acc[h][c] = vfma(vsplat(weight), widened[c], acc[h][c]);
     }
   }
   for (int h = 0; h < n; h++) {
