@@ -149,7 +149,8 @@ void multiguess_bf16_rope_cache(const uint16_t *qkv, const uint16_t *cos, const 
       const uint16_t *c = cos + row * dim, *s = sin + row * dim;
       for (int64_t h = 0; h < all; h++) {
         const uint16_t *x = qkv + (row * all + h) * dim;
-        uint16_t *kept = slot + ((h - heads) * capacity + starts[b] + t) * dim;
+        float *query = h < heads ? queries + (row * heads + h) * dim : NULL;
+        uint16_t *kept = h < heads ? NULL : slot + ((h - heads) * capacity + starts[b] + t) * dim;
         if (h >= heads + kv_heads) {
           memcpy(kept, x, (size_t)dim * sizeof *x);
           continue;
@@ -158,8 +159,8 @@ void multiguess_bf16_rope_cache(const uint16_t *qkv, const uint16_t *cos, const 
           const uint16_t other = d < half ? x[d + half] : x[d - half];
           const uint16_t rotated =
               narrow(widen(narrow(widen(x[d]) * widen(c[d]))) + widen(narrow(widen(other) * widen(s[d]))));
-          if (h < heads)
-            queries[(row * heads + h) * dim + d] = widen(rotated);
+          if (query)
+            query[d] = widen(rotated);
           else
             kept[d] = rotated;
         }
@@ -287,11 +288,11 @@ static void attend_heads(const float *q, const uint16_t *keys, const uint16_t *v
 
 /* Attention of fp32 queries [b][t][heads][dim] over one layer's bf16 cache [slots][2 * kv_heads]
  * [capacity][dim] (keys, then values, widened to fp32 as they are read) for sequence b's slot
- * slots[b], rows [0, length), under
- * an additive mask [b][t][length] (0 or -inf); query head h reads key/value head h / (heads /
- * kv_heads). The heads of a key/value head go together, `shared` at a time (as many as keep
- * their sums in half the vector registers, at most MAX_SHARED). Output bf16 [b][t][heads * dim],
- * the dtype the o projection takes. Returns -1 when out of memory. */
+ * slots[b], rows [0, length), under an additive mask [b][t][length] (0 or -inf); query head h
+ * reads key/value head h / (heads / kv_heads). The heads of a key/value head go together,
+ * `shared` at a time (as many as keep their sums in half the vector registers, at most
+ * MAX_SHARED). Output bf16 [b][t][heads * dim], the dtype the o projection takes. Returns -1
+ * when out of memory. */
 int multiguess_attention(const float *queries, const uint16_t *cache, const int64_t *slots,
                          const float *mask, uint16_t *out, int64_t batch, int64_t width,
                          int64_t heads, int64_t kv_heads, int64_t dim, int64_t capacity,
