@@ -290,6 +290,26 @@ def test_tree_rows_are_the_bits_of_tokens_decoded_alone(
 
 
 @needs_kernel
+def test_the_layer_kernels_cache_is_bf16_and_torchs_is_fp32(gqa_pair: tuple[Path, Path]) -> None:
+    """The layer kernels write bf16 keys and values, so their cache holds them in bf16 (half the
+    bytes a position); where torch attends (``eager``: no packed panels) the cache stays fp32,
+    holding the same values up to the products' rounding (equal here; within one bf16 step)."""
+    loaded = load_model(str(gqa_pair[0]), dtype="bfloat16")
+    kernels, torch_path = NativeRunner(loaded, 2, 64), NativeRunner(loaded, 2, 64, eager=True)
+    assert kernels.backend.layer_kernels and not torch_path.backend.layer_kernels
+    assert kernels.cache.kv.dtype == torch.bfloat16 and torch_path.cache.kv.dtype == torch.float32
+    assert 2 * kernels.cache.bytes_per_token == torch_path.cache.bytes_per_token
+    prompt = random_prompts(15, (20,))[0]
+    for runner in (kernels, torch_path):
+        runner.forward_trees([1], [0], [TokenTree.chain(prompt)])
+    written, reference = (
+        kernels.cache.kv[:, 1, :, : len(prompt)].float(),
+        torch_path.cache.kv[:, 1, :, : len(prompt)],
+    )
+    assert written.abs().sum() > 0 and torch.allclose(written, reference, rtol=2**-7, atol=1e-6)
+
+
+@needs_kernel
 def test_trees_of_different_sizes_verify_a_node_per_row_as_if_padded(
     gqa_pair: tuple[Path, Path], product: bool
 ) -> None:
