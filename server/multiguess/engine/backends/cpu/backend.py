@@ -109,18 +109,22 @@ class CpuBackend:
         """bf16 where every layer runs in the bf16 or the quantized layer kernel: each key and
         value they write is a bf16 value (rotary rounds to bf16), so the cache holds it exactly in
         half the bytes and attention reads half as many; fp32 where torch attends over it."""
-        in_kernels = bf16_layers(runner) or (self.packed and quant.layers_supported(runner))
-        return torch.bfloat16 if in_kernels else torch.float32
+        return torch.bfloat16 if any(self._kernel_layers(runner)) else torch.float32
+
+    def _kernel_layers(self, runner: ModelParts) -> tuple[bool, bool]:
+        """Whether every layer runs in the bf16 layer kernel (``bf16_layers``), and whether in the
+        quantized one: the one choice both the cache's dtype and ``attach`` follow."""
+        return bf16_layers(runner), self.packed and quant.layers_supported(runner)
 
     def attach(self, runner: ModelParts) -> None:
         """Panels onto huge pages; whole layers in the bf16 kernels where every part of a layer
         has them (``bf16_layers``), else in the quantized layer kernel where it applies."""
         projections = [*runner.qkv, *runner.o, *runner.gate_up, *runner.down, runner.head]
         place_panels(projections)
+        bf16, self.quantized_layers = self._kernel_layers(runner)
         self.layer_weights = (
-            [self._layer_weights(runner, i) for i in range(len(runner.layers))] if bf16_layers(runner) else []
+            [self._layer_weights(runner, i) for i in range(len(runner.layers))] if bf16 else []
         )
-        self.quantized_layers = self.packed and quant.layers_supported(runner)
         self.quant_layers = (
             [quant.layer_weights(runner, i) for i in range(len(runner.layers))]
             if self.quantized_layers

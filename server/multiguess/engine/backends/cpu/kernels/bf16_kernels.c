@@ -173,6 +173,12 @@ void multiguess_bf16_rope_cache(const uint16_t *qkv, const uint16_t *cos, const 
  * key and value is read once for all of them, and their sums make independent chains. */
 #define MAX_SHARED 4
 
+/* Lanes [at, at + VLANES) of a group of keys: from `group`, where they were widened once for
+ * the n > 1 heads that read them, else widened from the cache as they are read. */
+static inline vec group_key(const float *group, const uint16_t *key, const int n, int64_t at) {
+  return n > 1 ? vload(group + at) : vload_bf16(key + at);
+}
+
 /* The attention of n query heads q [n][dim] that read the same cached keys and values, over
  * `length` of them (dim % 16 == 0, dim <= 256), skipping keys their additive mask row hides
  * (-inf); scores [n][length + 16], out [n][dim]. Each head's arithmetic is that of the head
@@ -211,11 +217,9 @@ static inline __attribute__((always_inline)) void attend(const float *q, const u
       for (int i = 0; i < VLANES; i++) {
         dots[i] = vzero();
         if (i >= live) continue;
-        dots[i] = vmul(query[h][0], n > 1 ? vload(group + i * dim) : vload_bf16(key + i * dim));
-        for (int64_t c = 1; c < blocks; c++) {
-          const vec k = n > 1 ? vload(group + i * dim + VLANES * c) : vload_bf16(key + i * dim + VLANES * c);
-          dots[i] = vfma(query[h][c], k, dots[i]);
-        }
+        dots[i] = vmul(query[h][0], group_key(group, key, n, i * dim));
+        for (int64_t c = 1; c < blocks; c++)
+          dots[i] = vfma(query[h][c], group_key(group, key, n, i * dim + VLANES * c), dots[i]);
       }
       const vec score = vhide(vadd(vmul(vsums(dots), vsplat(scale)), hidden), hidden);
       vstore(scores + h * stride + first, score); /* a row has room for a whole group past `length` */
