@@ -292,8 +292,10 @@ def test_tree_rows_are_the_bits_of_tokens_decoded_alone(
 @needs_kernel
 def test_the_layer_kernels_cache_is_bf16_and_torchs_is_fp32(gqa_pair: tuple[Path, Path]) -> None:
     """The layer kernels write bf16 keys and values, so their cache holds them in bf16 (half the
-    bytes a position); where torch attends (``eager``: no packed panels) the cache stays fp32,
-    holding the same values up to the products' rounding (equal here; within one bf16 step)."""
+    bytes a position); where torch attends (``eager``: no packed panels) the cache stays fp32.
+    The first layer's keys and values, products of the same embeddings, are the same values up
+    to the products' rounding (one bf16 step); later layers' inputs drift apart as products
+    round otherwise (AVX2's against oneDNN's), so they are not compared."""
     loaded = load_model(str(gqa_pair[0]), dtype="bfloat16")
     kernels, torch_path = NativeRunner(loaded, 2, 64), NativeRunner(loaded, 2, 64, eager=True)
     assert kernels.backend.layer_kernels and not torch_path.backend.layer_kernels
@@ -306,7 +308,8 @@ def test_the_layer_kernels_cache_is_bf16_and_torchs_is_fp32(gqa_pair: tuple[Path
         kernels.cache.kv[:, 1, :, : len(prompt)].float(),
         torch_path.cache.kv[:, 1, :, : len(prompt)],
     )
-    assert written.abs().sum() > 0 and torch.allclose(written, reference, rtol=2**-7, atol=1e-6)
+    assert all(layer.abs().sum() > 0 for layer in written)
+    assert torch.allclose(written[0], reference[0], rtol=2**-7, atol=1e-6)
 
 
 @needs_kernel
