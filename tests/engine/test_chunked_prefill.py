@@ -6,12 +6,14 @@ between its chunks; prompt log-probabilities are the model's own."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from multiguess import LLM, SamplingParams
-from multiguess.engine.config import EngineConfig
+from multiguess.engine import engine as engine_module
+from multiguess.engine.config import IDLE_PREFILL_CHUNKS, EngineConfig
 from multiguess.engine.drafters.model import ModelDrafter
 from multiguess.engine.engine import Engine
 from multiguess.models.loading import load_model
@@ -104,6 +106,36 @@ def test_running_streams_decode_while_a_long_prompt_is_prefilled(
         steps += 1
     assert steps == math.ceil((len(long) - 1) / budget)
     assert len(running.output_ids) - before >= steps  # a token or more every step of the prefill
+
+
+def test_the_measured_chunk_grows_while_nothing_decodes(
+    tiny_llama: Path, tiny_llama_draft: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the chunk measured (``auto``), a prompt that arrives while no sequence decodes is
+    prefilled ``IDLE_PREFILL_CHUNKS`` chunks a step (here: whole, in its first step); one that
+    arrives beside a decoding sequence a chunk a step; a budget set by hand stays as set."""
+    monkeypatch.setattr(engine_module, "measure_prefill_chunk", lambda *args: 16)
+    target, draft = load_model(str(tiny_llama), "float32"), load_model(str(tiny_llama_draft), "float32")
+    short, first, late = random_prompts(53, (4, 60, 50))
+    config = EngineConfig(3, 3, max_model_len=256, adaptive=False)
+    engine = Engine(target, ModelDrafter(draft), config)
+    assert engine.config.max_prefill_tokens == 16
+    assert engine.idle_prefill_tokens == IDLE_PREFILL_CHUNKS * 16 >= len(first)
+    alone = engine.add_request("alone", first, GREEDY)
+    engine.step()
+    assert alone.output_ids  # prefilled whole, then its first step, in one engine step
+    while engine.has_unfinished():
+        engine.step()
+    running = engine.add_request("running", short, SamplingParams(max_tokens=80, ignore_eos=True))
+    engine.step()
+    beside = engine.add_request("beside", late, GREEDY)
+    steps = 0
+    while not beside.output_ids:
+        engine.step()
+        steps += 1
+    assert running.output_ids and steps == math.ceil((len(late) - 1) / 16)
+    by_hand = Engine(target, ModelDrafter(draft), replace(config, max_prefill_tokens=16))
+    assert by_hand.idle_prefill_tokens == 16
 
 
 def test_a_failing_draft_prefill_falls_back_and_output_stays(

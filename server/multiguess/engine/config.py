@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 # ``max_prefill_tokens="auto"``: the largest chunk whose forward takes at most this many
 # one-token (decode) forwards, so a running stream waits about that long for a chunk.
 PREFILL_PAUSE_STEPS = 8
+# Chunks of that size a step prefills while no sequence decodes: no stream waits on the forward,
+# so fewer, longer chunks spare a pass over the weights each (a request arriving meanwhile waits
+# for one such forward at most, and for the earlier prompts' prefill in any case).
+IDLE_PREFILL_CHUNKS = 8
 
 
 def prefill_tokens(text: str) -> int | str | None:
@@ -102,7 +106,8 @@ class EngineConfig:
     ``max_prefill_tokens`` caps the prompt tokens prefilled per step (chunked prefill), so a
     long prompt does not stall the running sequences' tokens; ``auto`` measures the largest
     chunk whose forward stays within ``PREFILL_PAUSE_STEPS`` decode forwards
-    (``measure_prefill_chunk``); None prefills each prompt whole.
+    (``measure_prefill_chunk``) and prefills ``IDLE_PREFILL_CHUNKS`` of them a step while no
+    sequence decodes; None prefills each prompt whole.
     ``max_request_slots`` caps the batch slots one request's samples (its group) hold at once;
     None: half the batch (``admission.request_share``).
     ``prefix_caching`` starts a new prompt from the KV of the longest prefix it shares with a
@@ -147,7 +152,7 @@ class EngineConfig:
         "auto",
         "prompt tokens prefilled per step at most (chunked prefill: a long prompt does not "
         "stall running streams); auto: the largest chunk whose forward takes about 8 decode steps, "
-        "measured at startup; 0: each prompt whole",
+        "measured at startup (8 chunks a step while nothing decodes); 0: each prompt whole",
         parse=prefill_tokens,
     )
     max_request_slots: int | None = None

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from multiguess.engine.admission import next_admission
-from multiguess.engine.config import PREFILL_PAUSE_STEPS, EngineConfig
+from multiguess.engine.config import IDLE_PREFILL_CHUNKS, PREFILL_PAUSE_STEPS, EngineConfig
 from multiguess.engine.drafter import Proposal
 from multiguess.engine.drafters.base import Drafter
 from multiguess.engine.grammar import Grammars
@@ -88,9 +88,13 @@ class Engine:
         self.preemptions = 0  # sequences preempted for KV blocks (``_make_room``)
         self.planner = Planner(self.config, self.target, self._decode_without_drafter)
         self.config = self.planner.config  # with the token budget measured on this device
+        # The prefill budget of a step in which no sequence decodes: a measured chunk's (auto)
+        # several times over, a budget set by hand as it is.
+        self.idle_prefill_tokens = self.config.max_prefill_tokens
         if self.config.max_prefill_tokens == "auto":
             chunk = measure_prefill_chunk(self.target, self.config.max_model_len, PREFILL_PAUSE_STEPS)
             self.config = replace(self.config, max_prefill_tokens=chunk)
+            self.idle_prefill_tokens = IDLE_PREFILL_CHUNKS * chunk
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -230,12 +234,14 @@ class Engine:
 
     def _prefill(self) -> None:
         """This step's share of the prompts still being prefilled: ``max_prefill_tokens`` in all
-        (None: every prompt whole), the earliest admitted first (``prefill_chunks``), each chunk
-        a chain after what its sequence has cached. A long prompt is thus prefilled over several
-        steps, and the running sequences decode a step between its chunks. The draft catches up
-        on each chunk too, so the first proposal does not feed the whole prompt in one step."""
+        (None: every prompt whole; ``idle_prefill_tokens`` while no sequence decodes), the
+        earliest admitted first (``prefill_chunks``), each chunk a chain after what its sequence
+        has cached. A long prompt is thus prefilled over several steps, and the running
+        sequences decode a step between its chunks. The draft catches up on each chunk too, so
+        the first proposal does not feed the whole prompt in one step."""
         pending = [s for s in self.running if s.prefilling]
-        budget = self.config.max_prefill_tokens
+        decoding = len(pending) < len(self.running)
+        budget = self.config.max_prefill_tokens if decoding else self.idle_prefill_tokens
         assert budget is None or isinstance(budget, int)  # "auto" is resolved at construction
         sizes = prefill_chunks([prefill_left(s) for s in pending], budget)
         work = [(s, n) for s, n in zip(pending, sizes, strict=True) if n]
