@@ -295,8 +295,9 @@ static void attend_heads(const float *q, const uint16_t *keys, const uint16_t *v
  * slots[b], rows [0, length), under an additive mask [b][t][length] (0 or -inf); query head h
  * reads key/value head h / (heads / kv_heads). The heads of a key/value head go together,
  * `shared` at a time (as many as keep their sums in half the vector registers, at most
- * MAX_SHARED). Output bf16 [b][t][heads * dim], the dtype the o projection takes. Returns -1
- * when out of memory. */
+ * MAX_SHARED). Output bf16 [b][t][heads * dim], the dtype the o projection takes. The threads
+ * take the rows in turn, not in halves: a prefill's later rows (and a longer sequence's) attend
+ * over more keys. Returns -1 when out of memory. */
 int multiguess_attention(const float *queries, const uint16_t *cache, const int64_t *slots,
                          const float *mask, uint16_t *out, int64_t batch, int64_t width,
                          int64_t heads, int64_t kv_heads, int64_t dim, int64_t capacity,
@@ -312,7 +313,7 @@ int multiguess_attention(const float *queries, const uint16_t *cache, const int6
 #pragma omp atomic write
       failed = true;
     }
-#pragma omp for schedule(static)
+#pragma omp for schedule(static, 1)
     for (int64_t item = 0; item < items; item++) {
       if (!scores) continue;
       const int64_t row = item / (kv_heads * chunks), kv = item / chunks % kv_heads, b = row / width;
