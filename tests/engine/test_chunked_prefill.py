@@ -113,10 +113,13 @@ def test_the_measured_chunk_grows_while_nothing_decodes(
 ) -> None:
     """With the chunk measured (``auto``), a prompt that arrives while no sequence decodes is
     prefilled ``IDLE_PREFILL_CHUNKS`` chunks a step (here: whole, in its first step); one that
-    arrives beside a decoding sequence a chunk a step; a budget set by hand stays as set."""
+    arrives beside a decoding sequence a chunk a step; either decodes what plain decoding of a
+    whole prefill does; a budget set by hand stays as set."""
     monkeypatch.setattr(engine_module, "measure_prefill_chunk", lambda *args: 16)
     target, draft = load_model(str(tiny_llama), "float32"), load_model(str(tiny_llama_draft), "float32")
     short, first, late = random_prompts(53, (4, 60, 50))
+    whole = EngineConfig(max_model_len=256, adaptive=False, max_prefill_tokens=None)
+    plain = [staggered(Engine(target, None, whole), [p], GREEDY)[0] for p in (first, late)]
     config = EngineConfig(3, 3, max_model_len=256, adaptive=False)
     engine = Engine(target, ModelDrafter(draft), config)
     assert engine.config.max_prefill_tokens == 16
@@ -134,6 +137,9 @@ def test_the_measured_chunk_grows_while_nothing_decodes(
         engine.step()
         steps += 1
     assert running.output_ids and steps == math.ceil((len(late) - 1) / 16)
+    while engine.has_unfinished():
+        engine.step()
+    assert [alone.output_ids, beside.output_ids] == plain
     by_hand = Engine(target, ModelDrafter(draft), replace(config, max_prefill_tokens=16))
     assert by_hand.idle_prefill_tokens == 16
 
