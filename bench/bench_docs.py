@@ -587,6 +587,8 @@ def llama_cpp_command(report: Report | None) -> str:
         parts += [
             f"--{k.replace('_', '-')} {report[k]}" for k, v in defaults.items() if report.get(k, v) != v
         ]
+        if report.get("llama_args"):
+            parts.append(f"--llama-args '{report['llama_args']}'")
     return " ".join(parts)
 
 
@@ -604,7 +606,9 @@ def llama_cpp_section(report: Report | None) -> list[str]:
     prompts = report["prompts"]
     lines += [
         f"llama.cpp's `llama-server` (built from the llama-cpp-python {report['llama_cpp_python']} sdist, "
-        "native flags) and multiguess take turns prompt by prompt on the embedded target: its Q4_1 "
+        "native flags"
+        + (f"; run with `{report['llama_args']}`" if report.get("llama_args") else "")
+        + ") and multiguess take turns prompt by prompt on the embedded target: its Q4_1 "
         "file as shipped and its bf16 conversion; the speculative methods draft with the shipped draft "
         f"(bf16; llama.cpp at most {report['draft_max']} tokens a step). {prompts} chat prompts, the same "
         f"token ids for both, greedy, at most {report['max_tokens']} tokens, {report['threads']} threads, "

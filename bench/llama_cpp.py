@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -50,14 +51,15 @@ REFERENCES = ("multiguess plain, bf16", "llama.cpp plain, Q4_1")  # the ratio co
 def llama_servers(stack: ExitStack, binary: Path, models: BenchModels, args: argparse.Namespace) -> dict:
     """The four llama.cpp methods, each its own server: plain and speculative, Q4_1 and bf16."""
     logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llama-server-")))
+    extra = tuple(shlex.split(args.llama_args))
     configs = {
-        "llama.cpp plain, Q4_1": ServerConfig(models.target_q4_1, args.threads),
-        "llama.cpp plain, bf16": ServerConfig(models.target_bf16, args.threads),
+        "llama.cpp plain, Q4_1": ServerConfig(models.target_q4_1, args.threads, extra=extra),
+        "llama.cpp plain, bf16": ServerConfig(models.target_bf16, args.threads, extra=extra),
         "llama.cpp speculative, Q4_1": ServerConfig(
-            models.target_q4_1, args.threads, models.draft_bf16, args.draft_max
+            models.target_q4_1, args.threads, models.draft_bf16, args.draft_max, extra
         ),
         "llama.cpp speculative, bf16": ServerConfig(
-            models.target_bf16, args.threads, models.draft_bf16, args.draft_max
+            models.target_bf16, args.threads, models.draft_bf16, args.draft_max, extra
         ),
     }
     servers = {}
@@ -187,6 +189,7 @@ def measure(built: LlamaCpp, models: BenchModels, args: argparse.Namespace) -> d
         "max_tokens": args.max_tokens,
         "prompts": len(prompts),
         "draft_max": args.draft_max,
+        "llama_args": args.llama_args,
         "load_seconds": mg["load_seconds"],
         "llama_cpp_commands": commands,
         "methods": [report_row(r, results, decode[name]) for name, r in results.items()],
@@ -201,6 +204,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="for multiguess and llama.cpp alike")
     parser.add_argument(
         "--draft-max", type=int, default=4, help="llama.cpp's longest draft (--spec-draft-n-max)"
+    )
+    parser.add_argument(
+        "--llama-args",
+        default="",
+        help="flags for every llama-server, as one string (--no-repack where its repacked AMX "
+        "kernels crash: llama-cpp-python 0.3.36's on a 2-core Xeon with AMX)",
     )
     parser.add_argument(
         "--build-only", action="store_true", help="build llama.cpp and convert the files only"

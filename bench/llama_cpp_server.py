@@ -23,12 +23,14 @@ CONTEXT = 1024  # prompt (~30-150 tokens) and reply (96) of every benchmark prom
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """What one server runs: a model, optionally a draft with its longest draft, and threads."""
+    """What one server runs: a model, optionally a draft with its longest draft, threads, and
+    flags added as given (``bench/llama_cpp.py --llama-args``)."""
 
     model: Path
     threads: int
     draft: Path | None = None
     draft_max: int = 4
+    extra: tuple[str, ...] = ()
 
 
 def server_command(binary: Path, config: ServerConfig, port: int) -> list[str]:
@@ -43,7 +45,7 @@ def server_command(binary: Path, config: ServerConfig, port: int) -> list[str]:
         command += ["-md", str(config.draft), "-td", threads, "-tbd", threads, "-ngld", "0"]
         command += ["--spec-type", "draft-simple", "--spec-draft-n-max", str(config.draft_max)]
         command += ["--spec-draft-n-min", "0"]
-    return command
+    return command + list(config.extra)
 
 
 def completion_request(prompt: list[int], max_tokens: int) -> dict[str, Any]:

@@ -246,3 +246,10 @@ def test_llama_cpp_headline_reads_the_ratios_to_llama_cpp_plain() -> None:
         "on the same Q4_1 GGUF: multiguess plain 1.95×, multiguess default 1.83×, "
         "llama.cpp's speculation 0.42× llama.cpp plain"
     )
+
+
+def test_llama_cpp_command_names_the_options_a_run_changed() -> None:
+    report = {"prompts": 8, "repeats": 5, "max_tokens": 96, "threads": 2, "draft_max": 4}
+    assert bench_docs.llama_cpp_command(report) == ".venv/bin/python bench/llama_cpp.py --repeats 5"
+    report["llama_args"] = "--no-repack"
+    assert bench_docs.llama_cpp_command(report).endswith("--repeats 5 --llama-args '--no-repack'")

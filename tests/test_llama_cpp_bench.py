@@ -68,6 +68,12 @@ def test_plain_server_command_has_no_draft() -> None:
     assert "-md" not in command and "--spec-type" not in command
 
 
+def test_extra_flags_reach_every_server_command() -> None:
+    for draft in (None, Path("/m/d.gguf")):
+        config = llama_cpp_server.ServerConfig(Path("/m/t.gguf"), 2, draft, extra=("--no-repack",))
+        assert llama_cpp_server.server_command(Path("llama-server"), config, 1)[-1] == "--no-repack"
+
+
 def test_speculative_server_command_names_the_draft_its_threads_and_length() -> None:
     config = llama_cpp_server.ServerConfig(Path("/m/t.gguf"), threads=3, draft=Path("/m/d.gguf"), draft_max=5)
     command = llama_cpp_server.server_command(Path("llama-server"), config, 1)
