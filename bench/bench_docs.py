@@ -588,7 +588,7 @@ def llama_cpp_command(report: Report | None) -> str:
             f"--{k.replace('_', '-')} {report[k]}" for k, v in defaults.items() if report.get(k, v) != v
         ]
         if report.get("llama_args"):
-            parts.append(f"--llama-args '{report['llama_args']}'")
+            parts.append(f"--llama-args='{report['llama_args']}'")
     return " ".join(parts)
 
 

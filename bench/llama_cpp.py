@@ -208,8 +208,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--llama-args",
         default="",
-        help="flags for every llama-server, as one string (--no-repack where its repacked AMX "
-        "kernels crash: llama-cpp-python 0.3.36's on a 2-core Xeon with AMX)",
+        help="flags for every llama-server, as one string after '=' (--llama-args=--no-repack where "
+        "its repacked AMX kernels crash: llama-cpp-python 0.3.36's on a 2-core Xeon with AMX)",
     )
     parser.add_argument(
         "--build-only", action="store_true", help="build llama.cpp and convert the files only"

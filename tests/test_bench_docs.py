@@ -252,4 +252,4 @@ def test_llama_cpp_command_names_the_options_a_run_changed() -> None:
     report = {"prompts": 8, "repeats": 5, "max_tokens": 96, "threads": 2, "draft_max": 4}
     assert bench_docs.llama_cpp_command(report) == ".venv/bin/python bench/llama_cpp.py --repeats 5"
     report["llama_args"] = "--no-repack"
-    assert bench_docs.llama_cpp_command(report).endswith("--repeats 5 --llama-args '--no-repack'")
+    assert bench_docs.llama_cpp_command(report).endswith("--repeats 5 --llama-args='--no-repack'")
