@@ -825,10 +825,11 @@ def llama_cpp_headline(report: Report) -> str:
     against llama.cpp's plain decoding of it."""
     methods = {r["method"]: r for r in report["methods"]}
     ratio = "vs llama.cpp plain, Q4_1"
+    flags = f" (llama.cpp run with `{report['llama_args']}`)" if report.get("llama_args") else ""
     return (
         f"on the same Q4_1 GGUF: multiguess plain {fmt(methods['multiguess plain, Q4_1'][ratio])}×, "
         f"multiguess default {fmt(methods['multiguess tree, Q4_1'][ratio])}×, llama.cpp's speculation "
-        f"{fmt(methods['llama.cpp speculative, Q4_1'][ratio])}× llama.cpp plain"
+        f"{fmt(methods['llama.cpp speculative, Q4_1'][ratio])}× llama.cpp plain{flags}"
     )
 
 

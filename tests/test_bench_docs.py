@@ -246,6 +246,8 @@ def test_llama_cpp_headline_reads_the_ratios_to_llama_cpp_plain() -> None:
         "on the same Q4_1 GGUF: multiguess plain 1.95×, multiguess default 1.83×, "
         "llama.cpp's speculation 0.42× llama.cpp plain"
     )
+    headline = bench_docs.llama_cpp_headline({"methods": methods, "llama_args": "--no-repack"})
+    assert headline.endswith("llama.cpp plain (llama.cpp run with `--no-repack`)")
 
 
 def test_llama_cpp_command_names_the_options_a_run_changed() -> None:
