@@ -52,15 +52,15 @@ def llama_servers(stack: ExitStack, binary: Path, models: BenchModels, args: arg
     """The four llama.cpp methods, each its own server: plain and speculative, Q4_1 and bf16."""
     logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llama-server-")))
     extra = tuple(shlex.split(args.llama_args))
+
+    def config(model: Path, draft: Path | None = None) -> ServerConfig:
+        return ServerConfig(model, args.threads, draft, args.draft_max, extra)
+
     configs = {
-        "llama.cpp plain, Q4_1": ServerConfig(models.target_q4_1, args.threads, extra=extra),
-        "llama.cpp plain, bf16": ServerConfig(models.target_bf16, args.threads, extra=extra),
-        "llama.cpp speculative, Q4_1": ServerConfig(
-            models.target_q4_1, args.threads, models.draft_bf16, args.draft_max, extra
-        ),
-        "llama.cpp speculative, bf16": ServerConfig(
-            models.target_bf16, args.threads, models.draft_bf16, args.draft_max, extra
-        ),
+        "llama.cpp plain, Q4_1": config(models.target_q4_1),
+        "llama.cpp plain, bf16": config(models.target_bf16),
+        "llama.cpp speculative, Q4_1": config(models.target_q4_1, models.draft_bf16),
+        "llama.cpp speculative, bf16": config(models.target_bf16, models.draft_bf16),
     }
     servers = {}
     for i, (name, config) in enumerate(configs.items()):

@@ -90,11 +90,12 @@ class Engine:
         self.config = self.planner.config  # with the token budget measured on this device
         # The prefill budget of a step in which no sequence decodes: a measured chunk's (auto)
         # several times over, a budget set by hand as it is.
-        self.idle_prefill_tokens = self.config.max_prefill_tokens
         if self.config.max_prefill_tokens == "auto":
             chunk = measure_prefill_chunk(self.target, self.config.max_model_len, PREFILL_PAUSE_STEPS)
             self.config = replace(self.config, max_prefill_tokens=chunk)
             self.idle_prefill_tokens = IDLE_PREFILL_CHUNKS * chunk
+        else:
+            self.idle_prefill_tokens = self.config.max_prefill_tokens
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
