@@ -65,3 +65,27 @@ def assert_ragged_rows_are_padded_rows(runner: NativeRunner, prompts: list[list[
         for b, tree in enumerate(trees):
             assert torch.equal(rows[b, : len(tree)], expected[b, : len(tree)])
         assert not rows[1, 2:].any()
+
+
+def assert_chunks_ride_along_unscored(runner: NativeRunner, prompts: list[list[int]]) -> None:
+    """A tree verified in slot 0 after prompt 0, with the second half of prompt 1 prefilled in
+    slot 1 in the same forward (``unscored``), gives bit for bit the logits, the captured hidden
+    states and the cache entries of the two written in forwards of their own (slots 2 and 3);
+    only the tree's rows are scored. ``runner`` needs four slots."""
+    tree = TokenTree((30, 41, 42, 43), (-1, 0, 0, 1))
+    first, second = prompts
+    half = len(second) // 2
+    for slots in ((0, 1), (2, 3)):
+        runner.forward_trees(list(slots), [0, 0], [TokenTree.chain(first), TokenTree.chain(second[:half])])
+    chunk = TokenTree.chain(second[half:])
+    together = runner.forward_trees([0, 1], [len(first), half], [tree, chunk], capture=(1,), unscored=1)
+    alone = runner.forward_trees([2], [len(first)], [tree], capture=(1,))
+    chunk_alone = runner.forward_trees([3], [half], [chunk], capture=(1,))
+    assert together.logits.shape == alone.logits.shape == (1, len(tree), runner.vocab_size)
+    assert torch.equal(together.logits, alone.logits)
+    assert torch.equal(together.features[0, : len(tree)], alone.features[0])
+    assert torch.equal(together.features[1], chunk_alone.features[0])
+    kv = runner.cache.kv
+    assert torch.equal(kv[:, 0, :, : len(first) + len(tree)], kv[:, 2, :, : len(first) + len(tree)])
+    assert torch.equal(kv[:, 1, :, : len(second)], kv[:, 3, :, : len(second)])
+    assert kv[:, 1, :, : len(second)].abs().sum() > 0

@@ -18,7 +18,11 @@ from multiguess.engine.runner import NativeRunner
 from multiguess.engine.tree import TokenTree
 from multiguess.models.loading import load_model
 
-from tests.engine.layer_kernels import assert_layer_kernel_is_per_op, assert_ragged_rows_are_padded_rows
+from tests.engine.layer_kernels import (
+    assert_chunks_ride_along_unscored,
+    assert_layer_kernel_is_per_op,
+    assert_ragged_rows_are_padded_rows,
+)
 from tests.engine.test_fast_path import linear
 from tests.engine.test_lossless import random_prompts
 
@@ -319,6 +323,15 @@ def test_trees_of_different_sizes_verify_a_node_per_row_as_if_padded(
     runner = NativeRunner(load_model(str(gqa_pair[0]), dtype="bfloat16"), 2, 256)
     assert runner.backend.layer_kernels and runner.backend.ragged_rows
     assert_ragged_rows_are_padded_rows(runner, random_prompts(14, (40, 9)))
+
+
+@needs_kernel
+def test_a_prompt_chunk_rides_along_a_verification_unscored(
+    gqa_pair: tuple[Path, Path], product: bool
+) -> None:
+    runner = NativeRunner(load_model(str(gqa_pair[0]), dtype="bfloat16"), 4, 256)
+    assert runner.backend.ragged_rows
+    assert_chunks_ride_along_unscored(runner, random_prompts(16, (40, 90)))
 
 
 @needs_kernel

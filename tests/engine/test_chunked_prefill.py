@@ -108,6 +108,45 @@ def test_running_streams_decode_while_a_long_prompt_is_prefilled(
     assert len(running.output_ids) - before >= steps  # a token or more every step of the prefill
 
 
+@needs_kernel
+def test_chunks_ride_along_the_verification_on_the_layer_kernels(
+    tiny_llama: Path, tiny_llama_draft: Path
+) -> None:
+    """Where the backend computes every row alone, a prompt's chunks are written in the forward
+    that verifies the running sequences: one target forward a step, the prompt's first token
+    the step after its last chunk, and every output what plain decoding gives."""
+    target, draft = load_model(str(tiny_llama), "bfloat16"), load_model(str(tiny_llama_draft), "bfloat16")
+    short, long = random_prompts(59, (4, 70))
+    whole = EngineConfig(max_model_len=256, adaptive=False, max_prefill_tokens=None)
+    plain = [staggered(Engine(target, None, whole), [p], GREEDY)[0] for p in (short, long)]
+    budget = 16
+    config = EngineConfig(3, 3, max_model_len=256, adaptive=False, max_prefill_tokens=budget)
+    engine = Engine(target, ModelDrafter(draft), config)
+    assert engine.target.backend.ragged_rows
+    forwards = []
+    forward = engine.target.forward
+
+    def counted(*args: object, **kwargs: object) -> object:
+        forwards.append(args[2].numel())  # type: ignore[attr-defined]
+        return forward(*args, **kwargs)
+
+    engine.target.forward = counted  # type: ignore[method-assign]
+    running = engine.add_request("running", short, SamplingParams(max_tokens=80, ignore_eos=True))
+    engine.step()
+    waiting = engine.add_request("long", long, GREEDY)
+    steps = 0
+    while not waiting.output_ids:
+        forwards.clear()
+        engine.step()
+        steps += 1
+        assert len(forwards) == 1
+    assert steps == math.ceil((len(long) - 1) / budget) + 1
+    while engine.has_unfinished():
+        engine.step()
+    assert [running.output_ids[:12], waiting.output_ids] == plain
+    assert engine.totals.fallback_steps == 0
+
+
 def test_the_measured_chunk_grows_while_nothing_decodes(
     tiny_llama: Path, tiny_llama_draft: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

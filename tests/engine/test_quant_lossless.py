@@ -19,7 +19,11 @@ from multiguess.engine.runner import NativeRunner
 from multiguess.engine.tree import TokenTree
 from multiguess.models.loading import load_model
 
-from tests.engine.layer_kernels import assert_layer_kernel_is_per_op, assert_ragged_rows_are_padded_rows
+from tests.engine.layer_kernels import (
+    assert_chunks_ride_along_unscored,
+    assert_layer_kernel_is_per_op,
+    assert_ragged_rows_are_padded_rows,
+)
 from tests.engine.test_lossless import random_prompts
 from tests.gguf_files import K_SIZES, tiny_gguf
 from tests.tiny_models import save_noisy_copy
@@ -106,6 +110,14 @@ def test_trees_of_different_sizes_verify_a_node_per_row_as_if_padded(tmp_path: P
     runner = NativeRunner(load_model(str(tiny_gguf(tmp_path, "llama", Q.Q4_1)), device="cpu"), 2, 256)
     assert runner.backend.quantized_layers and runner.backend.ragged_rows
     assert_ragged_rows_are_padded_rows(runner, random_prompts(2, (40, 9), vocab=200))
+
+
+@needs_kernel
+@pytest.mark.skipif(not cpu_has_fast_bf16(), reason="bf16 activations need the bf16 kernels")
+def test_a_prompt_chunk_rides_along_a_verification_unscored(tmp_path: Path) -> None:
+    runner = NativeRunner(load_model(str(tiny_gguf(tmp_path, "llama", Q.Q4_1)), device="cpu"), 4, 256)
+    assert runner.backend.quantized_layers
+    assert_chunks_ride_along_unscored(runner, random_prompts(3, (40, 90), vocab=200))
 
 
 @needs_kernel

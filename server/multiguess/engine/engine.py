@@ -125,7 +125,10 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """One step of every running sequence, as docs/ENGINE.md ("Data flow: one step") tells it."""
         self._admit()  # 1. admit waiting requests, then prefill their prompts
-        self._prefill()
+        chunks = self._prefill_work()
+        if not self._rides_along(chunks):
+            self._prefill(chunks)  # alone: the prompts it completes decode in this step too
+            chunks = []
         self.last_tree_sizes, self.last_outcomes = [], []
         batch = [s for s in self.running if not s.prefilling]
         if not batch:
@@ -134,10 +137,15 @@ class Engine:
         width = max(len(p.tree) for p in proposals)  # every row of the forward writes the widest tree
         kept = self._make_room([(s, width) for s in batch])
         batch, proposals = [batch[i] for i in kept], [proposals[i] for i in kept]
+        chunks = [(s, n) for s, n in chunks if any(s is r for r in self.running)]
+        rows = sum(len(p.tree) for p in proposals) + sum(n for _, n in chunks)
+        if chunks and (not batch or rows > self.config.max_model_len):
+            self._prefill(chunks)  # more rows than the memory plan measured in one forward
+            chunks = []
         if not batch:
             return []
         self.last_tree_sizes = [len(p.tree) - 1 for p in proposals]
-        logits, features = self._verify(batch, proposals)  # 4. verify them in one target forward
+        logits, features = self._verify(batch, proposals, chunks)  # 4. verify them in one target forward
         batched = self.target.backend.batched_acceptance
         verdicts = accept_trees(batch, proposals, logits, self.eos_ids, batched)  # 5. accept
         self.target.cache.compact_all(
@@ -157,18 +165,24 @@ class Engine:
         return outputs
 
     def _verify(
-        self, batch: list[Sequence], proposals: list[Proposal]
+        self, batch: list[Sequence], proposals: list[Proposal], chunks: list[tuple[Sequence, int]]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every sequence's tree in one target forward: the logits after each node, and the
-        hidden states the drafter reads (None when it reads none)."""
+        hidden states the drafter reads (None when it reads none). ``chunks`` (prompt chunks
+        riding along: ``_rides_along``) are written in the same forward, unscored."""
         capture = self._feature_layers()
+        chained = [s for s, _ in chunks]
         verified = self.target.forward_trees(
-            [s.slot for s in batch],
-            [s.cache_len for s in batch],
-            [p.tree for p in proposals],
+            [s.slot for s in (*batch, *chained)],
+            [s.cache_len for s in (*batch, *chained)],
+            [p.tree for p in proposals] + [prompt_chunk(s, n) for s, n in chunks],
             capture=capture,
+            unscored=len(chunks),
         )
-        return (verified.logits, verified.features) if capture else (verified, None)
+        logits, features = (verified.logits, verified.features) if capture else (verified, None)
+        if chunks:
+            self._prefilled(chunks, None, None if features is None else features[len(batch) :])
+        return logits, features
 
     def _compact(
         self, seq: Sequence, proposal: Proposal, verdict: Verdict, features: torch.Tensor | None
@@ -233,13 +247,12 @@ class Engine:
             self.target.cache.truncate(seq.slot, seq.cache_len)  # a paged cache frees the rest
             self.running.append(seq)
 
-    def _prefill(self) -> None:
-        """This step's share of the prompts still being prefilled: ``max_prefill_tokens`` in all
-        (None: every prompt whole; ``idle_prefill_tokens`` while no sequence decodes), the
-        earliest admitted first (``prefill_chunks``), each chunk a chain after what its sequence
-        has cached. A long prompt is thus prefilled over several steps, and the running
-        sequences decode a step between its chunks. The draft catches up on each chunk too, so
-        the first proposal does not feed the whole prompt in one step."""
+    def _prefill_work(self) -> list[tuple[Sequence, int]]:
+        """This step's share of the prompts still being prefilled, as (sequence, tokens):
+        ``max_prefill_tokens`` in all (None: every prompt whole; ``idle_prefill_tokens`` while no
+        sequence decodes), the earliest admitted first (``prefill_chunks``), each chunk a chain
+        after what its sequence has cached. A long prompt is thus prefilled over several steps,
+        and the running sequences decode a step between its chunks."""
         pending = [s for s in self.running if s.prefilling]
         decoding = len(pending) < len(self.running)
         budget = self.config.max_prefill_tokens if decoding else self.idle_prefill_tokens
@@ -247,7 +260,24 @@ class Engine:
         sizes = prefill_chunks([prefill_left(s) for s in pending], budget)
         work = [(s, n) for s, n in zip(pending, sizes, strict=True) if n]
         widest = max((n for _, n in work), default=0)  # a group's rows write its longest chunk
-        work = [work[i] for i in self._make_room([(s, widest) for s, _ in work])]
+        return [work[i] for i in self._make_room([(s, widest) for s, _ in work])]
+
+    def _rides_along(self, chunks: list[tuple[Sequence, int]]) -> bool:
+        """Whether this step's prompt chunks go into the verification forward, unscored, instead
+        of a forward of their own: where the backend computes every row alone (a chunk then
+        costs its rows, not another pass over the weights), some sequence decodes, and no
+        chunk needs its prompt's log-probabilities (every row's logits). A prompt completed
+        this way decodes from the next step on."""
+        return (
+            bool(chunks)
+            and self.target.backend.ragged_rows
+            and any(not s.prefilling for s in self.running)
+            and all(s.params.prompt_logprobs is None for s, _ in chunks)
+        )
+
+    def _prefill(self, work: list[tuple[Sequence, int]]) -> None:
+        """Prefill ``work``'s chunks in forwards of their own, padded in groups within the rows
+        the memory plan measured."""
         capture = self._feature_layers() if work else ()
         rooms = [self.target.capacity - s.cache_len for s, _ in work]
         for group in padded_groups([n for _, n in work], self.config.max_model_len, rooms):
@@ -256,22 +286,29 @@ class Engine:
             out = self.target.forward_trees(
                 [s.slot for s, _ in part],
                 [s.cache_len for s, _ in part],
-                [TokenTree.chain(s.token_ids[s.cache_len : s.cache_len + n]) for s, n in part],
+                [prompt_chunk(s, n) for s, n in part],
                 last_only=not scored,  # only prompt log-probabilities need every position's logits
                 capture=capture,
             )
-            logits = out.logits if capture else out
-            for b, (seq, n) in enumerate(part):
-                start = seq.cache_len
-                if capture:
-                    self._hand_features(seq, start, out.features[b, :n])
-                if seq.params.prompt_logprobs is not None and not seq.output_ids:
-                    predicted = seq.prompt_ids[start + 1 : start + n + 1]
-                    seq.prompt_logprobs += prompt_logprobs(
-                        logits[b, :n], predicted, seq.params.prompt_logprobs
-                    )
-                seq.cache_len += n
-                self._prefill_draft(seq)
+            logits, features = (out.logits, out.features) if capture else (out, None)
+            self._prefilled(part, logits, features)
+
+    def _prefilled(
+        self, part: list[tuple[Sequence, int]], logits: torch.Tensor | None, features: torch.Tensor | None
+    ) -> None:
+        """After ``part``'s chunks are cached: the drafter gets their features (when it reads
+        them) and catches up on them, and prompt log-probabilities are taken from ``logits``
+        (every chunk row's, where asked)."""
+        for b, (seq, n) in enumerate(part):
+            start = seq.cache_len
+            if features is not None:
+                self._hand_features(seq, start, features[b, :n])
+            if seq.params.prompt_logprobs is not None and not seq.output_ids:
+                assert logits is not None  # such chunks never ride along (``_rides_along``)
+                predicted = seq.prompt_ids[start + 1 : start + n + 1]
+                seq.prompt_logprobs += prompt_logprobs(logits[b, :n], predicted, seq.params.prompt_logprobs)
+            seq.cache_len += n
+            self._prefill_draft(seq)
 
     def _make_room(self, work: list[tuple[Sequence, int]]) -> list[int]:
         """The indices of ``work`` (running sequences, and how many entries each forward row
@@ -345,6 +382,11 @@ class Engine:
         if self.config.prompt_lookup and self.config.recent_outputs:
             self.planner.copies.record(seq.output_ids, seq.params.cache_scope)
         self.slots.free(seq, self.running, self.drafter)
+
+
+def prompt_chunk(seq: Sequence, tokens: int) -> TokenTree:
+    """The next ``tokens`` of ``seq``'s prompt after what its cache holds, as a chain."""
+    return TokenTree.chain(seq.token_ids[seq.cache_len : seq.cache_len + tokens])
 
 
 def prefill_left(seq: Sequence) -> int:

@@ -114,6 +114,7 @@ class NativeRunner:
         visible: torch.Tensor,
         logits_at: torch.Tensor | None = None,
         capture: tuple[int, ...] = (),
+        scored_rows: int | None = None,
     ) -> torch.Tensor | Captured:
         """Write a batch of token-tree nodes into the caches and return float32 logits.
 
@@ -121,7 +122,9 @@ class NativeRunner:
         ``write_from[b] + 0..T-1``; ``visible`` is ``[B, T, W]`` over the region after each
         prefix (see ``region_attention_mask``). Logits are for every node ``[B, T, V]``, or for the
         ``logits_at`` column of each row only ``[B, V]`` (a prefill needs just the last one); V
-        is the vocabulary, or ``head_vocab`` when the runner scores only that. With ``capture``
+        is the vocabulary, or ``head_vocab`` when the runner scores only that; with
+        ``scored_rows``, for the first that many rows only (the others' logits are not needed:
+        the head is a large product). With ``capture``
         (layer indices, transformers' ``output_hidden_states`` numbering) the result is
         ``Captured``: the logits and the hidden states entering those layers at every node,
         copied as the layers run; without it nothing is copied.
@@ -154,6 +157,8 @@ class NativeRunner:
         x = self.backend.run_layers(self, x, at)
         if logits_at is not None:  # the norm is per row: selecting first is the same
             x = x[torch.arange(batch, device=device), logits_at.to(device)]
+        elif scored_rows is not None:
+            x = x[:scored_rows]
         if self.head is None:
             logits = self.lm_head(rms_norm(self.norm, x)).float()
         else:
@@ -171,15 +176,20 @@ class NativeRunner:
         trees: list[TokenTree],
         last_only: bool = False,
         capture: tuple[int, ...] = (),
+        unscored: int = 0,
     ) -> torch.Tensor | Captured:
         """Each tree written right after its prefix, seeing prefix + ancestors (verify, prefill).
         Trees of different sizes are padded to the widest, or, where the backend computes every
         row alone (``ragged_rows``), verified a node per row: no padding is computed, and the
-        result has the padded shape, its padding rows zero."""
+        result has the padded shape, its padding rows zero. The last ``unscored`` trees (prefill
+        chunks written beside a verification: ``ragged_rows`` only) get no logits: the logits
+        are the other trees', padded to the widest of those."""
         tokens, depths, ancestors = pack_trees(trees)
         lens = torch.tensor(prefix_lens)
-        if not last_only and self.backend.ragged_rows and len({len(t) for t in trees}) > 1:
-            return self._forward_ragged(slots, lens, trees, tokens, depths, ancestors, capture)
+        if unscored or (not last_only and self.backend.ragged_rows and len({len(t) for t in trees}) > 1):
+            if not self.backend.ragged_rows:
+                raise ValueError(f"the {self.backend.name} backend pads rows: every tree is scored")
+            return self._forward_ragged(slots, lens, trees, tokens, depths, ancestors, capture, unscored)
         logits_at = torch.tensor([len(t) - 1 for t in trees]) if last_only else None
         return self.forward(
             slots, prefix_lens, tokens, lens[:, None] + depths, lens, ancestors, logits_at, capture
@@ -194,14 +204,18 @@ class NativeRunner:
         depths: torch.Tensor,
         ancestors: torch.Tensor,
         capture: tuple[int, ...],
+        unscored: int = 0,
     ) -> torch.Tensor | Captured:
         """``forward_trees`` over one row per node: node i of tree b is written at its prefix
         plus i and sees what it would see in b's padded row, and its logits (and features) land
-        at ``[b, i]`` of the padded result."""
+        at ``[b, i]`` of the padded result; only the first ``len(trees) - unscored`` trees'
+        rows (the first rows: a tree's nodes are consecutive) go through the head."""
         batch, width = tokens.shape
-        real = torch.arange(width)[None, :] < torch.tensor([len(t) for t in trees])[:, None]
+        sizes = torch.tensor([len(t) for t in trees])
+        real = torch.arange(width)[None, :] < sizes[:, None]
         owner, node = real.nonzero(as_tuple=True)
         starts = lens[owner]
+        scored = batch - unscored
         out = self.forward(
             [slots[b] for b in owner.tolist()],
             starts.tolist(),
@@ -210,13 +224,17 @@ class NativeRunner:
             starts + node,
             ancestors[real][:, None],
             capture=capture,
+            scored_rows=int(sizes[:scored].sum()) if unscored else None,
         )
-        places, padding = owner * width + node, (~real).flatten().nonzero()[:, 0]
 
-        def padded(rows: torch.Tensor) -> torch.Tensor:
-            spread = rows.new_empty(batch * width, rows.shape[-1]).index_fill_(0, padding, 0)
-            return spread.index_copy_(0, places, rows[:, 0]).view(batch, width, -1)
+        def padded(rows: torch.Tensor, trees: int) -> torch.Tensor:
+            """The rows of the first ``trees`` trees, padded to the widest of them."""
+            wide = int(sizes[:trees].max())
+            places = (owner * wide + node)[: len(rows)]
+            padding = (~real[:trees, :wide]).flatten().nonzero()[:, 0]
+            spread = rows.new_empty(trees * wide, rows.shape[-1]).index_fill_(0, padding, 0)
+            return spread.index_copy_(0, places, rows[:, 0]).view(trees, wide, -1)
 
         if isinstance(out, Captured):
-            return Captured(padded(out.logits), padded(out.features))
-        return padded(out)
+            return Captured(padded(out.logits, scored), padded(out.features, batch))
+        return padded(out, scored)
