@@ -71,10 +71,13 @@ def assert_chunks_ride_along_unscored(runner: NativeRunner, prompts: list[list[i
     """A tree verified in slot 0 after prompt 0, with the second half of prompt 1 prefilled in
     slot 1 in the same forward (``unscored``), gives bit for bit the logits, the captured hidden
     states and the cache entries of the two written in forwards of their own (slots 2 and 3);
-    only the tree's rows are scored. ``runner`` needs four slots."""
+    only the tree's rows are scored. The chunk is wider than the cache has room for after prompt
+    0: the tree attends over its own prefix and nodes, not over the chunk's width. ``runner``
+    needs four slots."""
     tree = TokenTree((30, 41, 42, 43), (-1, 0, 0, 1))
     first, second = prompts
     half = len(second) // 2
+    assert len(first) + len(second) - half > runner.capacity
     for slots in ((0, 1), (2, 3)):
         runner.forward_trees(list(slots), [0, 0], [TokenTree.chain(first), TokenTree.chain(second[:half])])
     chunk = TokenTree.chain(second[half:])

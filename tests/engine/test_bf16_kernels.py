@@ -331,7 +331,7 @@ def test_a_prompt_chunk_rides_along_a_verification_unscored(
 ) -> None:
     runner = NativeRunner(load_model(str(gqa_pair[0]), dtype="bfloat16"), 4, 256)
     assert runner.backend.ragged_rows
-    assert_chunks_ride_along_unscored(runner, random_prompts(16, (40, 90)))
+    assert_chunks_ride_along_unscored(runner, random_prompts(16, (200, 120)))
 
 
 @needs_kernel

@@ -117,7 +117,7 @@ def test_trees_of_different_sizes_verify_a_node_per_row_as_if_padded(tmp_path: P
 def test_a_prompt_chunk_rides_along_a_verification_unscored(tmp_path: Path) -> None:
     runner = NativeRunner(load_model(str(tiny_gguf(tmp_path, "llama", Q.Q4_1)), device="cpu"), 4, 256)
     assert runner.backend.quantized_layers
-    assert_chunks_ride_along_unscored(runner, random_prompts(3, (40, 90), vocab=200))
+    assert_chunks_ride_along_unscored(runner, random_prompts(3, (200, 120), vocab=200))
 
 
 @needs_kernel

@@ -20,7 +20,13 @@ from multiguess.engine.kv_cache import KVCache, StaticKVCache
 from multiguess.engine.linear import rms_norm
 from multiguess.engine.loaded_model import LoadedModel
 from multiguess.engine.paged_kv import PagedKVCache
-from multiguess.engine.placement import Placement, Rope, region_attention_mask, sees_only_its_own
+from multiguess.engine.placement import (
+    Placement,
+    Rope,
+    attended_length,
+    region_attention_mask,
+    sees_only_its_own,
+)
 from multiguess.engine.tree import TokenTree, pack_trees
 
 
@@ -129,9 +135,9 @@ class NativeRunner:
         ``Captured``: the logits and the hidden states entering those layers at every node,
         copied as the layers run; without it nothing is copied.
         """
-        batch, width = tokens.shape
+        batch = tokens.shape[0]
         device = self.device
-        length = max(int(write_from.max()) + width, max(prefix_lens) + visible.shape[2])
+        length = attended_length(prefix_lens, write_from, visible, self.backend.ragged_rows)
         if length > self.capacity:
             raise ValueError(f"sequence would exceed the cache capacity of {self.capacity} tokens")
         if self.static is not None and not capture:
