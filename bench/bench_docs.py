@@ -320,7 +320,8 @@ def long_prompt_section(report: Report | None) -> list[str]:
     lines += [
         f"Real `multiguess serve` processes with their default settings but the prefill: one greedy "
         f"stream runs while a request with a {report['long_tokens']}-token prompt (new token ids each "
-        f"trial: no prefix cache helps) and one output token arrives; {report['repeats']} trials per "
+        f"trial: no prefix cache helps) and one output token arrives (the stream in a cache scope of "
+        f"its own each trial: it copies no earlier trial's); {report['repeats']} trials per "
         "setup, taking turns, medians over trials. The pause is the gap between the stream's text "
         "chunks; the longest one overlapping the long request is what a reader sees stall, the median "
         "one then is a step that carries a chunk of the prompt. The chunk is the server's own "

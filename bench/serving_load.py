@@ -26,7 +26,8 @@ chat) at 1, 4 and 8 clients, plain decoding against the default configuration
 (``grounded_load.py``).
 
 ``--workload long-prompt``: one greedy stream runs while a request with a prompt of
-``--long-tokens`` token ids (2,000; new ids each trial, so no prefix cache helps) arrives; the
+``--long-tokens`` token ids (2,000; new ids each trial, so no prefix cache helps; the stream
+in a cache scope of its own each trial, so it copies no earlier trial's) arrives; the
 stream's longest pause between text chunks while that prompt is prefilled, its median gap then
 and before, and the long request's latency, in two setups taking turns:
 
@@ -320,10 +321,12 @@ def measure(
     return {name: [summarise(c, runs[name][li]) for li, c in enumerate(levels)] for name in names}
 
 
-async def interference_trial(base_url: str, long_prompt: list[int], warm_chunks: int = 8) -> dict:
+async def interference_trial(base_url: str, long_prompt: list[int], salt: str, warm_chunks: int = 8) -> dict:
     """A greedy stream runs (``warm_chunks`` text chunks first); then the long prompt arrives
     (one token asked); the stream is closed shortly after that request returns. The gaps
-    between the stream's text chunks before it arrived, and those overlapping its wait."""
+    between the stream's text chunks before it arrived, and those overlapping its wait. The
+    stream decodes in the cache scope ``salt`` (one per trial), so it never copies an earlier
+    trial's stream of the same prompt."""
     client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
     model = await served_model(client)
     stream = await client.completions.create(
@@ -332,7 +335,7 @@ async def interference_trial(base_url: str, long_prompt: list[int], warm_chunks:
         max_tokens=STREAM_TOKENS,
         temperature=0,
         stream=True,
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, "cache_salt": salt},
     )
     times: list[float] = []
 
@@ -385,7 +388,8 @@ def measure_interference(setups: dict[str, list[str]], args: argparse.Namespace)
         for repeat in range(args.repeats):
             for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
                 prompt = [ids.randrange(1000, 40000) for _ in range(args.long_tokens)]
-                trial = asyncio.run(interference_trial(f"http://127.0.0.1:{servers[name][1]}/v1", prompt))
+                url = f"http://127.0.0.1:{servers[name][1]}/v1"
+                trial = asyncio.run(interference_trial(url, prompt, f"{name}-{repeat}"))
                 trials[name].append(trial)
                 print(f"  repeat {repeat + 1}/{args.repeats} {name}: {trial}", file=sys.stderr)
         chunks = {name: prefill_chunk(port) for name, (_, port) in servers.items()}
