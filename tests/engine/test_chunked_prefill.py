@@ -205,7 +205,14 @@ def test_a_failing_draft_prefill_falls_back_and_output_stays(
     assert calls and engine.fallback_reasons["error"] >= len(calls)
 
 
-def test_eagle3_chunked_prefill_is_the_targets_output(small_vocab_target: Path, tmp_path: Path) -> None:  # noqa: F811
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_kernel)])
+def test_eagle3_chunked_prefill_is_the_targets_output(
+    small_vocab_target: Path,  # noqa: F811
+    tmp_path: Path,
+    dtype: str,
+) -> None:
+    """The head reads the target's features of every chunk, from a forward of its own or (bf16
+    layer kernels: the short prompt decodes meanwhile) from the verification it rides along."""
     head = saved_head(small_vocab_target, tmp_path / "head", seed=12)
     prompts = [
         [5, 6, 7, 4, 5, 6, 4, 4, 5, 7, 6, 5, 4, 7, 7, 6, 5, 6, 7],
@@ -214,12 +221,13 @@ def test_eagle3_chunked_prefill_is_the_targets_output(small_vocab_target: Path, 
     ]
     outputs = []
     for budget in (None, 4):
-        llm = LLM(str(small_vocab_target), str(head), 3, 3, dtype="float32", drafter="eagle3",
+        llm = LLM(str(small_vocab_target), str(head), 3, 3, dtype=dtype, drafter="eagle3",
                   adaptive=False, max_prefill_tokens=budget)  # fmt: skip
+        assert llm.engine.target.backend.ragged_rows == (dtype == "bfloat16")
         outs = llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
         outputs.append([o.outputs[0].token_ids for o in outs])
         assert llm.engine.totals.accepted_tokens > 0 and llm.engine.totals.fallback_steps == 0
-    assert outputs[0] == outputs[1] == plain_outputs(small_vocab_target, prompts, "float32", 20)
+    assert outputs[0] == outputs[1] == plain_outputs(small_vocab_target, prompts, dtype, 20)
 
 
 @pytest.mark.parametrize("budget", [None, 6])
