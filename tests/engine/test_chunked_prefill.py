@@ -6,6 +6,7 @@ between its chunks; prompt log-probabilities are the model's own."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from multiguess.engine import engine as engine_module
 from multiguess.engine.config import IDLE_PREFILL_CHUNKS, EngineConfig
 from multiguess.engine.drafters.model import ModelDrafter
 from multiguess.engine.engine import Engine
+from multiguess.engine.sequence import Sequence
 from multiguess.models.loading import load_model
 from transformers import AutoModelForCausalLM
 
@@ -36,6 +38,22 @@ def staggered(engine: Engine, prompts: list[list[int]], params: SamplingParams) 
     while engine.has_unfinished():
         engine.step()
     return [s.output_ids for s in seqs]
+
+
+def arrival_beside_a_stream(
+    engine: Engine, stream: list[int], prompt: list[int], step: Callable[[], object] | None = None
+) -> tuple[Sequence, Sequence, int, int]:
+    """A greedy stream of ``stream`` decodes a step, then ``prompt`` arrives: the two sequences,
+    the steps (``step``, by default ``engine.step``) until the arrival's first token, and the
+    tokens the stream decoded meanwhile."""
+    running = engine.add_request("running", stream, SamplingParams(max_tokens=80, ignore_eos=True))
+    engine.step()
+    arrived = engine.add_request("arrived", prompt, GREEDY)
+    before, steps = len(running.output_ids), 0
+    while not arrived.output_ids:
+        (step or engine.step)()
+        steps += 1
+    return running, arrived, steps, len(running.output_ids) - before
 
 
 CASES = [
@@ -97,15 +115,9 @@ def test_running_streams_decode_while_a_long_prompt_is_prefilled(
     budget = 16
     config = EngineConfig(3, 3, max_model_len=256, adaptive=False, max_prefill_tokens=budget)
     engine = Engine(target, ModelDrafter(draft), config)
-    running = engine.add_request("running", short, SamplingParams(max_tokens=80, ignore_eos=True))
-    engine.step()
-    waiting = engine.add_request("long", long, GREEDY)
-    before, steps = len(running.output_ids), 0
-    while not waiting.output_ids:
-        engine.step()
-        steps += 1
+    _, _, steps, decoded = arrival_beside_a_stream(engine, short, long)
     assert steps == math.ceil((len(long) - 1) / budget)
-    assert len(running.output_ids) - before >= steps  # a token or more every step of the prefill
+    assert decoded >= steps  # a token or more every step of the prefill
 
 
 @needs_kernel
@@ -131,19 +143,17 @@ def test_chunks_ride_along_the_verification_on_the_layer_kernels(
         return forward(*args, **kwargs)
 
     engine.target.forward = counted  # type: ignore[method-assign]
-    running = engine.add_request("running", short, SamplingParams(max_tokens=80, ignore_eos=True))
-    engine.step()
-    waiting = engine.add_request("long", long, GREEDY)
-    steps = 0
-    while not waiting.output_ids:
+
+    def one_forward() -> None:
         forwards.clear()
         engine.step()
-        steps += 1
         assert len(forwards) == 1
+
+    running, arrived, steps, _ = arrival_beside_a_stream(engine, short, long, one_forward)
     assert steps == math.ceil((len(long) - 1) / budget) + 1
     while engine.has_unfinished():
         engine.step()
-    assert [running.output_ids[:12], waiting.output_ids] == plain
+    assert [running.output_ids[:12], arrived.output_ids] == plain
     assert engine.totals.fallback_steps == 0
 
 
@@ -168,13 +178,7 @@ def test_the_measured_chunk_grows_while_nothing_decodes(
     assert alone.output_ids  # prefilled whole, then its first step, in one engine step
     while engine.has_unfinished():
         engine.step()
-    running = engine.add_request("running", short, SamplingParams(max_tokens=80, ignore_eos=True))
-    engine.step()
-    beside = engine.add_request("beside", late, GREEDY)
-    steps = 0
-    while not beside.output_ids:
-        engine.step()
-        steps += 1
+    running, beside, steps, _ = arrival_beside_a_stream(engine, short, late)
     assert running.output_ids and steps == math.ceil((len(late) - 1) / 16)
     while engine.has_unfinished():
         engine.step()
