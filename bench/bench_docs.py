@@ -214,7 +214,14 @@ def load_section(report: Report | None) -> list[str]:
         f"Real `multiguess serve` processes on 127.0.0.1, embedded pair, greedy chat prompts, "
         f"{report['max_tokens']} tokens per request, {report['rounds']} requests per client (at least "
         f"{report['min_requests']} per level), {report['repeats']} repeats per level with the setups "
-        "taking turns; tokens/s is the median over repeats, latencies pool every request. Setups: "
+        "taking turns; tokens/s is the median over repeats, latencies pool every request. "
+        + (
+            "The prompts come round again; each request decodes in a cache scope of its own "
+            "(`cache_salt`), so none reuses an earlier run's KV or copies its reply. "
+            if report.get("own_scopes")
+            else ""
+        )
+        + "Setups: "
         + ", ".join(f"({name[0]}) {name[3:]}" for name in report["setups"])
         + ".",
         "",

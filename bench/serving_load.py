@@ -4,7 +4,8 @@ Starts real ``multiguess serve`` processes on 127.0.0.1 with the embedded pair, 
 once (an idle server uses no CPU), and drives them with an async streaming client (the ``openai``
 package) at several concurrency levels. Two workloads:
 
-``--workload mixed`` (the default): one user message per request, three setups,
+``--workload mixed`` (the default): one user message per request, each request in a cache scope
+of its own (the prompts come round again), three setups,
 
     (a) batched + adaptive speculation  (--max-batch 16)
     (b) batched, no speculation         (--max-batch 16 --drafter none)
@@ -55,6 +56,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from local_server import free_port, start_ready
@@ -145,10 +147,11 @@ def messages_for(prompt: str, system: str | None) -> list[dict[str, str]]:
 
 
 async def one_request(
-    client: AsyncOpenAI, model: str, messages: list[dict[str, str]], max_tokens: int
+    client: AsyncOpenAI, model: str, messages: list[dict[str, str]], max_tokens: int, salt: str | None
 ) -> dict:
     """One streamed chat request: time to the first text, end to end, tokens, prompt tokens, and
-    the gaps between the chunks that carried text after the first (what a reader sees stall)."""
+    the gaps between the chunks that carried text after the first (what a reader sees stall).
+    With ``salt`` it decodes in that cache scope (``cache_salt``)."""
     start = time.perf_counter()
     first = last = None
     tokens = prompt_tokens = 0
@@ -160,6 +163,7 @@ async def one_request(
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body={"cache_salt": salt} if salt else None,
     )
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -181,9 +185,16 @@ async def served_model(client: AsyncOpenAI) -> str:
 
 
 async def run_level(
-    base_url: str, conversations: list[list[dict[str, str]]], concurrency: int, requests: int, max_tokens: int
+    base_url: str,
+    conversations: list[list[dict[str, str]]],
+    concurrency: int,
+    requests: int,
+    max_tokens: int,
+    own_scopes: bool,
 ) -> tuple[list[dict], float]:
-    """Every request's timings and the wall time of ``requests`` requests from ``concurrency`` clients."""
+    """Every request's timings and the wall time of ``requests`` requests from ``concurrency``
+    clients; with ``own_scopes`` each request in a cache scope of its own, so a prompt that comes
+    round again neither reuses the KV of its earlier run nor copies its reply."""
     client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
     model = await served_model(client)
     queue = [conversations[i % len(conversations)] for i in range(requests)]
@@ -191,7 +202,8 @@ async def run_level(
 
     async def worker() -> None:
         while queue:
-            results.append(await one_request(client, model, queue.pop(), max_tokens))
+            salt = uuid.uuid4().hex if own_scopes else None
+            results.append(await one_request(client, model, queue.pop(), max_tokens, salt))
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -307,7 +319,8 @@ def measure(
                 for name in turn:
                     url = f"http://127.0.0.1:{servers[name][1]}/v1"
                     requests = max(c * args.rounds, args.min_requests)
-                    run = asyncio.run(run_level(url, conversations, c, requests, args.max_tokens))
+                    own_scopes = args.workload == "mixed"
+                    run = asyncio.run(run_level(url, conversations, c, requests, args.max_tokens, own_scopes))
                     runs[name][li].append(run)
                     tps = sum(r["tokens"] for r in run[0]) / run[1]
                     print(
@@ -480,6 +493,7 @@ def main() -> int:
     setups = {name: flags for name, flags in every.items() if name[0] in chosen}
     report = {**provenance(), "workload": args.workload, "max_tokens": args.max_tokens}
     report |= {"rounds": args.rounds, "min_requests": args.min_requests, "repeats": args.repeats}
+    report |= {} if shared else {"own_scopes": True}
     report |= {"serve_args": args.serve_args} if args.serve_args else {}
     report |= {"chunk": args.chunk, "system_prompt_chars": len(SYSTEM_PROMPT)} if shared else {}
     report["setups"] = measure(setups, conversations, levels, args)
