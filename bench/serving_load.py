@@ -8,7 +8,7 @@ package) at several concurrency levels. Two workloads:
 of its own (the prompts come round again), three setups,
 
     (a) batched + adaptive speculation  (--max-batch 16)
-    (b) batched, no speculation         (--max-batch 16 --drafter none)
+    (b) batched, no speculation         (--max-batch 16 --drafter none --prompt-lookup 0)
     (c) unbatched speculation           (--max-batch 1)
 
 ``--workload shared-prompt``: every request opens with the same system prompt of several
@@ -64,7 +64,7 @@ from openai import AsyncOpenAI
 
 SETUPS = {
     "a: batched + adaptive speculation": ["--max-batch", "16"],
-    "b: batched, no speculation": ["--max-batch", "16", "--drafter", "none"],
+    "b: batched, no speculation": ["--max-batch", "16", "--drafter", "none", "--prompt-lookup", "0"],
     "c: unbatched speculation": ["--max-batch", "1"],
 }
 NO_PREFIX = ["--no-enable-prefix-caching"]
