@@ -305,9 +305,11 @@ def measure(
     conversations: list[list[dict[str, str]]],
     levels: list[int],
     args: argparse.Namespace,
+    own_scopes: bool,
 ) -> dict[str, list[dict]]:
     """Start every setup's server, run each level ``repeats`` times with the setups taking turns
-    in a rotating order, stop the servers; each setup's summary per level."""
+    in a rotating order, stop the servers; each setup's summary per level (``own_scopes``: as
+    ``run_level``)."""
     names = list(setups)
     servers: dict[str, tuple[subprocess.Popen, int]] = {}
     runs: dict[str, list[list]] = {name: [[] for _ in levels] for name in names}
@@ -319,7 +321,6 @@ def measure(
                 for name in turn:
                     url = f"http://127.0.0.1:{servers[name][1]}/v1"
                     requests = max(c * args.rounds, args.min_requests)
-                    own_scopes = args.workload == "mixed"
                     run = asyncio.run(run_level(url, conversations, c, requests, args.max_tokens, own_scopes))
                     runs[name][li].append(run)
                     tps = sum(r["tokens"] for r in run[0]) / run[1]
@@ -493,10 +494,11 @@ def main() -> int:
     setups = {name: flags for name, flags in every.items() if name[0] in chosen}
     report = {**provenance(), "workload": args.workload, "max_tokens": args.max_tokens}
     report |= {"rounds": args.rounds, "min_requests": args.min_requests, "repeats": args.repeats}
-    report |= {} if shared else {"own_scopes": True}
+    own_scopes = not shared  # the mixed workload: its prompts come round again
+    report |= {"own_scopes": True} if own_scopes else {}
     report |= {"serve_args": args.serve_args} if args.serve_args else {}
     report |= {"chunk": args.chunk, "system_prompt_chars": len(SYSTEM_PROMPT)} if shared else {}
-    report["setups"] = measure(setups, conversations, levels, args)
+    report["setups"] = measure(setups, conversations, levels, args, own_scopes)
     (args.out / "bench").mkdir(parents=True, exist_ok=True)
     if shared:
         (args.out / "bench" / bench_docs.SHARED_FILE).write_text(json.dumps(report, indent=2) + "\n")

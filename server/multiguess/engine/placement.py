@@ -83,22 +83,6 @@ def region_attention_mask(prefix_lens: torch.Tensor, visible: torch.Tensor, leng
     return ((rel < 0)[:, None, :] | (visible.gather(2, cols) & in_region[:, None, :]))[:, None]
 
 
-def attended_length(
-    prefix_lens: list[int], write_from: torch.Tensor, visible: torch.Tensor, tight: bool
-) -> int:
-    """The cache positions a forward attends over: past every entry it writes and every region
-    column ``visible`` ``[B, T, W]`` may show. ``tight`` (rows attended alone, each over its own
-    mask): as far as some row of each sequence sees its region, so a short tree beside a long
-    prompt chunk does not reach the chunk's width past its own prefix; else the whole region
-    after the longest prefix."""
-    written = int(write_from.max()) + visible.shape[1]
-    if not tight:
-        return max(written, max(prefix_lens) + visible.shape[2])
-    seen = visible.any(dim=1)
-    used = seen.shape[1] - seen.flip(-1).to(torch.uint8).argmax(-1)  # past the last column seen
-    return max(written, int((torch.tensor(prefix_lens) + used).max()))
-
-
 def sees_only_its_own(
     prefix_lens: list[int], write_from: torch.Tensor, visible: torch.Tensor, length: int
 ) -> bool:

@@ -20,13 +20,7 @@ from multiguess.engine.kv_cache import KVCache, StaticKVCache
 from multiguess.engine.linear import rms_norm
 from multiguess.engine.loaded_model import LoadedModel
 from multiguess.engine.paged_kv import PagedKVCache
-from multiguess.engine.placement import (
-    Placement,
-    Rope,
-    attended_length,
-    region_attention_mask,
-    sees_only_its_own,
-)
+from multiguess.engine.placement import Placement, Rope, region_attention_mask, sees_only_its_own
 from multiguess.engine.tree import TokenTree, pack_trees
 
 
@@ -135,9 +129,14 @@ class NativeRunner:
         ``Captured``: the logits and the hidden states entering those layers at every node,
         copied as the layers run; without it nothing is copied.
         """
-        batch = tokens.shape[0]
+        batch, width = tokens.shape
         device = self.device
-        length = attended_length(prefix_lens, write_from, visible, self.backend.ragged_rows)
+        # Past every entry written: all a row may see (nothing after it is written yet), and all
+        # a backend attending each row alone over its mask reads. Rows padded together attend over
+        # the whole region after the longest prefix too.
+        length = int(write_from.max()) + width
+        if not self.backend.ragged_rows:
+            length = max(length, max(prefix_lens) + visible.shape[2])
         if length > self.capacity:
             raise ValueError(f"sequence would exceed the cache capacity of {self.capacity} tokens")
         if self.static is not None and not capture:
