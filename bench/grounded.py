@@ -236,6 +236,7 @@ def main() -> int:
         "rows": rows,
     }
     path = args.out / "bench" / bench_docs.GROUNDED_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(rows, indent=1))
     bench_docs.write(args.out)

@@ -89,6 +89,7 @@ def main() -> None:
     ]
     report: dict[str, object] = {**provenance(), "models": []}
     out = args.docs / "bench" / bench_docs.QUANT_ACCURACY_FILE
+    out.parent.mkdir(parents=True, exist_ok=True)
     for name, path, gguf in models:  # the file and the page after each model
         report["models"].append(evaluate(name, path, gguf))  # type: ignore[union-attr]
         out.write_text(json.dumps(report, indent=2) + "\n")
