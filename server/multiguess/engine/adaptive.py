@@ -216,8 +216,11 @@ class ForwardCost:
 
     def step(self, batch: int, nodes: int) -> float:
         """Seconds of a forward verifying ``nodes`` per sequence (root included) of ``batch``."""
-        attention = batch * (self.per_sequence + self.per_row * nodes) * self.context
-        return self(batch * nodes) + attention
+        return self(batch * nodes) + batch * self.attended(nodes, self.context)
+
+    def attended(self, rows: int, context: int) -> float:
+        """Seconds attention adds for a sequence of ``rows`` rows after ``context`` cached tokens."""
+        return (self.per_sequence + self.per_row * rows) * context
 
     def growth(self, batch: int, nodes: int) -> float:
         """Cost of verifying ``nodes`` per sequence (root included) relative to a plain step."""

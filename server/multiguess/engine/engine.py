@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
@@ -172,6 +173,7 @@ class Engine:
         riding along: ``_rides_along``) are written in the same forward, unscored."""
         capture = self._feature_layers()
         chained = [s for s, _ in chunks]
+        started = time.perf_counter()
         verified = self.target.forward_trees(
             [s.slot for s in (*batch, *chained)],
             [s.cache_len for s in (*batch, *chained)],
@@ -179,6 +181,8 @@ class Engine:
             capture=capture,
             unscored=len(chunks),
         )
+        if not chunks:  # the curve prices verification alone
+            self.planner.timed(batch, proposals, time.perf_counter() - started)
         logits, features = (verified.logits, verified.features) if capture else (verified, None)
         if chunks:
             self._prefilled(chunks, None, None if features is None else features[len(batch) :])

@@ -30,6 +30,7 @@ from multiguess.engine.adaptive import (
 from multiguess.engine.config import EngineConfig
 from multiguess.engine.drafter import DraftRequest, Proposal, SampleSpec, TreeBudget
 from multiguess.engine.drafters.base import Drafter
+from multiguess.engine.forward_times import ForwardTimes
 from multiguess.engine.ngram import graft
 from multiguess.engine.prediction import prediction_draft, prediction_prospect
 from multiguess.engine.runner import NativeRunner
@@ -98,6 +99,11 @@ class Planner:
             if budget > policy.token_budget:  # measured on this device: more nodes ride for free
                 self.config = replace(self.config, policy=replace(policy, token_budget=budget))
         self.step_cost = self.forward_cost  # read at the batch's context each step (``propose``)
+        # Refitted to the forwards as they run where their time is known when they return.
+        self.forward_times = None
+        if self.config.adaptive and target.device.type == "cpu":
+            self.forward_times = ForwardTimes(self.forward_cost)
+        self.rows_alone = target.backend.ragged_rows
         # The draft's fixed and per-level cost in plain steps of this step's batch
         # (``CostMeter.ratios``), read once a step where the drafter drafts its own trees.
         self.draft_ratios = (0.0, 0.0)
@@ -150,6 +156,19 @@ class Planner:
         for greedy, levels in observed.items():
             self.coverage[greedy] = self.config.policy.update(self.coverage[greedy], levels)
         return outcomes
+
+    def timed(self, batch: list[Sequence], proposals: list[Proposal], seconds: float) -> None:
+        """The verification forward of ``batch``'s ``proposals`` took ``seconds``: now and then
+        the curve the policy reads is refitted to the recent ones (``ForwardTimes``)."""
+        if self.forward_times is None:
+            return
+        sizes = [len(p.tree) for p in proposals]
+        if not self.rows_alone:  # every tree padded to the widest
+            sizes = [max(sizes)] * len(sizes)
+        cached = [(n, seq.cache_len) for n, seq in zip(sizes, batch, strict=True)]
+        refitted = self.forward_times.record(cached, seconds)
+        if refitted is not None:
+            self.forward_cost = refitted
 
     def _budgets(self, batch: list[Sequence], drafter: Drafter) -> list[TreeBudget]:
         """The tree each sequence of ``batch`` drafts this step (depth 0: none)."""
