@@ -11,9 +11,10 @@ and each level ``r`` more (``CostMeter``'s fit of the measured draft time over t
 plain step at this batch size; steps in which a sequence's draft first caught up on tokens it
 had not seen are left out: that catch-up is paid once when drafting resumes). *Verification
 cost*: verifying n nodes per sequence costs ``g`` plain steps, read from the target's forward
-time by tokens in the forward (``ForwardCost``, measured when the engine starts): nearly 1
-while the forward is memory-bound, growing once it is compute-bound, which on a CPU happens at
-a few tokens (on AMX tiles, at many more). A step costs ``g + f + d·r``; the plan tries every
+time by tokens in the forward (``ForwardCost``, measured when the engine starts, on CPUs then
+refitted to the forwards as they run: ``forward_times``): nearly 1 while the forward is
+memory-bound, growing once it is compute-bound, which on a CPU happens at a few tokens (on AMX
+tiles, at many more). A step costs ``g + f + d·r``; the plan tries every
 width and depth within the budget and keeps the shape with the most tokens per cost, and
 nothing is drafted when none beats plain decoding by ``min_speedup``. *Load*: ``token_budget``
 nodes are shared by the batch at most: few sequences get bushy trees, many get chains, very

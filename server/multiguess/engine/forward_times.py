@@ -1,12 +1,12 @@
 """The target's verification forwards as they run: the cost curve the policy reads, kept true.
 
 ``measure_forward_cost`` times the target once, before any request runs. A forward's time then
-drifts with the machine: on a shared 2-core VM a slow stretch made forwards of 8 tokens 1.45×
-one of 4, where the start measured 1.25×, and batches of short rows per sequence cost more than
-one chain of as many. Priced by the start's curve, copy drafts that looked worth a wider
-forward made the batch slower than plain decoding. So every verification forward's time is
-kept against the curve, and the curve is refitted to the recent ones now and then (rarely
-enough that plans, which are cached on the curve, are rarely remade).
+drifts with the machine (a slow stretch of a shared machine slows wide forwards more than
+narrow ones), and batches of short rows per sequence cost more than one chain of as many.
+Priced by the start's curve alone, copy drafts that looked worth a wider forward made batches
+slower than plain decoding (docs/ENGINE.md). So every verification forward's time is kept
+against the curve, and the curve is refitted to the recent ones now and then: rarely enough
+that plans, which are cached on the curve, are rarely remade.
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ class Planner:
                 self.config = replace(self.config, policy=replace(policy, token_budget=budget))
         self.step_cost = self.forward_cost  # read at the batch's context each step (``propose``)
         # Refitted to the forwards as they run where their time is known when they return.
-        self.forward_times = None
+        self.forward_times: ForwardTimes | None = None
         if self.config.adaptive and target.device.type == "cpu":
             self.forward_times = ForwardTimes(self.forward_cost)
         self.rows_alone = target.backend.ragged_rows

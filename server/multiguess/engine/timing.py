@@ -133,9 +133,8 @@ def time_forward(
 
 def time_settled(runner: NativeRunner, context: int, count: int, batch: int = 1) -> float:
     """``time_forward`` of a forward run right after an untimed one of the same shape, as decode
-    steps follow one another: a forward timed right after a wider one pays for what that one
-    left in the caches (on a 2-core EPYC a one-token forward after 32 tokens took ~20% longer),
-    which priced small forwards too dear and every wider one's growth over them too cheap."""
+    steps follow one another: one timed right after a wider forward runs slower, which priced
+    small forwards too dear and every wider one's growth over them too cheap (docs/ENGINE.md)."""
     time_forward(runner, context, count, batch)
     return time_forward(runner, context, count, batch)
 
