@@ -255,3 +255,30 @@ def test_llama_cpp_command_names_the_options_a_run_changed() -> None:
     assert bench_docs.llama_cpp_command(report) == ".venv/bin/python bench/llama_cpp.py --repeats 5"
     report["llama_args"] = "--no-repack"
     assert bench_docs.llama_cpp_command(report).endswith("--repeats 5 --llama-args='--no-repack'")
+
+
+def test_load_headline_states_the_lowest_level_beside_the_ends() -> None:
+    """The headline reads the medians within rounds at the fewest and most clients, and where
+    batched speculation is lowest when that is another level."""
+
+    def level(clients: int, runs: list[float]) -> dict:
+        return {"concurrency": clients, "tokens_per_second": 0.0, "tokens_per_second_runs": runs}
+
+    report = {
+        "setups": {
+            "a: batched + adaptive speculation": [
+                level(1, [10, 12, 11]),
+                level(4, [9, 9, 9]),
+                level(16, [30]),
+            ],
+            "b: batched, no speculation": [level(1, [10, 10, 10]), level(4, [10, 10, 10]), level(16, [20])],
+        }
+    }
+    assert bench_docs.load_headline(report) == (
+        "batched speculation / batched plain (medians within rounds): 1.10 at 1, 1.50 at 16 "
+        "clients, lowest 0.90 at 4 clients"
+    )
+    report["setups"]["a: batched + adaptive speculation"][1] = level(4, [12, 12, 12])
+    assert bench_docs.load_headline(report) == (
+        "batched speculation / batched plain (medians within rounds): 1.10 at 1, 1.50 at 16 clients"
+    )
