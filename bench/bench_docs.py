@@ -187,12 +187,11 @@ def load_headline(report: Report) -> str:
     ratios = load_ratio(report, "b", paired=True)
     if not ratios:
         return "batched speculation / batched plain: no levels recorded"
-    levels = [min(ratios), max(ratios)]
-    lowest = min(ratios, key=lambda c: ratios[c])
-    said = ", ".join(f"{ratios[c]:.2f} at {c}" for c in levels)
-    if lowest not in levels:
-        said += f" clients, lowest {ratios[lowest]:.2f} at {lowest}"
-    return f"batched speculation / batched plain (medians within rounds): {said} clients"
+    fewest, most, lowest = min(ratios), max(ratios), min(ratios, key=ratios.__getitem__)
+    said = f"{ratios[fewest]:.2f} at {fewest}, {ratios[most]:.2f} at {most} clients"
+    if lowest not in (fewest, most):
+        said += f", lowest {ratios[lowest]:.2f} at {lowest} clients"
+    return f"batched speculation / batched plain (medians within rounds): {said}"
 
 
 def load_ratio(report: Report, other: str, paired: bool = False) -> dict[int, float]:

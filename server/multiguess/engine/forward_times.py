@@ -14,7 +14,6 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
-import math
 import statistics
 from dataclasses import dataclass, field, replace
 
@@ -57,11 +56,13 @@ class ForwardTimes:
         return self._refitted() if self.count % self.every == 0 else None
 
     def _nearest(self, tokens: int) -> int:
+        """The index of the curve point nearest ``tokens`` on a log scale: of the two around it,
+        the upper one where ``tokens`` is past their geometric mean."""
         points = self.measured.tokens
         i = bisect.bisect_left(points, tokens)
-        if i == 0 or (i < len(points) and math.log(points[i] / tokens) < math.log(tokens / points[i - 1])):
-            return min(i, len(points) - 1)
-        return i - 1
+        if i == len(points):
+            return i - 1
+        return i if i == 0 or tokens * tokens > points[i - 1] * points[i] else i - 1
 
     def _refitted(self) -> ForwardCost | None:
         known = {i: statistics.median(r) for i, r in enumerate(self.ratios) if len(r) >= self.least}
