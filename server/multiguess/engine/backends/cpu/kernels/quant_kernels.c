@@ -286,6 +286,14 @@ static inline __m512 header16(const uint8_t *block, const Layout *L, int t) {
   return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + t * TILE * 2)));
 }
 
+/* acc + the products of w's bytes by the 4 bytes at x, broadcast: vpdpbusd reads x itself
+ * ({1to16}), where from the intrinsics GCC broadcasts it first, one more vector instruction for
+ * every product (the products of a tile pass ran 5-10% slower so). */
+static inline __attribute__((always_inline)) __m512i dot_broadcast(__m512i acc, __m512i w, const int8_t *x) {
+  __asm__("vpdpbusd %1%{1to16%}, %2, %0" : "+v"(acc) : "m"(*(const int32_t *)x), "v"(w));
+  return acc;
+}
+
 /* Each row keeps two integer sums a block (inputs 0..15 and 16..31: two chains of vpdpbusd)
  * and one fp32 sum over the blocks, so 8 rows fit the 32 registers beside the tile's weights,
  * which are loaded and split into nibbles once for all of them. */
@@ -312,11 +320,8 @@ static inline __attribute__((always_inline)) void tile_pass(const uint8_t *tile,
         wh = _mm512_loadu_si512(w + 64 * (p + 4));
       }
       for (int r = 0; r < R; r++) {
-        int32_t xl, xh;
-        memcpy(&xl, s.q + 4 * (ROWS * p + r), 4);
-        memcpy(&xh, s.q + 4 * (ROWS * (p + 4) + r), 4);
-        lo[r] = _mm512_dpbusd_epi32(lo[r], wl, _mm512_set1_epi32(xl));
-        hi[r] = _mm512_dpbusd_epi32(hi[r], wh, _mm512_set1_epi32(xh));
+        lo[r] = dot_broadcast(lo[r], wl, s.q + 4 * (ROWS * p + r));
+        hi[r] = dot_broadcast(hi[r], wh, s.q + 4 * (ROWS * (p + 4) + r));
       }
     }
     if (L->groups == 1) {
