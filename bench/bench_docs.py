@@ -536,6 +536,13 @@ def grounded_section(report: Report | None) -> list[str]:
     return [*lines, ""]
 
 
+# The load run's second plain server, where it has one (bench/grounded_load.py: SETUPS).
+CONTROL = (
+    ", and a second server with plain decoding's flags (`control`: its `× plain` is what two "
+    "identical servers differ by in the same run, the spread the other ratios are read against)"
+)
+
+
 def grounded_load_section(report: Report | None) -> list[str]:
     """``bench/serving_load.py --workload grounded``: each workload's ratio to plain decoding,
     mean accepted length and identity by client count."""
@@ -556,8 +563,9 @@ def grounded_load_section(report: Report | None) -> list[str]:
         "`--quantization none`). Plain decoding (`--drafter none --prompt-lookup 0`) and the "
         "default configuration (`--drafter auto`: copies alone on the Q4_1 file, the draft model "
         "in bf16) take turns on each, and on the default weights the draft model beside the copy "
-        "sources (`model`: `--drafter model`, what it adds to them or costs); `× plain` is the "
-        "median over "
+        "sources (`model`: `--drafter model`, what it adds to them or costs)"
+        + (CONTROL if "control" in report.get("setups", {}) else "")
+        + "; `× plain` is the median over "
         f"{report['repeats']} repeats of the ratio of their tokens/s to plain decoding's of the "
         "same weights in the same repeat. " + SCOPES,
         "",

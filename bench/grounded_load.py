@@ -2,9 +2,10 @@
 
 ``serving_load.py --workload grounded`` runs it: servers with the embedded pair, plain
 decoding (``--drafter none``, no prompt lookup, so a prediction drafts nothing), the default
-configuration (on the default weights the copy sources alone, ``--drafter auto``) and, on the
-default weights, the draft model beside them (``--drafter model``: what it adds, or costs),
-take turns workload by workload (the order rotating every repeat), each client sending the
+configuration (on the default weights the copy sources alone, ``--drafter auto``), on the
+default weights the draft model beside them (``--drafter model``: what it adds, or costs) and a
+second server with plain decoding's flags (``control``: what two identical servers differ by in
+the same run, the spread every other ratio is read against) take turns workload by workload (the order rotating every repeat), each client sending the
 workload's prompts (the code edit with the original file as its ``prediction``) as greedy chat
 completions. Every request decodes in a cache scope of its own (``cache_salt``; the agent
 loop's requests share one per run, as ``grounded.cache_salts`` says), so no request copies
@@ -29,13 +30,16 @@ from openai import AsyncOpenAI
 # Plain decoding drafts nothing, a request's prediction included (prompt lookup off). Plain and
 # default decoding run on the target's weights as served by default (on CPUs its Q4_1 file) and
 # in bf16, the draft model on the default weights; each setup is compared with plain decoding
-# of the same weights.
+# of the same weights. The control is plain decoding again, in a server of its own: a process's
+# speed differs from another's by more than noise between runs of one process (where its
+# memory lies), and the control's ratio shows by how much.
 PLAIN = ["--drafter", "none", "--prompt-lookup", "0"]
 BF16 = ["--quantization", "none"]
 SETUPS = {
     "plain": PLAIN,
     "default": [],
     "model": ["--drafter", "model"],
+    "control": PLAIN,
     "plain bf16": [*PLAIN, *BF16],
     "default bf16": BF16,
 }

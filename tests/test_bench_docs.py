@@ -228,11 +228,36 @@ def test_grounded_load_section_shows_each_workload_and_client_count_against_plai
     }
     lines = bench_docs.grounded_load_section(report)
     assert "| code edit + prediction | 4 | Q4_1 | default | 50.0 | 2.05 | 4.20 | yes |" in lines
+    assert "`control`" not in "\n".join(lines)  # a run without a second plain server says nothing of one
     assert "| code edit + prediction | 4 | Q4_1 | suffix | 50.0 | 1.95 | 3.90 | yes |" in lines
     assert "| code edit + prediction | 4 | bfloat16 | default | 50.0 | 2.50 | 4.40 | yes |" in lines
     assert not any("| plain |" in line for line in lines)  # plain is the reference, not a row
     assert any("abc1234" in line for line in lines)
     assert any("No result recorded yet" in line for line in bench_docs.grounded_load_section(None))
+
+
+def test_grounded_load_section_shows_the_control_server_against_plain() -> None:
+    """The second plain server is a row of its own (its ratio is the run's spread between two
+    identical servers), and the text says what it is."""
+    rows = [
+        {"clients": 8, "setup": s, "tokens_per_second": t, "vs_plain": v, "mean_accepted_length": 1.0}
+        | {"identical_to_plain": True, "requests": 16}
+        for s, t, v in (("plain", 100.0, 1.0), ("control", 96.0, 0.96))
+    ]
+    report = {
+        "commit": "abc1234",
+        "date": "2026-01-01 00:00 UTC",
+        "machine": "a CPU",
+        "repeats": 3,
+        "max_tokens": 160,
+        "levels": [8],
+        "setups": {"plain": [], "control": []},
+        "workloads": {"open chat": {"rows": rows}},
+        "target_weights": {"plain": "Q4_1", "control": "Q4_1"},
+    }
+    lines = bench_docs.grounded_load_section(report)
+    assert "| open chat | 8 | Q4_1 | control | 96.0 | 0.96 | 1.00 | yes |" in lines
+    assert "a second server with plain decoding's flags (`control`" in "\n".join(lines)
 
 
 def test_llama_cpp_headline_reads_the_ratios_to_llama_cpp_plain() -> None:

@@ -40,6 +40,7 @@ def test_each_setup_is_labelled_with_the_weights_its_server_loads() -> None:
         "plain": False,
         "default": False,
         "model": False,
+        "control": False,
         "plain bf16": True,
         "default bf16": True,
     }
@@ -47,6 +48,7 @@ def test_each_setup_is_labelled_with_the_weights_its_server_loads() -> None:
         "plain": "plain",
         "default": "plain",
         "model": "plain",
+        "control": "plain",
         "plain bf16": "plain bf16",
         "default bf16": "plain bf16",
     }
