@@ -181,9 +181,16 @@ def setups_by_letter(report: Report) -> dict[str, list[Report]]:
     return {name[0]: levels for name, levels in report["setups"].items()}
 
 
+# The load ratios shown, as (numerator, denominator) setup letters: batched speculation against
+# batched and unbatched plain decoding, and the second batched plain server (the control,
+# where a run has one) against the first.
+LOAD_RATIOS = (("a", "b"), ("a", "c"), ("d", "b"))
+
+
 def load_headline(report: Report) -> str:
     """Batched speculation over batched plain decoding (medians within rounds) at the fewest and
-    the most clients, and at the level where it is lowest when that is neither."""
+    the most clients, and at the level where it is lowest when that is neither; where the run
+    has the control, the range of a second plain server over the first."""
     ratios = load_ratio(report, "b", paired=True)
     if not ratios:
         return "batched speculation / batched plain: no levels recorded"
@@ -191,15 +198,23 @@ def load_headline(report: Report) -> str:
     said = f"{ratios[fewest]:.2f} at {fewest}, {ratios[most]:.2f} at {most} clients"
     if lowest not in (fewest, most):
         said += f", lowest {ratios[lowest]:.2f} at {lowest} clients"
+    control = load_ratio(report, "b", paired=True, numerator="d")
+    if control:
+        said += (
+            f" (a second batched plain server against the first: "
+            f"{min(control.values()):.2f}–{max(control.values()):.2f})"
+        )
     return f"batched speculation / batched plain (medians within rounds): {said}"
 
 
-def load_ratio(report: Report, other: str, paired: bool = False) -> dict[int, float]:
+def load_ratio(report: Report, other: str, paired: bool = False, numerator: str = "a") -> dict[int, float]:
+    """Setup ``numerator``'s throughput over setup ``other``'s by clients: the ratio of their
+    medians, or (``paired``) the median of their ratios within each round."""
     setups = setups_by_letter(report)
-    if "a" not in setups or other not in setups:
+    if numerator not in setups or other not in setups:
         return {}
     out = {}
-    for a, o in zip(setups["a"], setups[other], strict=True):
+    for a, o in zip(setups[numerator], setups[other], strict=True):
         if paired:
             ratios = sorted(
                 x / y for x, y in zip(a["tokens_per_second_runs"], o["tokens_per_second_runs"], strict=True)
@@ -248,11 +263,13 @@ def load_section(report: Report | None) -> list[str]:
     lines += table([*header, "TTFT p95 s"], rows)
     lines.append("")
     ratio_rows = []
-    for other in ("b", "c"):
+    for numerator, other in LOAD_RATIOS:
         for paired, label in ((False, "of medians"), (True, "median within rounds")):
-            values = load_ratio(report, other, paired)
+            values = load_ratio(report, other, paired, numerator)
             if values:
-                ratio_rows.append([f"(a) / ({other}), {label}", *(f"{v:.3f}" for v in values.values())])
+                ratio_rows.append(
+                    [f"({numerator}) / ({other}), {label}", *(f"{v:.3f}" for v in values.values())]
+                )
     if ratio_rows:
         levels = list(load_ratio(report, "b") or load_ratio(report, "c"))
         lines += ["Throughput ratios by clients:", ""]

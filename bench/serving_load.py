@@ -10,6 +10,9 @@ of its own (the prompts come round again), three setups,
     (a) batched + adaptive speculation  (--max-batch 16)
     (b) batched, no speculation         (--max-batch 16 --drafter none --prompt-lookup 0)
     (c) unbatched speculation           (--max-batch 1)
+    (d) (b) again, in a server of its own: the control, whose ratio to (b) is what two
+        identical servers differ by in the same run (a process's speed differs from another's
+        by more than one process's runs do, and servers serve every repeat)
 
 ``--workload shared-prompt``: every request opens with the same system prompt of several
 hundred tokens and its own user message, and four setups, batched and speculating, measure
@@ -66,6 +69,14 @@ SETUPS = {
     "a: batched + adaptive speculation": ["--max-batch", "16"],
     "b: batched, no speculation": ["--max-batch", "16", "--drafter", "none", "--prompt-lookup", "0"],
     "c: unbatched speculation": ["--max-batch", "1"],
+    "d: batched, no speculation, a second server": [
+        "--max-batch",
+        "16",
+        "--drafter",
+        "none",
+        "--prompt-lookup",
+        "0",
+    ],
 }
 NO_PREFIX = ["--no-enable-prefix-caching"]
 WHOLE = ["--max-prefill-tokens", "0"]
@@ -247,14 +258,17 @@ def summarise(concurrency: int, runs: list[tuple[list[dict], float]]) -> dict:
 
 
 def ratios(report: dict) -> list[str]:
-    """(a) against (b) and (c) at each level: the ratio of the median throughputs, and the median
-    of the ratios within each round (the setups of a round run back to back, so slow drifts of
-    a shared machine cancel in them)."""
+    """(a) against (b) and (c), and the control (d) against (b), at each level
+    (``bench_docs.LOAD_RATIOS``): the ratio of the median throughputs, and the median of the
+    ratios within each round (the setups of a round run back to back, so slow drifts of a shared
+    machine cancel in them)."""
+    import bench_docs
+
     setups = {name[0]: levels for name, levels in report["setups"].items()}
     lines = []
-    for other in ("b", "c"):
-        if "a" in setups and other in setups:
-            pairs = list(zip(setups["a"], setups[other], strict=True))
+    for numerator, other in bench_docs.LOAD_RATIOS:
+        if numerator in setups and other in setups:
+            pairs = list(zip(setups[numerator], setups[other], strict=True))
             medians = ", ".join(
                 f"c={a['concurrency']}: {a['tokens_per_second'] / o['tokens_per_second']:.3f}"
                 for a, o in pairs
@@ -264,8 +278,8 @@ def ratios(report: dict) -> list[str]:
                 f"{statistics.median(x / y for x, y in zip(a['tokens_per_second_runs'], o['tokens_per_second_runs'], strict=True)):.3f}"
                 for a, o in pairs
             )
-            lines.append(f"- (a) / ({other}) tokens/s: {medians}")
-            lines.append(f"- (a) / ({other}) within rounds (median): {paired}")
+            lines.append(f"- ({numerator}) / ({other}) tokens/s: {medians}")
+            lines.append(f"- ({numerator}) / ({other}) within rounds (median): {paired}")
     return lines
 
 

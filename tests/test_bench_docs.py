@@ -307,3 +307,13 @@ def test_load_headline_states_the_lowest_level_beside_the_ends() -> None:
     assert bench_docs.load_headline(report) == (
         "batched speculation / batched plain (medians within rounds): 1.10 at 1, 1.50 at 16 clients"
     )
+    report["setups"]["d: batched, no speculation, a second server"] = [
+        level(1, [9, 10, 10]),
+        level(4, [11, 11, 12]),
+        level(16, [21]),
+    ]
+    assert bench_docs.load_headline(report) == (
+        "batched speculation / batched plain (medians within rounds): 1.10 at 1, 1.50 at 16 clients "
+        "(a second batched plain server against the first: 1.00–1.10)"
+    )
+    assert bench_docs.load_ratio(report, "b", paired=True, numerator="d") == {1: 1.0, 4: 1.1, 16: 1.05}
