@@ -30,9 +30,9 @@ from openai import AsyncOpenAI
 # Plain decoding drafts nothing, a request's prediction included (prompt lookup off). Plain and
 # default decoding run on the target's weights as served by default (on CPUs its Q4_1 file) and
 # in bf16, the draft model on the default weights; each setup is compared with plain decoding
-# of the same weights. The control is plain decoding again, in a server of its own: a process's
-# speed differs from another's by more than noise between runs of one process (where its
-# memory lies), and the control's ratio shows by how much.
+# of the same weights. The control is plain decoding again, in a server of its own: its ratio to
+# plain decoding is what two identical servers differ by in the same run, the noise every other
+# ratio is read against.
 PLAIN = ["--drafter", "none", "--prompt-lookup", "0"]
 BF16 = ["--quantization", "none"]
 SETUPS = {

@@ -11,8 +11,7 @@ of its own (the prompts come round again), three setups,
     (b) batched, no speculation         (--max-batch 16 --drafter none --prompt-lookup 0)
     (c) unbatched speculation           (--max-batch 1)
     (d) (b) again, in a server of its own: the control, whose ratio to (b) is what two
-        identical servers differ by in the same run (a process's speed differs from another's
-        by more than one process's runs do, and servers serve every repeat)
+        identical servers differ by in the same run, the noise (a)'s ratios are read against
 
 ``--workload shared-prompt``: every request opens with the same system prompt of several
 hundred tokens and its own user message, and four setups, batched and speculating, measure
