@@ -64,18 +64,12 @@ from pathlib import Path
 from local_server import free_port, start_ready
 from openai import AsyncOpenAI
 
+BATCHED_PLAIN = ["--max-batch", "16", "--drafter", "none", "--prompt-lookup", "0"]
 SETUPS = {
     "a: batched + adaptive speculation": ["--max-batch", "16"],
-    "b: batched, no speculation": ["--max-batch", "16", "--drafter", "none", "--prompt-lookup", "0"],
+    "b: batched, no speculation": BATCHED_PLAIN,
     "c: unbatched speculation": ["--max-batch", "1"],
-    "d: batched, no speculation, a second server": [
-        "--max-batch",
-        "16",
-        "--drafter",
-        "none",
-        "--prompt-lookup",
-        "0",
-    ],
+    "d: batched, no speculation, a second server": BATCHED_PLAIN,
 }
 NO_PREFIX = ["--no-enable-prefix-caching"]
 WHOLE = ["--max-prefill-tokens", "0"]

@@ -288,7 +288,7 @@ static inline __m512 header16(const uint8_t *block, const Layout *L, int t) {
 
 /* acc + the products of w's bytes by the 4 bytes at x, broadcast: vpdpbusd reads x itself
  * ({1to16}), where from the intrinsics GCC broadcasts it first, one more vector instruction for
- * every product (the products of a tile pass ran 5-10% slower so). */
+ * every product (docs/ENGINE.md: Kernels and exactness, quantized weights). */
 static inline __attribute__((always_inline)) __m512i dot_broadcast(__m512i acc, __m512i w, const int8_t *x) {
   __asm__("vpdpbusd %1%{1to16%}, %2, %0" : "+v"(acc) : "m"(*(const int32_t *)x), "v"(w));
   return acc;
