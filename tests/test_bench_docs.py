@@ -198,6 +198,20 @@ def test_grounded_headline_states_the_predicted_own_reply_apart_from_the_range()
     )
 
 
+def grounded_load_report(rows: dict[str, list[dict]], levels: list[int], weights: dict[str, str]) -> dict:
+    """A grounded load report of ``rows`` by workload, at ``levels``, setups on ``weights``."""
+    return {
+        "commit": "abc1234",
+        "date": "2026-01-01 00:00 UTC",
+        "machine": "a CPU",
+        "repeats": 3,
+        "max_tokens": 160,
+        "levels": levels,
+        "workloads": {workload: {"rows": r} for workload, r in rows.items()},
+        "target_weights": weights,
+    }
+
+
 def test_grounded_load_section_shows_each_workload_and_client_count_against_plain() -> None:
     rows = [
         {"clients": c, "setup": s, "tokens_per_second": 50.0, "vs_plain": v, "mean_accepted_length": m}
@@ -210,22 +224,9 @@ def test_grounded_load_section_shows_each_workload_and_client_count_against_plai
             (4, "default bf16", 2.5, 4.4),
         )
     ]
-    report = {
-        "commit": "abc1234",
-        "date": "2026-01-01 00:00 UTC",
-        "machine": "a CPU",
-        "repeats": 3,
-        "max_tokens": 160,
-        "levels": [1, 4, 8],
-        "workloads": {"code edit + prediction": {"rows": rows}},
-        "target_weights": {
-            "plain": "Q4_1",
-            "default": "Q4_1",
-            "suffix": "Q4_1",
-            "plain bf16": "bfloat16",
-            "default bf16": "bfloat16",
-        },
-    }
+    weights = {"plain": "Q4_1", "default": "Q4_1", "suffix": "Q4_1"}
+    weights |= {"plain bf16": "bfloat16", "default bf16": "bfloat16"}
+    report = grounded_load_report({"code edit + prediction": rows}, [1, 4, 8], weights)
     lines = bench_docs.grounded_load_section(report)
     assert "| code edit + prediction | 4 | Q4_1 | default | 50.0 | 2.05 | 4.20 | yes |" in lines
     assert "`control`" not in "\n".join(lines)  # a run without a second plain server says nothing of one
@@ -244,17 +245,8 @@ def test_grounded_load_section_shows_the_control_server_against_plain() -> None:
         | {"identical_to_plain": True, "requests": 16}
         for s, t, v in (("plain", 100.0, 1.0), ("control", 96.0, 0.96))
     ]
-    report = {
-        "commit": "abc1234",
-        "date": "2026-01-01 00:00 UTC",
-        "machine": "a CPU",
-        "repeats": 3,
-        "max_tokens": 160,
-        "levels": [8],
-        "setups": {"plain": [], "control": []},
-        "workloads": {"open chat": {"rows": rows}},
-        "target_weights": {"plain": "Q4_1", "control": "Q4_1"},
-    }
+    report = grounded_load_report({"open chat": rows}, [8], {"plain": "Q4_1", "control": "Q4_1"})
+    report["setups"] = {"plain": [], "control": []}
     lines = bench_docs.grounded_load_section(report)
     assert "| open chat | 8 | Q4_1 | control | 96.0 | 0.96 | 1.00 | yes |" in lines
     assert "a second server with plain decoding's flags (`control`" in "\n".join(lines)
