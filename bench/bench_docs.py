@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -216,11 +217,9 @@ def load_ratio(report: Report, other: str, paired: bool = False, numerator: str 
     out = {}
     for a, o in zip(setups[numerator], setups[other], strict=True):
         if paired:
-            ratios = sorted(
+            value = statistics.median(
                 x / y for x, y in zip(a["tokens_per_second_runs"], o["tokens_per_second_runs"], strict=True)
             )
-            mid = len(ratios) // 2
-            value = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
         else:
             value = a["tokens_per_second"] / o["tokens_per_second"]
         out[a["concurrency"]] = round(value, 3)

@@ -254,25 +254,16 @@ def ratios(report: dict) -> list[str]:
     """(a) against (b) and (c), and the control (d) against (b), at each level
     (``bench_docs.LOAD_RATIOS``): the ratio of the median throughputs, and the median of the
     ratios within each round (the setups of a round run back to back, so slow drifts of a shared
-    machine cancel in them)."""
+    machine cancel in them), as the page shows them (``bench_docs.load_ratio``)."""
     import bench_docs
 
-    setups = {name[0]: levels for name, levels in report["setups"].items()}
     lines = []
     for numerator, other in bench_docs.LOAD_RATIOS:
-        if numerator in setups and other in setups:
-            pairs = list(zip(setups[numerator], setups[other], strict=True))
-            medians = ", ".join(
-                f"c={a['concurrency']}: {a['tokens_per_second'] / o['tokens_per_second']:.3f}"
-                for a, o in pairs
-            )
-            paired = ", ".join(
-                f"c={a['concurrency']}: "
-                f"{statistics.median(x / y for x, y in zip(a['tokens_per_second_runs'], o['tokens_per_second_runs'], strict=True)):.3f}"
-                for a, o in pairs
-            )
-            lines.append(f"- ({numerator}) / ({other}) tokens/s: {medians}")
-            lines.append(f"- ({numerator}) / ({other}) within rounds (median): {paired}")
+        for paired, label in ((False, "tokens/s"), (True, "within rounds (median)")):
+            values = bench_docs.load_ratio(report, other, paired, numerator)
+            if values:
+                levels = ", ".join(f"c={c}: {v:.3f}" for c, v in values.items())
+                lines.append(f"- ({numerator}) / ({other}) {label}: {levels}")
     return lines
 
 

@@ -167,6 +167,13 @@ def _reach(levels: tuple[tuple[float, ...], ...], width: int, depth: int) -> tup
 CONTEXT_STEP = 64  # cached tokens a step's cost is read at a time (ForwardCost.at)
 
 
+def without_attention(seconds: float, attention: float) -> float:
+    """A forward's ``seconds`` less the ``attention`` priced for it (what its matmuls took),
+    never below half: a slope fitted to noise (a tiny model's forwards) must not make the
+    matmuls, or a plain step, free."""
+    return max(seconds - attention, seconds / 2)
+
+
 @dataclass(frozen=True)
 class ForwardCost:
     """Target forward time by the number of tokens in it (piecewise linear between measured

@@ -17,7 +17,7 @@ import itertools
 import statistics
 from dataclasses import dataclass, field, replace
 
-from multiguess.engine.adaptive import ForwardCost
+from multiguess.engine.adaptive import ForwardCost, without_attention
 
 REFIT_EVERY = 128  # verification forwards between refits of the curve
 WINDOW = 64  # the latest forwards kept per curve point
@@ -50,8 +50,7 @@ class ForwardTimes:
         ``least`` forwards)."""
         curve, tokens = self.measured, sum(rows for rows, _ in sequences)
         attention = sum(curve.attended(rows, context) for rows, context in sequences)
-        bare = max(seconds - attention, seconds / 2)  # as measure_forward_cost: never below half
-        self.ratios[self._nearest(tokens)].append(bare / curve(tokens))
+        self.ratios[self._nearest(tokens)].append(without_attention(seconds, attention) / curve(tokens))
         self.count += 1
         return self._refitted() if self.count % self.every == 0 else None
 

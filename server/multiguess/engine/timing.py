@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from multiguess.engine.adaptive import ForwardCost
+from multiguess.engine.adaptive import ForwardCost, without_attention
 from multiguess.engine.config import PREFILL_PAUSE_STEPS
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.tree import TokenTree
@@ -71,9 +71,7 @@ def measure_forward_cost(
     if long > short:
         added = [(batches[n, long] - batches[n, short]) / (batch * (long - short)) for n in rows]
         per_sequence, per_row = attention_slopes(rows, added)
-    # Never below half the chain's time: a slope fitted to noise (a tiny model's forwards) must
-    # not make the matmuls, or a plain step, free.
-    bare = (max(s - (per_sequence + per_row * c) * short, s / 2) for c, s in chains.items())
+    bare = (without_attention(s, (per_sequence + per_row * c) * short) for c, s in chains.items())
     seconds = list(itertools.accumulate(bare, max))
     log.info(
         "target forward ms by tokens: %s; attention per cached token: %.2f us a sequence + %.2f us a row",
