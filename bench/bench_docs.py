@@ -30,6 +30,7 @@ GPU_FILE = "gpu_check.json"
 GROUNDED_FILE = "grounded.json"
 LLAMA_CPP_FILE = "llama-cpp.json"
 GROUNDED_LOAD_FILE = "load-grounded.json"
+SPECULATION_BOUND_FILE = "speculation-bound.json"
 # The grounded benchmark's code edits predicting plain decoding's own reply (bench/grounded.py).
 GROUNDED_CEILING = "code edit + its reply as prediction"
 QUANT_ACCURACY_FILE = "quant-accuracy.json"
@@ -615,6 +616,80 @@ def grounded_load_section(report: Report | None) -> list[str]:
     return [*lines, ""]
 
 
+def speculation_bound_section(report: Report | None) -> list[str]:
+    """``bench/speculation_bound.py``: each grounded workload's bound on × plain by client
+    count, and the forward times it is computed from."""
+    command = ".venv/bin/python bench/speculation_bound.py"
+    lines = opening(
+        "## What perfect drafts could reach (`bench/speculation_bound.py`)",
+        report,
+        command,
+        "the grounded workloads' bounds",
+    )
+    if report is None:
+        return lines
+    clients = report["clients"]
+    lines += [
+        "The most any drafter could make of the grounded workloads on this machine: plain "
+        "decoding's time over speculation's if every drafted token were accepted and drafting "
+        "cost nothing, each reply decoded in forwards of the widest tree that pays (at most "
+        "`widest` rows a sequence), from the target's forward times measured here after the "
+        "replies' typical context (`context`), each prompt's prefill and the engine's time per "
+        "step outside the forward (plain decoding's step less its forward, at each client count). Replies are plain decoding's, greedy, at "
+        f"most {report['max_tokens']} tokens; the client counts are the load benchmark's. A code "
+        "edit's bound holds with its prediction too. Measured ratios "
+        "([grounded](#grounded-workloads-benchgroundedpy), [under load]"
+        "(#grounded-workloads-under-load-benchserving_loadpy---workload-grounded)) can only fall "
+        "below it.",
+        "",
+    ]
+    by_key: dict[tuple[str, str], Report] = {}
+    for r in report["rows"]:
+        entry = by_key.setdefault((r["workload"], r["weights"]), {**r, "bounds": {}})
+        entry["bounds"][r["clients"]] = r["bound"]
+    rows = [
+        [
+            w,
+            q,
+            fmt(e["prompt_tokens"], 0),
+            fmt(e["reply_tokens"], 0),
+            *(fmt(e["bounds"].get(c)) for c in clients),
+        ]
+        for (w, q), e in by_key.items()
+    ]
+    header = [
+        "workload",
+        "weights",
+        "prompt tokens",
+        "reply tokens",
+        *(f"bound at {c} client{'s' * (c > 1)}" for c in clients),
+    ]
+    lines += [*table(header, rows), ""]
+    measured = [
+        [
+            m["weights"],
+            m["context"],
+            m["widest"],
+            *(
+                f"{fmt(m['forward_ms'][str(c)][0])} / {fmt(m['forward_ms'][str(c)][-1])} / "
+                f"{fmt(m['outside_forward_ms'][str(c)])}"
+                for c in clients
+            ),
+        ]
+        for m in report["measured"]
+    ]
+    header = [
+        "weights",
+        "context",
+        "widest",
+        *(
+            f"ms at {c} client{'s' * (c > 1)}: forward of 1 / widest rows a sequence / outside it"
+            for c in clients
+        ),
+    ]
+    return [*lines, *table(header, measured), ""]
+
+
 def weights_of_setup(report: Report, setup: str) -> str:
     """A load setup's target weights (older reports name none: bf16)."""
     weights = report.get("target_weights")
@@ -927,6 +1002,7 @@ SECTIONS: list[Callable[[Path], list[str]]] = [
     lambda b: gpu_section(load(b, GPU_FILE)),
     lambda b: grounded_section(load(b, GROUNDED_FILE)),
     lambda b: grounded_load_section(load(b, GROUNDED_LOAD_FILE)),
+    lambda b: speculation_bound_section(load(b, SPECULATION_BOUND_FILE)),
     lambda b: llama_cpp_section(load(b, LLAMA_CPP_FILE)),
     lambda b: quant_accuracy_section(load(b, QUANT_ACCURACY_FILE)),
 ]

@@ -44,7 +44,7 @@ def test_an_engine_run_is_reproduced_with_the_weights_it_had() -> None:
 def test_empty_results_render_as_not_yet_measured(tmp_path: Path) -> None:
     (tmp_path / "bench").mkdir()
     page = bench_docs.render(tmp_path)
-    assert page.count("No result recorded yet") == 11
+    assert page.count("No result recorded yet") == 12
     assert "Not yet run on a GPU" in page
     assert "No results recorded yet." in bench_docs.headline(tmp_path / "bench")
 
@@ -250,6 +250,37 @@ def test_grounded_load_section_shows_the_control_server_against_plain() -> None:
     lines = bench_docs.grounded_load_section(report)
     assert "| open chat | 8 | Q4_1 | control | 96.0 | 0.96 | 1.00 | yes |" in lines
     assert "a second server with plain decoding's flags (`control`" in "\n".join(lines)
+
+
+def test_speculation_bound_section_shows_each_workload_by_client_count() -> None:
+    rows = [
+        {
+            "workload": w,
+            "weights": "Q4_1",
+            "clients": c,
+            "prompt_tokens": 150.0,
+            "reply_tokens": 120.5,
+            "bound": b,
+        }
+        for w, c, b in (
+            ("code edit", 1, 3.5),
+            ("code edit", 4, 1.58),
+            ("open chat", 1, 4.4),
+            ("open chat", 4, 1.9),
+        )
+    ]
+    measured = {"weights": "Q4_1", "context": 160, "widest": 33}
+    measured |= {
+        "forward_ms": {"1": [5.3, 28.0], "4": [6.0, 110.0]},
+        "outside_forward_ms": {"1": 0.8, "4": 1.6},
+    }
+    report = {"commit": "abc1234", "date": "d", "machine": "m", "max_tokens": 160, "clients": [1, 4]}
+    lines = bench_docs.speculation_bound_section(report | {"measured": [measured], "rows": rows})
+    assert "| code edit | Q4_1 | 150 | 120 | 3.50 | 1.58 |" in lines
+    assert "| open chat | Q4_1 | 150 | 120 | 4.40 | 1.90 |" in lines
+    assert "| Q4_1 | 160 | 33 | 5.30 / 28.00 / 0.80 | 6.00 / 110.00 / 1.60 |" in lines
+    assert any("abc1234" in line for line in lines)
+    assert any("No result recorded yet" in line for line in bench_docs.speculation_bound_section(None))
 
 
 def test_llama_cpp_headline_reads_the_ratios_to_llama_cpp_plain() -> None:

@@ -11,6 +11,8 @@ sys.path.insert(0, str(ROOT / "server"))
 
 import grounded  # noqa: E402
 import grounded_load  # noqa: E402
+import pytest  # noqa: E402
+import speculation_bound  # noqa: E402
 
 
 def test_every_request_but_the_agent_loops_decodes_in_a_scope_of_its_own() -> None:
@@ -52,3 +54,27 @@ def test_each_setup_is_labelled_with_the_weights_its_server_loads() -> None:
         "plain bf16": "plain bf16",
         "default bf16": "plain bf16",
     }
+
+
+def test_bound_where_wide_forwards_cost_what_one_row_does_is_the_steps_saved() -> None:
+    """A forward of any width costing one row's (a memory-bound GPU's): the bound is plain
+    decoding's steps over ``ceil(reply / widest)`` steps, prefill and work around each step
+    counted in both."""
+    forward = lambda batch, rows: 0.010  # noqa: E731
+    got = speculation_bound.bound([0.1], [100], 1, forward, widest=8, outside=0.002)
+    assert got == pytest.approx((0.1 + 100 * 0.012) / (0.1 + 13 * 0.012))
+
+
+def test_bound_is_one_where_every_row_costs_the_same_and_nothing_else_does() -> None:
+    """Rows priced alike and no fixed cost: no width beats plain decoding, so perfect drafts
+    bring nothing; prefill for ``clients`` requests is paid by both."""
+    forward = lambda batch, rows: 0.001 * batch * rows  # noqa: E731
+    assert speculation_bound.bound([0.05, 0.2], [30, 7], 4, forward, widest=16, outside=0.0) == pytest.approx(
+        1.0
+    )
+
+
+def test_perfect_time_takes_the_cheapest_width_not_the_widest() -> None:
+    """Past a width whose forward costs a jump (a kernel's tile), narrower trees are cheaper."""
+    forward = lambda batch, rows: 0.010 if rows <= 4 else 1.0  # noqa: E731
+    assert speculation_bound.perfect_time(0.0, 8, 1, forward, widest=16, outside=0.0) == pytest.approx(0.020)

@@ -1,0 +1,208 @@
+"""What perfect drafts could reach on this machine: the grounded workloads' bound on × plain.
+
+For each grounded workload (``bench/grounded.py``'s prompts and plain decoding's greedy replies
+to them) and each client count of the load benchmark (1, 4 and 8), the ratio of plain
+decoding's time to speculation's if every drafted token were accepted and drafting cost
+nothing: each sequence's reply in forwards of the widest tree that pays (up to
+``1 + prompt_lookup`` rows per sequence), its prompt prefilled as plain decoding prefills it.
+The times are the target's own, measured here: forwards of every batch and width after the
+replies' typical context, each prompt's prefill, and the engine's time per step outside the
+forward, from plain decoding's steps at each client count. No drafter reaches the bound; it
+says which of ``grounded.py``'s and ``serving_load.py --workload grounded``'s ratios this
+machine leaves room for. Run from the repo root on an otherwise idle machine:
+``.venv/bin/python bench/speculation_bound.py``; the JSON goes to
+docs/bench/speculation-bound.json and docs/BENCHMARKS.md is rendered again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
+
+import bench_docs
+from grounded import MAX_TOKENS, WORKLOADS, chat
+from multiguess import LLM, SamplingParams
+from multiguess.benchmark import weights_of
+from multiguess.engine.runner import NativeRunner
+from multiguess.engine.timing import cache_context, time_forward, time_settled
+from multiguess.provenance import provenance
+
+CLIENTS = (1, 4, 8)  # the load benchmark's levels (serving_load.py --workload grounded)
+# Workloads whose prompts another one's repeat: a prediction changes the drafts, not the bound.
+SAME_PROMPTS = {"code edit + prediction": "code edit"}
+
+# Seconds of a target forward of ``batch`` sequences of ``rows`` rows each.
+Forward = Callable[[int, int], float]
+
+
+def perfect_time(
+    prompt_seconds: float, reply: int, clients: int, forward: Forward, widest: int, outside: float
+) -> float:
+    """Seconds ``clients`` concurrent requests take to prefill (``prompt_seconds`` each) and
+    decode ``reply`` tokens each when every drafted token is accepted and drafting is free:
+    the cheapest of ``ceil(reply / rows)`` steps of ``rows`` rows a sequence, ``rows`` at most
+    ``widest``, each a forward and ``outside`` seconds of the engine's work around it."""
+    decode = min(
+        math.ceil(reply / rows) * (forward(clients, rows) + outside) for rows in range(1, widest + 1)
+    )
+    return clients * prompt_seconds + decode
+
+
+def plain_time(prompt_seconds: float, reply: int, clients: int, forward: Forward, outside: float) -> float:
+    """Seconds plain decoding takes for the same: a step of one row a sequence per token."""
+    return clients * prompt_seconds + reply * (forward(clients, 1) + outside)
+
+
+def bound(
+    prompt_seconds: list[float],
+    replies: list[int],
+    clients: int,
+    forward: Forward,
+    widest: int,
+    outside: float,
+) -> float:
+    """A workload's bound on × plain at ``clients``: plain decoding's time over speculation's
+    with perfect, free drafts, each summed over the workload's prompts."""
+    pairs = list(zip(prompt_seconds, replies, strict=True))
+    plain = sum(plain_time(p, n, clients, forward, outside) for p, n in pairs)
+    return plain / sum(perfect_time(p, n, clients, forward, widest, outside) for p, n in pairs)
+
+
+def measure_forwards(runner: NativeRunner, context: int, widest: int, rounds: int) -> dict[int, list[float]]:
+    """The fastest of ``rounds`` forwards of each batch of ``CLIENTS`` and each width up to
+    ``widest`` rows a sequence, after ``context`` cached tokens: by batch, index rows - 1."""
+    context = cache_context(runner, context, max(CLIENTS) * widest)
+    best = {b: [math.inf] * widest for b in CLIENTS}
+    for _ in range(rounds):
+        for b in CLIENTS:
+            for rows in range(1, widest + 1):
+                best[b][rows - 1] = min(best[b][rows - 1], time_settled(runner, context, rows, b))
+    return best
+
+
+def prefill_seconds(runner: NativeRunner, length: int, rounds: int) -> float:
+    """The fastest of ``rounds`` prefills of a ``length``-token prompt in one forward."""
+    return min(time_forward(runner, 0, length, last_only=True) for _ in range(rounds))
+
+
+def step_seconds(llm: LLM, prompt: list[int], clients: int) -> float:
+    """The median time of a plain decoding step of ``clients`` sequences of ``prompt``, timed
+    while all of them decode (none prefilling, none finished): the target's forward and the
+    engine's work around it."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    for i in range(clients):
+        engine.add_request(f"step-{clients}-{i}", prompt, replace(params, cache_salt=f"step-{clients}-{i}"))
+    times = []
+    while engine.has_unfinished():
+        decoding = [s for s in engine.running if not s.prefilling and not s.finished]
+        steady = not engine.waiting and len(decoding) == clients and all(s.output_ids for s in decoding)
+        start = time.perf_counter()
+        finished = any(out.finished for out in engine.step())
+        if steady and not finished:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def weights_rows(quantization: str, rounds: int, widest: int | None) -> tuple[dict, list[dict]]:
+    """One weights' measurements and each workload's bound at every client count."""
+    llm = LLM(max_batch=max(CLIENTS), drafter="none", prompt_lookup=0, quantization=quantization)
+    widest = widest or 1 + llm.engine.config.prompt_lookup
+    runner = llm.engine.target
+    llm.generate(chat(llm, "Say hello."), SamplingParams(max_tokens=8, temperature=0))
+    prompts = {w: [chat(llm, p) for p in ps] for w, ps in WORKLOADS.items() if w not in SAME_PROMPTS}
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    replies = {
+        w: [len(r.outputs[0].token_ids) for r in llm.generate(ps, params)] for w, ps in prompts.items()
+    }
+    contexts = [len(p) + n // 2 for w in prompts for p, n in zip(prompts[w], replies[w], strict=True)]
+    context = round(statistics.median(contexts))
+    forwards = measure_forwards(runner, context, widest, rounds)
+    prefills = {
+        n: prefill_seconds(runner, n, rounds) for n in {len(p) for ps in prompts.values() for p in ps}
+    }
+    steps = {b: step_seconds(llm, prompts["open chat"][0], b) for b in CLIENTS}
+    for slot in range(max(CLIENTS)):
+        runner.cache.truncate(slot, 0)
+
+    def forward(batch: int, rows: int) -> float:
+        return forwards[batch][rows - 1]
+
+    # The engine's time a step outside the forward, at each client count.
+    outside = {b: max(0.0, steps[b] - forward(b, 1)) for b in CLIENTS}
+
+    weights = weights_of(runner.model)
+    rows = []
+    for workload, ps in prompts.items():
+        seconds = [prefills[len(p)] for p in ps]
+        for clients in CLIENTS:
+            rows.append(
+                {
+                    "workload": workload,
+                    "weights": weights,
+                    "clients": clients,
+                    "prompt_tokens": round(statistics.mean(len(p) for p in ps), 1),
+                    "reply_tokens": round(statistics.mean(replies[workload]), 1),
+                    "bound": round(
+                        bound(seconds, replies[workload], clients, forward, widest, outside[clients]), 3
+                    ),
+                }
+            )
+    measured = {
+        "weights": weights,
+        "context": context,
+        "widest": widest,
+        "outside_forward_ms": {str(b): round(outside[b] * 1e3, 3) for b in CLIENTS},
+        "forward_ms": {str(b): [round(s * 1e3, 3) for s in forwards[b]] for b in CLIENTS},
+    }
+    return measured, rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3, help="each forward's fastest of this many")
+    parser.add_argument(
+        "--quantization",
+        default="auto,none",
+        help="the target's weights: auto (LLM()'s default: the Q4_1 file on CPUs), none (bf16)",
+    )
+    parser.add_argument(
+        "--widest", type=int, default=None, help="rows a sequence (default: 1 + prompt lookup)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("docs"), help="docs folder: bench/ JSON and BENCHMARKS.md"
+    )
+    args = parser.parse_args()
+    measured, rows = [], []
+    for quantization in args.quantization.split(","):
+        print(f"measuring {quantization} weights", flush=True)
+        m, r = weights_rows(quantization, args.rounds, args.widest)
+        measured.append(m)
+        rows += r
+        for row in r:
+            print(row["workload"], row["weights"], row["clients"], row["bound"], flush=True)
+    report = {
+        **provenance(),
+        "max_tokens": MAX_TOKENS,
+        "clients": list(CLIENTS),
+        "measured": measured,
+        "rows": rows,
+    }
+    path = args.out / "bench" / bench_docs.SPECULATION_BOUND_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    bench_docs.write(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
