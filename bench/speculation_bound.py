@@ -32,6 +32,7 @@ import bench_docs
 from grounded import MAX_TOKENS, WORKLOADS, chat
 from multiguess import LLM, SamplingParams
 from multiguess.benchmark import weights_of
+from multiguess.engine.config import EngineConfig
 from multiguess.engine.runner import NativeRunner
 from multiguess.engine.timing import cache_context, time_forward, time_settled
 from multiguess.provenance import provenance
@@ -116,7 +117,7 @@ def step_seconds(llm: LLM, prompt: list[int], clients: int) -> float:
 def weights_rows(quantization: str, rounds: int, widest: int | None) -> tuple[dict, list[dict]]:
     """One weights' measurements and each workload's bound at every client count."""
     llm = LLM(max_batch=max(CLIENTS), drafter="none", prompt_lookup=0, quantization=quantization)
-    widest = widest or 1 + llm.engine.config.prompt_lookup
+    widest = widest or 1 + EngineConfig().prompt_lookup  # the default's longest copy draft
     runner = llm.engine.target
     llm.generate(chat(llm, "Say hello."), SamplingParams(max_tokens=8, temperature=0))
     prompts = {w: [chat(llm, p) for p in ps] for w, ps in WORKLOADS.items() if w not in SAME_PROMPTS}
