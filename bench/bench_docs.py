@@ -635,12 +635,13 @@ def speculation_bound_section(report: Report | None) -> list[str]:
         "cost nothing, each reply decoded in forwards of the widest tree that pays (at most "
         "`widest` rows a sequence), from the target's forward times measured here after the "
         "replies' typical context (`context`), each prompt's prefill and the engine's time per "
-        "step outside the forward (plain decoding's step less its forward, at each client count). Replies are plain decoding's, greedy, at "
-        f"most {report['max_tokens']} tokens; the client counts are the load benchmark's. A code "
-        "edit's bound holds with its prediction too. Measured ratios "
-        "([grounded](#grounded-workloads-benchgroundedpy), [under load]"
-        "(#grounded-workloads-under-load-benchserving_loadpy---workload-grounded)) can only fall "
-        "below it.",
+        "step outside the forward (plain decoding's step less its forward, at each client count). "
+        f"Replies are plain decoding's, greedy, at most {report['max_tokens']} tokens; the client "
+        "counts are the load benchmark's. A code edit's bound holds with its prediction too. The "
+        "bound is an estimate from times measured apart: a measured ratio ([grounded]"
+        "(#grounded-workloads-benchgroundedpy), [under load]"
+        "(#grounded-workloads-under-load-benchserving_loadpy---workload-grounded)) above it is "
+        "the machine's noise from run to run, never something a drafter could earn.",
         "",
     ]
     by_key: dict[tuple[str, str], Report] = {}
