@@ -889,6 +889,9 @@ def headline_rows(bench: Path) -> list[list[Any]]:
     report = load(bench, GROUNDED_FILE)
     if report is not None:
         rows.append(["grounded workloads, batch 1", grounded_headline(report), f"`{report.get('commit')}`"])
+    report = load(bench, SPECULATION_BOUND_FILE)
+    if report is not None:
+        rows.append(["what perfect drafts could reach", bound_headline(report), f"`{report.get('commit')}`"])
     report = load(bench, LLAMA_CPP_FILE)
     if report is not None:
         rows.append(["against llama.cpp, batch 1", llama_cpp_headline(report), f"`{report.get('commit')}`"])
@@ -931,6 +934,21 @@ def grounded_headline(report: Report) -> str:
         )
     same = sum(r["identical_to_plain"] for r in rows)
     return f"{'; '.join(parts)} (default drafter); output identical to plain in {same} of {len(rows)} runs"
+
+
+def bound_headline(report: Report) -> str:
+    """On the first weights measured (``LLM()``'s default): the grounded workloads' bounds on
+    × plain at each client count, as a range, and the code edit's."""
+    weights = report["rows"][0]["weights"]
+    rows = [r for r in report["rows"] if r["weights"] == weights]
+    parts = []
+    for clients in report["clients"]:
+        bounds = {r["workload"]: r["bound"] for r in rows if r["clients"] == clients}
+        parts.append(
+            f"{fmt(min(bounds.values()))}–{fmt(max(bounds.values()))}× plain at {clients} "
+            f"client{'s' * (clients > 1)} (code edit {fmt(bounds.get('code edit'))}×)"
+        )
+    return f"{weights}, every drafted token accepted, drafting free: {', '.join(parts)}"
 
 
 def llama_cpp_headline(report: Report) -> str:

@@ -283,6 +283,23 @@ def test_speculation_bound_section_shows_each_workload_by_client_count() -> None
     assert any("No result recorded yet" in line for line in bench_docs.speculation_bound_section(None))
 
 
+def test_bound_headline_gives_each_client_counts_range_on_the_default_weights() -> None:
+    rows = [
+        {"workload": w, "weights": q, "clients": c, "bound": b}
+        for w, q, c, b in (
+            ("code edit", "Q4_1", 1, 4.11),
+            ("open chat", "Q4_1", 1, 6.08),
+            ("code edit", "Q4_1", 4, 1.82),
+            ("open chat", "Q4_1", 4, 2.4),
+            ("code edit", "bfloat16", 1, 9.0),
+        )
+    ]
+    assert bench_docs.bound_headline({"clients": [1, 4], "rows": rows}) == (
+        "Q4_1, every drafted token accepted, drafting free: 4.11–6.08× plain at 1 client (code edit "
+        "4.11×), 1.82–2.40× plain at 4 clients (code edit 1.82×)"
+    )
+
+
 def test_llama_cpp_headline_reads_the_ratios_to_llama_cpp_plain() -> None:
     ratio = "vs llama.cpp plain, Q4_1"
     methods = [
