@@ -4,7 +4,7 @@ For each grounded workload (``bench/grounded.py``'s prompts and plain decoding's
 to them) and each client count of the load benchmark (1, 4 and 8), the ratio of plain
 decoding's time to speculation's if every drafted token were accepted and drafting cost
 nothing: each sequence's reply in forwards of the widest tree that pays (up to
-``1 + prompt_lookup`` rows per sequence), its prompt prefilled as plain decoding prefills it.
+``1 + prompt_lookup`` rows per sequence), its prompt prefilled in one forward by both.
 The times are the target's own, measured here: forwards of every batch and width after the
 replies' typical context, each prompt's prefill, and the engine's time per step outside the
 forward, from plain decoding's steps at each client count. No drafter reaches the bound; it
@@ -38,8 +38,8 @@ from multiguess.engine.timing import cache_context, time_forward, time_settled
 from multiguess.provenance import provenance
 
 CLIENTS = (1, 4, 8)  # the load benchmark's levels (serving_load.py --workload grounded)
-# Workloads whose prompts another one's repeat: a prediction changes the drafts, not the bound.
-SAME_PROMPTS = {"code edit + prediction": "code edit"}
+# The code edits again with a prediction: it changes the drafts, not the bound.
+SAME_PROMPTS = frozenset({"code edit + prediction"})
 
 # Seconds of a target forward of ``batch`` sequences of ``rows`` rows each.
 Forward = Callable[[int, int], float]
@@ -132,8 +132,6 @@ def weights_rows(quantization: str, rounds: int, widest: int | None) -> tuple[di
         n: prefill_seconds(runner, n, rounds) for n in {len(p) for ps in prompts.values() for p in ps}
     }
     steps = {b: step_seconds(llm, prompts["open chat"][0], b) for b in CLIENTS}
-    for slot in range(max(CLIENTS)):
-        runner.cache.truncate(slot, 0)
 
     def forward(batch: int, rows: int) -> float:
         return forwards[batch][rows - 1]
