@@ -635,9 +635,15 @@ def speculation_bound_section(report: Report | None) -> list[str]:
         "cost nothing, each reply decoded in forwards of the widest tree that pays (at most "
         "`widest` rows a sequence), from the target's forward times measured here after the "
         "replies' typical context (`context`), each prompt's prefill and the engine's time per "
-        "step outside the forward (plain decoding's step less its forward, at each client count). "
+        "step outside the forward (plain decoding's steps less their forwards, at each client "
+        "count). "
         f"Replies are plain decoding's, greedy, at most {report['max_tokens']} tokens; the client "
-        "counts are the load benchmark's. A code edit's bound holds with its prediction too. The "
+        "counts are the load benchmark's. `copies alone`: the same where only tokens a copy "
+        "drafter could copy are drafted (from the prompt, the reply so far and, for the agent "
+        "loop, the earlier replies: at each step the continuation of the reply's longest suffix "
+        "found there, of equally long ones the one the reply follows longest), every other token "
+        "decoded plainly. A code edit's bounds hold with its prediction too (the file is in its "
+        "prompt). The "
         "bound is an estimate from times measured apart: a measured ratio ([grounded]"
         "(#grounded-workloads-benchgroundedpy), [under load]"
         "(#grounded-workloads-under-load-benchserving_loadpy---workload-grounded)) above it is "
@@ -646,15 +652,16 @@ def speculation_bound_section(report: Report | None) -> list[str]:
     ]
     by_key: dict[tuple[str, str], Report] = {}
     for r in report["rows"]:
-        entry = by_key.setdefault((r["workload"], r["weights"]), {**r, "bounds": {}})
-        entry["bounds"][r["clients"]] = r["bound"]
+        entry = by_key.setdefault((r["workload"], r["weights"]), {**r, "bound": {}, "copies_bound": {}})
+        for key in ("bound", "copies_bound"):
+            entry[key][r["clients"]] = r.get(key)
     rows = [
         [
             w,
             q,
             fmt(e["prompt_tokens"], 0),
             fmt(e["reply_tokens"], 0),
-            *(fmt(e["bounds"].get(c)) for c in clients),
+            *(fmt(e[key].get(c)) for key in ("bound", "copies_bound") for c in clients),
         ]
         for (w, q), e in by_key.items()
     ]
@@ -663,7 +670,7 @@ def speculation_bound_section(report: Report | None) -> list[str]:
         "weights",
         "prompt tokens",
         "reply tokens",
-        *(f"bound at {c} client{'s' * (c > 1)}" for c in clients),
+        *(f"{label} at {c} client{'s' * (c > 1)}" for label in ("bound", "copies alone") for c in clients),
     ]
     lines += [*table(header, rows), ""]
     measured = [
@@ -938,15 +945,17 @@ def grounded_headline(report: Report) -> str:
 
 def bound_headline(report: Report) -> str:
     """On the first weights measured (``LLM()``'s default): the grounded workloads' bounds on
-    × plain at each client count, as a range, and the code edit's."""
+    × plain at each client count, as a range, and the code edit's, with copies alone too."""
     weights = report["rows"][0]["weights"]
     rows = [r for r in report["rows"] if r["weights"] == weights]
     parts = []
     for clients in report["clients"]:
         bounds = {r["workload"]: r["bound"] for r in rows if r["clients"] == clients}
+        edit = next((r for r in rows if r["clients"] == clients and r["workload"] == "code edit"), {})
+        copies = f", {fmt(edit['copies_bound'])}× drafting copies alone" if "copies_bound" in edit else ""
         parts.append(
             f"{fmt(min(bounds.values()))}–{fmt(max(bounds.values()))}× plain at {clients} "
-            f"client{'s' * (clients > 1)} (code edit {fmt(bounds.get('code edit'))}×)"
+            f"client{'s' * (clients > 1)} (code edit {fmt(bounds.get('code edit'))}×{copies})"
         )
     return f"{weights}, every drafted token accepted, drafting free: {', '.join(parts)}"
 

@@ -261,12 +261,13 @@ def test_speculation_bound_section_shows_each_workload_by_client_count() -> None
             "prompt_tokens": 150.0,
             "reply_tokens": 120.5,
             "bound": b,
+            "copies_bound": copies,
         }
-        for w, c, b in (
-            ("code edit", 1, 3.5),
-            ("code edit", 4, 1.58),
-            ("open chat", 1, 4.4),
-            ("open chat", 4, 1.9),
+        for w, c, b, copies in (
+            ("code edit", 1, 3.5, 2.2),
+            ("code edit", 4, 1.58, 1.3),
+            ("open chat", 1, 4.4, 1.1),
+            ("open chat", 4, 1.9, 1.0),
         )
     ]
     measured = {"weights": "Q4_1", "context": 160, "widest": 33}
@@ -276,8 +277,8 @@ def test_speculation_bound_section_shows_each_workload_by_client_count() -> None
     }
     report = {"commit": "abc1234", "date": "d", "machine": "m", "max_tokens": 160, "clients": [1, 4]}
     lines = bench_docs.speculation_bound_section(report | {"measured": [measured], "rows": rows})
-    assert "| code edit | Q4_1 | 150 | 120 | 3.50 | 1.58 |" in lines
-    assert "| open chat | Q4_1 | 150 | 120 | 4.40 | 1.90 |" in lines
+    assert "| code edit | Q4_1 | 150 | 120 | 3.50 | 1.58 | 2.20 | 1.30 |" in lines
+    assert "| open chat | Q4_1 | 150 | 120 | 4.40 | 1.90 | 1.10 | 1.00 |" in lines
     assert "| Q4_1 | 160 | 33 | 5.30 / 28.00 / 0.80 | 6.00 / 110.00 / 1.60 |" in lines
     assert any("abc1234" in line for line in lines)
     assert any("No result recorded yet" in line for line in bench_docs.speculation_bound_section(None))
@@ -285,7 +286,7 @@ def test_speculation_bound_section_shows_each_workload_by_client_count() -> None
 
 def test_bound_headline_gives_each_client_counts_range_on_the_default_weights() -> None:
     rows = [
-        {"workload": w, "weights": q, "clients": c, "bound": b}
+        {"workload": w, "weights": q, "clients": c, "bound": b, "copies_bound": b / 2}
         for w, q, c, b in (
             ("code edit", "Q4_1", 1, 4.11),
             ("open chat", "Q4_1", 1, 6.08),
@@ -296,7 +297,8 @@ def test_bound_headline_gives_each_client_counts_range_on_the_default_weights() 
     ]
     assert bench_docs.bound_headline({"clients": [1, 4], "rows": rows}) == (
         "Q4_1, every drafted token accepted, drafting free: 4.11–6.08× plain at 1 client (code edit "
-        "4.11×), 1.82–2.40× plain at 4 clients (code edit 1.82×)"
+        "4.11×, 2.06× drafting copies alone), 1.82–2.40× plain at 4 clients (code edit 1.82×, 0.91× "
+        "drafting copies alone)"
     )
 
 

@@ -61,7 +61,9 @@ def test_bound_where_wide_forwards_cost_what_one_row_does_is_the_steps_saved() -
     decoding's steps over ``ceil(reply / widest)`` steps, prefill and work around each step
     counted in both."""
     forward = lambda batch, rows: 0.010  # noqa: E731
-    got = speculation_bound.bound([0.1], [100], 1, forward, widest=8, outside=0.002)
+    perfect = speculation_bound.perfect_steps(100, 1, forward, widest=8, outside=0.002)
+    assert perfect == [8] * 13
+    got = speculation_bound.bound([0.1], [[1] * 100], [perfect], 1, forward, outside=0.002)
     assert got == pytest.approx((0.1 + 100 * 0.012) / (0.1 + 13 * 0.012))
 
 
@@ -69,12 +71,33 @@ def test_bound_is_one_where_every_row_costs_the_same_and_nothing_else_does() -> 
     """Rows priced alike and no fixed cost: no width beats plain decoding, so perfect drafts
     bring nothing; prefill for ``clients`` requests is paid by both."""
     forward = lambda batch, rows: 0.001 * batch * rows  # noqa: E731
-    assert speculation_bound.bound([0.05, 0.2], [30, 7], 4, forward, widest=16, outside=0.0) == pytest.approx(
-        1.0
-    )
+    perfect = [speculation_bound.perfect_steps(n, 4, forward, 16, 0.0) for n in (30, 7)]
+    plain = [[1] * 30, [1] * 7]
+    assert speculation_bound.bound([0.05, 0.2], plain, perfect, 4, forward, 0.0) == pytest.approx(1.0)
 
 
-def test_perfect_time_takes_the_cheapest_width_not_the_widest() -> None:
+def test_perfect_steps_take_the_cheapest_width_not_the_widest() -> None:
     """Past a width whose forward costs a jump (a kernel's tile), narrower trees are cheaper."""
     forward = lambda batch, rows: 0.010 if rows <= 4 else 1.0  # noqa: E731
-    assert speculation_bound.perfect_time(0.0, 8, 1, forward, widest=16, outside=0.0) == pytest.approx(0.020)
+    assert speculation_bound.perfect_steps(8, 1, forward, widest=16, outside=0.0) == [4, 4]
+
+
+def test_a_verbatim_copy_is_drafted_a_widest_tree_at_a_time() -> None:
+    """The first token has nothing before it to match; after it each step drafts the rest of
+    the source up to the widest tree, and the last step only what is left."""
+    source = list(range(10, 30))
+    assert speculation_bound.copy_steps(source, [source], widest=8) == [1, 8, 8, 3]
+    assert speculation_bound.copy_steps([1, 2, 3], [source], widest=8) == [1, 1, 1]  # nothing to copy
+
+
+def test_copies_follow_the_longest_match_not_the_continuation_that_would_agree() -> None:
+    """A copy drafter finds its place by the output's longest suffix; where that place goes on
+    otherwise it drafts nothing right, though a shorter match elsewhere would have."""
+    sources = [[1, 2, 3, 9, 9, 9], [5, 3, 4, 4, 4]]
+    assert speculation_bound.copied_run([1, 2, 3, 4, 4, 4], 3, sources, longest=8) == 0
+    assert speculation_bound.copied_run([7, 3, 4, 4, 4], 2, sources, longest=8) == 3
+
+
+def test_a_reply_copies_its_own_earlier_tokens_once_they_are_out() -> None:
+    """The reply before a step is a source too, as far as it is written."""
+    assert speculation_bound.copy_steps([7, 8, 9, 7, 8, 9, 7, 8, 9], [], widest=8) == [1, 1, 1, 1, 4, 1]
