@@ -636,25 +636,24 @@ def speculation_bound_section(report: Report | None) -> list[str]:
         "`widest` rows a sequence), from the target's forward times measured here after the "
         "replies' typical context (`context`), each prompt's prefill and the engine's time per "
         "step outside the forward (plain decoding's steps less their forwards, at each client "
-        "count). "
-        f"Replies are plain decoding's, greedy, at most {report['max_tokens']} tokens; the client "
-        "counts are the load benchmark's. `copies alone`: the same where only tokens a copy "
-        "drafter could copy are drafted (from the prompt, the reply so far and, for the agent "
-        "loop, the earlier replies: at each step the continuation of the reply's longest suffix "
-        "found there, of equally long ones the one the reply follows longest), every other token "
-        "decoded plainly. A code edit's bounds hold with its prediction too (the file is in its "
-        "prompt). The "
-        "bound is an estimate from times measured apart: a measured ratio ([grounded]"
-        "(#grounded-workloads-benchgroundedpy), [under load]"
-        "(#grounded-workloads-under-load-benchserving_loadpy---workload-grounded)) above it is "
-        "the machine's noise from run to run, never something a drafter could earn.",
+        f"count). Replies are plain decoding's, greedy, at most {report['max_tokens']} tokens; "
+        "the client counts are the load benchmark's. `copies alone`: the same where only the "
+        "tokens a copy drafter could copy are drafted (from the prompt, the reply so far and, for "
+        "the agent loop, the earlier replies: at each step the continuation of the reply's "
+        "longest suffix found there, of equally long ones the one the reply follows longest), "
+        "every other token decoded plainly. A code edit's bounds hold with its prediction too "
+        "(the file is in its prompt). Both are estimates from times measured apart: a measured "
+        "ratio ([grounded](#grounded-workloads-benchgroundedpy), [under load]"
+        "(#grounded-workloads-under-load-benchserving_loadpy---workload-grounded)) above the "
+        "bound is the machine's noise from run to run, and above copies alone too unless a "
+        "draft model drafted beside the copies.",
         "",
     ]
     by_key: dict[tuple[str, str], Report] = {}
     for r in report["rows"]:
         entry = by_key.setdefault((r["workload"], r["weights"]), {**r, "bound": {}, "copies_bound": {}})
         for key in ("bound", "copies_bound"):
-            entry[key][r["clients"]] = r.get(key)
+            entry[key][r["clients"]] = r[key]
     rows = [
         [
             w,
@@ -951,11 +950,11 @@ def bound_headline(report: Report) -> str:
     parts = []
     for clients in report["clients"]:
         bounds = {r["workload"]: r["bound"] for r in rows if r["clients"] == clients}
-        edit = next((r for r in rows if r["clients"] == clients and r["workload"] == "code edit"), {})
-        copies = f", {fmt(edit['copies_bound'])}× drafting copies alone" if "copies_bound" in edit else ""
+        edit = next(r for r in rows if r["clients"] == clients and r["workload"] == "code edit")
         parts.append(
             f"{fmt(min(bounds.values()))}–{fmt(max(bounds.values()))}× plain at {clients} "
-            f"client{'s' * (clients > 1)} (code edit {fmt(bounds.get('code edit'))}×{copies})"
+            f"client{'s' * (clients > 1)} (code edit {fmt(edit['bound'])}×, "
+            f"{fmt(edit['copies_bound'])}× drafting copies alone)"
         )
     return f"{weights}, every drafted token accepted, drafting free: {', '.join(parts)}"
 
