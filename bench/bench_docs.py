@@ -616,6 +616,11 @@ def grounded_load_section(report: Report | None) -> list[str]:
     return [*lines, ""]
 
 
+def client_count(clients: int) -> str:
+    """``1 client``, ``4 clients``."""
+    return f"{clients} client{'s' * (clients > 1)}"
+
+
 def speculation_bound_section(report: Report | None) -> list[str]:
     """``bench/speculation_bound.py``: each grounded workload's bound on × plain by client
     count, and the forward times it is computed from."""
@@ -649,27 +654,25 @@ def speculation_bound_section(report: Report | None) -> list[str]:
         "draft model drafted beside the copies.",
         "",
     ]
-    by_key: dict[tuple[str, str], Report] = {}
+    by_workload: dict[tuple[str, str], dict[int, Report]] = {}  # (workload, weights) -> clients -> row
     for r in report["rows"]:
-        entry = by_key.setdefault((r["workload"], r["weights"]), {**r, "bound": {}, "copies_bound": {}})
-        for key in ("bound", "copies_bound"):
-            entry[key][r["clients"]] = r[key]
+        by_workload.setdefault((r["workload"], r["weights"]), {})[r["clients"]] = r
     rows = [
         [
             w,
             q,
-            fmt(e["prompt_tokens"], 0),
-            fmt(e["reply_tokens"], 0),
-            *(fmt(e[key].get(c)) for key in ("bound", "copies_bound") for c in clients),
+            fmt(at[clients[0]]["prompt_tokens"], 0),
+            fmt(at[clients[0]]["reply_tokens"], 0),
+            *(fmt(at[c][key]) for key in ("bound", "copies_bound") for c in clients),
         ]
-        for (w, q), e in by_key.items()
+        for (w, q), at in by_workload.items()
     ]
     header = [
         "workload",
         "weights",
         "prompt tokens",
         "reply tokens",
-        *(f"{label} at {c} client{'s' * (c > 1)}" for label in ("bound", "copies alone") for c in clients),
+        *(f"{label} at {client_count(c)}" for label in ("bound", "copies alone") for c in clients),
     ]
     lines += [*table(header, rows), ""]
     measured = [
@@ -689,10 +692,7 @@ def speculation_bound_section(report: Report | None) -> list[str]:
         "weights",
         "context",
         "widest",
-        *(
-            f"ms at {c} client{'s' * (c > 1)}: forward of 1 / widest rows a sequence / outside it"
-            for c in clients
-        ),
+        *(f"ms at {client_count(c)}: forward of 1 / widest rows a sequence / outside it" for c in clients),
     ]
     return [*lines, *table(header, measured), ""]
 
@@ -952,8 +952,8 @@ def bound_headline(report: Report) -> str:
         bounds = {r["workload"]: r["bound"] for r in rows if r["clients"] == clients}
         edit = next(r for r in rows if r["clients"] == clients and r["workload"] == "code edit")
         parts.append(
-            f"{fmt(min(bounds.values()))}–{fmt(max(bounds.values()))}× plain at {clients} "
-            f"client{'s' * (clients > 1)} (code edit {fmt(edit['bound'])}×, "
+            f"{fmt(min(bounds.values()))}–{fmt(max(bounds.values()))}× plain at "
+            f"{client_count(clients)} (code edit {fmt(edit['bound'])}×, "
             f"{fmt(edit['copies_bound'])}× drafting copies alone)"
         )
     return f"{weights}, every drafted token accepted, drafting free: {', '.join(parts)}"

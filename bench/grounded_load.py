@@ -6,8 +6,8 @@ configuration (on the default weights the copy sources alone, ``--drafter auto``
 default weights the draft model beside them (``--drafter model``: what it adds, or costs) and a
 second server with plain decoding's flags (``control``: what two identical servers differ by in
 the same run, the spread every other ratio is read against) take turns workload by workload
-(the order rotating every repeat), each client sending the workload's prompts (the code edit with the original file as its ``prediction``) as greedy chat
-completions. Every request decodes in a cache scope of its own (``cache_salt``; the agent
+(the order rotating every repeat), each client sending the workload's prompts (the code edit
+with the original file as its ``prediction``) as greedy chat completions. Every request decodes in a cache scope of its own (``cache_salt``; the agent
 loop's requests share one per run, as ``grounded.cache_salts`` says), so no request copies
 another's reply from the recent-output index or reuses its prompt's KV. Reported per workload,
 level and setup: the median tokens/s over repeats, the median ratio to plain decoding within
